@@ -1,0 +1,66 @@
+/* kvtier CRC32C engine: one file per backend behind one dispatch table.
+ *
+ * CRC-32C (Castagnoli), reflected polynomial 0x82F63B78 (RFC 3720 B.4).
+ * Every function here uses the standard presentation: init 0xFFFFFFFF and
+ * final xor 0xFFFFFFFF are applied inside, so `crc` is the previous standard
+ * value (0 to start) and calls chain:
+ *     kvt_crc32c(kvt_crc32c(0, a, na), b, nb) == kvt_crc32c(0, a||b, na+nb)
+ * Check value: "123456789" -> 0xE3069283.
+ *
+ * Plain C11, no Python: callable from the C test programs.
+ */
+#ifndef KVTIER_CRC32C_H
+#define KVTIER_CRC32C_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVT_CRC32C_POLY 0x82F63B78u /* reflected Castagnoli, RFC 3720 B.4 */
+
+/* One backend: standard presentation, chainable, any length (size_t). */
+typedef uint32_t (*kvt_crc32c_fn)(uint32_t crc, const void *buf, size_t len);
+
+typedef struct kvt_crc32c_backend {
+    const char *name;        /* "isal", "sse42", "armv8", "table", "dsa", "dsa-model" */
+    kvt_crc32c_fn fn;
+    int (*available)(void);  /* 1 when usable on this host/build now */
+    const char *features;    /* CPU features / device it uses, for `kvtier info` */
+} kvt_crc32c_backend;
+
+/* Each backend file defines exactly one of these (only those compiled in). */
+uint32_t kvt_crc32c_table(uint32_t crc, const void *buf, size_t len);  /* table.c */
+uint32_t kvt_crc32c_sse42(uint32_t crc, const void *buf, size_t len);  /* sse42.c, x86-64 */
+uint32_t kvt_crc32c_isal(uint32_t crc, const void *buf, size_t len);   /* isal.c, KVTIER_HAVE_ISAL */
+uint32_t kvt_crc32c_armv8(uint32_t crc, const void *buf, size_t len);  /* armv8.c, aarch64 */
+int kvt_crc32c_sse42_available(void);
+int kvt_crc32c_armv8_available(void);
+const char *kvt_isal_version(void);  /* isal.c: version string, or NULL without ISA-L */
+
+/* Bit-at-a-time reference (ref.c): the oracle for tests and fuzzers. */
+uint32_t kvt_crc32c_bitwise(uint32_t crc, const void *buf, size_t len);
+
+/* crc32c(A||B) from crc1 = crc32c(A), crc2 = crc32c(B), len2 = |B| (combine.c).
+ * GF(2) shift by len2 zero bytes, O(log len2). */
+uint32_t kvt_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
+
+/* Dispatch (dispatch.c). The table lists every backend compiled in, best
+ * first; kvt_crc32c_select() is called once at module import. */
+const kvt_crc32c_backend *kvt_crc32c_backends(size_t *count);
+const kvt_crc32c_backend *kvt_crc32c_find(const char *name); /* NULL if not compiled in */
+/* name == NULL or "": best available. Returns 0, or -1 when the name is
+ * unknown (errno EINVAL) or not available on this host (errno ENODEV). */
+int kvt_crc32c_select(const char *name);
+const kvt_crc32c_backend *kvt_crc32c_active(void);
+/* Best available CPU (software) backend: never a DSA one. Used for CPU redo. */
+const kvt_crc32c_backend *kvt_crc32c_best_cpu(void);
+/* CRC through the active backend. */
+uint32_t kvt_crc32c(uint32_t crc, const void *buf, size_t len);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

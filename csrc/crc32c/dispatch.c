@@ -1,0 +1,79 @@
+/* The CRC32C dispatch table: every backend compiled in, best first.
+ * kvt_crc32c_select() runs once at module import (KVTIER_CRC32C_BACKEND or
+ * the best available); kvt_crc32c() then calls through one pointer. */
+#include <errno.h>
+#include <string.h>
+
+#include "crc32c.h"
+
+static int always(void) { return 1; }
+#ifdef KVTIER_HAVE_ISAL
+static int isal_available(void) { return 1; }
+#endif
+
+static const kvt_crc32c_backend BACKENDS[] = {
+#ifdef KVTIER_HAVE_ISAL
+    {"isal", kvt_crc32c_isal, isal_available, "ISA-L crc32_iscsi"},
+#endif
+#if defined(__x86_64__)
+    {"sse42", kvt_crc32c_sse42, kvt_crc32c_sse42_available, "sse4.2 crc32, 3 streams"},
+#endif
+#if defined(__aarch64__)
+    {"armv8", kvt_crc32c_armv8, kvt_crc32c_armv8_available, "armv8 crc32c"},
+#endif
+    {"table", kvt_crc32c_table, always, "slicing-by-8 table"},
+};
+#define N_BACKENDS (sizeof(BACKENDS) / sizeof(BACKENDS[0]))
+
+static const kvt_crc32c_backend *active = &BACKENDS[N_BACKENDS - 1];
+static kvt_crc32c_fn active_fn = kvt_crc32c_table;
+
+const kvt_crc32c_backend *kvt_crc32c_backends(size_t *count)
+{
+    *count = N_BACKENDS;
+    return BACKENDS;
+}
+
+const kvt_crc32c_backend *kvt_crc32c_find(const char *name)
+{
+    for (size_t i = 0; i < N_BACKENDS; i++)
+        if (strcmp(BACKENDS[i].name, name) == 0)
+            return &BACKENDS[i];
+    return NULL;
+}
+
+const kvt_crc32c_backend *kvt_crc32c_best_cpu(void)
+{
+    for (size_t i = 0; i < N_BACKENDS; i++)
+        if (BACKENDS[i].available())
+            return &BACKENDS[i];
+    return &BACKENDS[N_BACKENDS - 1];
+}
+
+int kvt_crc32c_select(const char *name)
+{
+    const kvt_crc32c_backend *b;
+    if (name == NULL || name[0] == '\0') {
+        b = kvt_crc32c_best_cpu();
+    } else {
+        b = kvt_crc32c_find(name);
+        if (b == NULL) {
+            errno = EINVAL;
+            return -1;
+        }
+        if (!b->available()) {
+            errno = ENODEV;
+            return -1;
+        }
+    }
+    active = b;
+    active_fn = b->fn;
+    return 0;
+}
+
+const kvt_crc32c_backend *kvt_crc32c_active(void) { return active; }
+
+uint32_t kvt_crc32c(uint32_t crc, const void *buf, size_t len)
+{
+    return active_fn(crc, buf, len);
+}

@@ -1,0 +1,59 @@
+"""kvtier: a checksummed storage tier for LLM KV-cache blocks.
+
+CRC32C (Castagnoli, RFC 3720) engine with ISA-L, SSE4.2, ARMv8, table and
+Intel DSA backends; batched block I/O with the CRC in xattr
+``user.vllm.kv_crc32c``; tier manager, FileMapper and metrics.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+try:
+    from kvtier import _C
+except ImportError as _exc:  # C core missing: the fallback is explicit, never silent
+    _C = None
+    _C_IMPORT_ERROR: "ImportError | None" = _exc
+else:
+    _C_IMPORT_ERROR = None
+
+if _C is not None:
+    crc32c = _C.crc32c
+    crc32c_combine = _C.crc32c_combine
+    crc32c_backend: str = _C.active_backend()
+else:
+    from kvtier import fallback as _fallback
+
+    crc32c = _fallback.crc32c
+    crc32c_combine = _fallback.crc32c_combine
+    crc32c_backend = "numpy"
+
+
+def crc32c_backends(available_only: bool = True) -> list:
+    """Names of the CRC32C backends, best first.
+
+    With ``available_only`` (default) only those usable on this host; the
+    pure-Python ``"numpy"`` fallback is always listed last.
+    """
+    names = []
+    if _C is not None:
+        names = [n for (n, ok, _f) in _C.backends() if ok or not available_only]
+    return names + ["numpy"]
+
+
+def crc32c_using(backend: str, data, value: int = 0) -> int:
+    """CRC32C of ``data`` (C-contiguous buffer) chained from ``value``, through
+    the named backend (one of :func:`crc32c_backends`).
+
+    Raises ValueError naming the available backends if ``backend`` is unknown
+    or not available here; BufferError for non-contiguous data.
+    """
+    if backend == "numpy":
+        from kvtier import fallback
+
+        return fallback.crc32c(data, value)
+    if _C is None:
+        raise ValueError(f"CRC32C backend {backend!r} needs the C core, which is not built; available: ['numpy']")
+    return _C.crc32c_using(backend, data, value)
+
+
+__all__ = ["crc32c", "crc32c_combine", "crc32c_backend", "crc32c_backends", "crc32c_using", "__version__"]
