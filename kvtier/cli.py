@@ -1,0 +1,94 @@
+"""The ``kvtier`` command line.
+
+    kvtier info            what is built and active: C core, CRC32C backends, ISA-L, CPU, DSA
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+
+import kvtier
+
+
+def _cpu_flags() -> list:
+    """CPU features kvtier can use, from /proc/cpuinfo (Linux)."""
+    wanted = ("sse4_2", "pclmulqdq", "avx512f", "vpclmulqdq", "movdir64b", "enqcmd", "crc32")
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip().lower()
+                if key in ("flags", "features"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [w for w in wanted if w in have]
+    except OSError:
+        pass
+    return []
+
+
+def info_dict() -> dict:
+    """Everything ``kvtier info`` prints, as a dict (for ``--json`` and tests)."""
+    c = kvtier._C
+    d = {
+        "version": kvtier.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "c_core": c is not None,
+        "c_core_error": None if c is not None else str(kvtier._C_IMPORT_ERROR),
+        "crc32c_backend": kvtier.crc32c_backend,
+        "crc32c_backends": [],
+        "isal_version": None,
+        "cpu_features": _cpu_flags(),
+    }
+    if c is not None:
+        d["crc32c_backends"] = [
+            {"name": n, "available": bool(ok), "uses": f} for (n, ok, f) in c.backends()
+        ]
+        d["isal_version"] = c.isal_version()
+    d["crc32c_backends"].append({"name": "numpy", "available": True, "uses": "pure Python + numpy fallback"})
+    return d
+
+
+def _print_info(d: dict) -> None:
+    print(f"kvtier {d['version']} (Python {d['python']}, {d['machine']})")
+    if d["c_core"]:
+        print("C core:         built (kvtier._C)")
+    else:
+        print(f"C core:         NOT built, using the pure-Python fallback ({d['c_core_error']})")
+    print(f"CRC32C active:  {d['crc32c_backend']}")
+    for b in d["crc32c_backends"]:
+        state = "available" if b["available"] else "not available on this host"
+        print(f"  {b['name']:<10} {state:<28} {b['uses']}")
+    isal = d["isal_version"]
+    print(f"ISA-L:          {isal if isal else 'not built in (libisal not found at build time, or KVTIER_NO_ISAL=1)'}")
+    print(f"CPU features:   {' '.join(d['cpu_features']) or 'none of interest'}")
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    d = info_dict()
+    if args.json:
+        print(json.dumps(d, indent=2))
+    else:
+        _print_info(d)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvtier", description="Checksummed storage tier for LLM KV-cache blocks.")
+    p.add_argument("--version", action="version", version=f"kvtier {kvtier.__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    pi = sub.add_parser("info", help="what is built and active: C core, CRC32C backends, ISA-L, CPU, DSA")
+    pi.add_argument("--json", action="store_true", help="print a JSON object")
+    pi.set_defaults(func=cmd_info)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
