@@ -12,6 +12,18 @@
 #define KVT_XATTR_NAME "user.vllm.kv_crc32c"
 #define KVT_XATTR_LEN 4
 
+/* Bytes per read/write call; the CRC of each chunk is computed right after it
+ * is read (or right before it is written) while it is in the CPU cache.
+ * A multiple of every O_DIRECT alignment in use (<= 4096). */
+#ifndef KVT_IO_CHUNK
+#define KVT_IO_CHUNK (256u * 1024u)
+#endif
+
+/* O_DIRECT memory and offset alignment assumed when the kernel does not
+ * report one (statx STATX_DIOALIGN, Linux >= 6.1): the page size, which is a
+ * multiple of every logical block size in use. */
+#define KVT_DIO_FALLBACK_ALIGN 4096u
+
 /* Outcome of a batch. On failure: err = errno value (EBADMSG, EIO, ENOENT...),
  * index = index of the failing block (== number of blocks that succeeded),
  * checksum_failed = 1 only for a CRC mismatch or malformed xattr record
@@ -22,7 +34,14 @@ typedef struct kvt_batch_result {
     int checksum_failed;
 } kvt_batch_result;
 
-/* Returns 0 on success, -1 on failure with *res filled. */
+/* Store: for each i, skip if dest_paths[i] exists; else create tmp_paths[i]
+ * (O_CREAT|O_EXCL, parents created), write lens[i] bytes of bufs[i] (O_DIRECT
+ * when use_o_direct and the buffer/length meet the filesystem's alignment),
+ * with `checksum` set the xattr on the open fd, close, rename onto dest.
+ * Any failure removes the temp. Load: open, size must equal lens[i] (else EIO
+ * and removed), read, with `checksum` verify (design.md table).
+ * Both stop at the first failing block.
+ * Returns 0 on success, -1 on failure with *res filled. */
 int kvt_batch_store(const char *const *tmp_paths, const char *const *dest_paths,
                     const void *const *bufs, const size_t *lens, size_t n,
                     int use_o_direct, int checksum, kvt_batch_result *res);
