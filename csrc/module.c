@@ -251,6 +251,341 @@ static PyObject *kvt_py_isal_version(PyObject *mod, PyObject *unused)
 /* KVT-SECTION: block I/O bindings go here (batch_lookup, batch_store_block,
  * batch_load_block). */
 
+/* Arguments gathered with the GIL held; the batch then runs without it. */
+typedef struct {
+    Py_ssize_t n;
+    PyObject **paths_a;   /* bytes objects (os.fsencode), owned */
+    PyObject **paths_b;   /* second path list (store: dest), owned, or NULL */
+    const char **ca;
+    const char **cb;
+    Py_buffer *views;     /* n views, `nviews` of them acquired */
+    Py_ssize_t nviews;
+    void **bufs;
+    size_t *lens;
+} kvt_batch_args;
+
+static void batch_args_free(kvt_batch_args *a)
+{
+    for (Py_ssize_t i = 0; i < a->n; i++) {
+        if (a->paths_a)
+            Py_XDECREF(a->paths_a[i]);
+        if (a->paths_b)
+            Py_XDECREF(a->paths_b[i]);
+    }
+    for (Py_ssize_t i = 0; i < a->nviews; i++)
+        PyBuffer_Release(&a->views[i]);
+    PyMem_Free(a->paths_a);
+    PyMem_Free(a->paths_b);
+    PyMem_Free((void *)a->ca);
+    PyMem_Free((void *)a->cb);
+    PyMem_Free(a->views);
+    PyMem_Free(a->bufs);
+    PyMem_Free(a->lens);
+    memset(a, 0, sizeof *a);
+}
+
+static int check_list(PyObject *obj, const char *what)
+{
+    if (!PyList_Check(obj) && !PyTuple_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a list, not %.200s", what, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
+/* str / bytes / os.PathLike -> owned bytes (os.fsencode); TypeError, or
+ * ValueError for an embedded NUL. */
+static int convert_paths(PyObject *seq, Py_ssize_t n, PyObject **out, const char **cout, const char *what)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyUnicode_Check(item) && !PyBytes_Check(item) && !PyObject_HasAttrString(item, "__fspath__")) {
+            PyErr_Format(PyExc_TypeError, "%s[%zd] must be str, bytes or os.PathLike, not %.200s", what, i,
+                         Py_TYPE(item)->tp_name);
+            return -1;
+        }
+        if (!PyUnicode_FSConverter(item, &out[i]))
+            return -1;
+        cout[i] = PyBytes_AS_STRING(out[i]);
+    }
+    return 0;
+}
+
+static int alloc_args(kvt_batch_args *a, Py_ssize_t n, int two_path_lists, int with_buffers)
+{
+    memset(a, 0, sizeof *a);
+    a->n = n;
+    size_t m = n > 0 ? (size_t)n : 1;
+    a->paths_a = PyMem_Calloc(m, sizeof(PyObject *));
+    a->ca = PyMem_Calloc(m, sizeof(char *));
+    if (two_path_lists) {
+        a->paths_b = PyMem_Calloc(m, sizeof(PyObject *));
+        a->cb = PyMem_Calloc(m, sizeof(char *));
+    }
+    if (with_buffers) {
+        a->views = PyMem_Calloc(m, sizeof(Py_buffer));
+        a->bufs = PyMem_Calloc(m, sizeof(void *));
+        a->lens = PyMem_Calloc(m, sizeof(size_t));
+    }
+    if (!a->paths_a || !a->ca || (two_path_lists && (!a->paths_b || !a->cb)) ||
+        (with_buffers && (!a->views || !a->bufs || !a->lens))) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static int gather_buffers(kvt_batch_args *a, PyObject *seq, int writable)
+{
+    for (Py_ssize_t i = 0; i < a->n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (get_contig_buffer(item, &a->views[i], writable) < 0) {
+            if (writable && PyErr_ExceptionMatches(PyExc_BufferError)) {
+                /* read-only exporters raise BufferError: name the index */
+                PyObject *t, *v, *tb;
+                PyErr_Fetch(&t, &v, &tb);
+                PyErr_Format(PyExc_BufferError, "buffers[%zd] must be a writable C-contiguous buffer: %S", i,
+                             v ? v : Py_None);
+                Py_XDECREF(t);
+                Py_XDECREF(v);
+                Py_XDECREF(tb);
+            }
+            return -1;
+        }
+        a->nviews = i + 1;
+        a->bufs[i] = a->views[i].buf;
+        a->lens[i] = (size_t)a->views[i].len;
+    }
+    return 0;
+}
+
+/* OSError(errno, strerror, path) (the errno-specific subclass, e.g.
+ * FileNotFoundError) with num_succeeded and checksum_failed set. */
+static void raise_batch_error(const kvt_batch_result *res, PyObject *path)
+{
+    errno = res->err;
+    PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path);
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    if (v != NULL) {
+        PyObject *ns = PyLong_FromSize_t(res->index);
+        if (ns == NULL || PyObject_SetAttrString(v, "num_succeeded", ns) < 0 ||
+            PyObject_SetAttrString(v, "checksum_failed", res->checksum_failed ? Py_True : Py_False) < 0) {
+            Py_XDECREF(ns);
+            Py_XDECREF(t);
+            Py_XDECREF(v);
+            Py_XDECREF(tb);
+            return;
+        }
+        Py_DECREF(ns);
+    }
+    PyErr_Restore(t, v, tb);
+}
+
+PyDoc_STRVAR(batch_lookup_doc,
+"batch_lookup($module, paths, /)\n--\n\n"
+"For each path (str, bytes or os.PathLike) whether it exists (stat(2)\n"
+"succeeds). Returns a list of bool of the same length. The GIL is released\n"
+"for the whole batch. Raises TypeError for a non-list or a bad path type.");
+
+static PyObject *kvt_py_batch_lookup(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 1) {
+        PyErr_Format(PyExc_TypeError, "batch_lookup() takes 1 positional argument (%zd given)", nargs);
+        return NULL;
+    }
+    if (check_list(args[0], "paths") < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "paths must be a list");
+    if (!seq)
+        return NULL;
+    kvt_batch_args a;
+    PyObject *out = NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    uint8_t *found = NULL;
+    if (alloc_args(&a, n, 0, 0) < 0 || convert_paths(seq, n, a.paths_a, a.ca, "paths") < 0)
+        goto done;
+    found = PyMem_Calloc(n > 0 ? (size_t)n : 1, 1);
+    if (!found) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    kvt_batch_lookup(a.ca, (size_t)n, found);
+    Py_END_ALLOW_THREADS
+    out = PyList_New(n);
+    if (!out)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyList_SET_ITEM(out, i, PyBool_FromLong(found[i]));
+done:
+    PyMem_Free(found);
+    batch_args_free(&a);
+    Py_DECREF(seq);
+    return out;
+}
+
+PyDoc_STRVAR(batch_store_block_doc,
+"batch_store_block($module, tmp_paths, dest_paths, buffers, /, use_o_direct=True,\n"
+"                  checksum=False)\n--\n\n"
+"Store each buffers[i] (C-contiguous, its whole length in bytes) as the file\n"
+"dest_paths[i] through the temp tmp_paths[i]: skip if dest exists; create\n"
+"the temp with O_CREAT|O_EXCL (missing parents are created), write it (with\n"
+"O_DIRECT when use_o_direct and the buffer address and length meet the\n"
+"filesystem's alignment, else buffered), with checksum set xattr\n"
+"user.vllm.kv_crc32c = CRC32C (RFC 3720) as 4 bytes big-endian on the open\n"
+"temp, close, rename onto dest. The GIL is released for the whole batch.\n\n"
+"Raises TypeError (non-list, bad path or buffer type), ValueError (unequal\n"
+"lengths, NUL in a path), BufferError (non-contiguous buffer) before any\n"
+"I/O. The batch stops at the first failing block: OSError with its errno,\n"
+"filename = its dest path, num_succeeded = its index, checksum_failed =\n"
+"False; its temp is removed, earlier blocks stay stored.");
+
+PyDoc_STRVAR(batch_load_block_doc,
+"batch_load_block($module, source_paths, buffers, /, use_o_direct=True,\n"
+"                 checksum=False)\n--\n\n"
+"Load each file source_paths[i] into buffers[i] (writable, C-contiguous; its\n"
+"length in bytes is the block size). O_DIRECT when use_o_direct and the\n"
+"buffer address and length meet the filesystem's alignment, else buffered.\n"
+"With checksum, verify xattr user.vllm.kv_crc32c (4 bytes big-endian\n"
+"CRC32C, RFC 3720) read through the same fd; a block without it (ENODATA,\n"
+"legacy) is accepted. The GIL is released for the whole batch.\n\n"
+"Raises TypeError / ValueError / BufferError (read-only or non-contiguous\n"
+"buffer) before any I/O. The batch stops at the first failing block:\n"
+"OSError with filename = its path, num_succeeded = its index and\n"
+"  errno EBADMSG, checksum_failed=True: CRC mismatch or record length != 4\n"
+"    (file removed);\n"
+"  errno EIO: file size != buffer length (file removed);\n"
+"  any other errno (ENOENT, ELOOP, EACCES, EIO, EOPNOTSUPP from getxattr,\n"
+"    EBADMSG from the filesystem ...): checksum_failed=False, file kept.");
+
+static int parse_io_flags(PyObject *kwnames, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t npos,
+                          const char *fname, int *use_o_direct, int *checksum)
+{
+    *use_o_direct = 1;
+    *checksum = 0;
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nargs < npos || nargs > npos + 2) {
+        PyErr_Format(PyExc_TypeError, "%s() takes from %zd to %zd positional arguments (%zd given)", fname, npos,
+                     npos + 2, nargs);
+        return -1;
+    }
+    PyObject *flag_obj[2] = {NULL, NULL};
+    for (Py_ssize_t i = npos; i < nargs; i++)
+        flag_obj[i - npos] = args[i];
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, k);
+        int idx;
+        if (PyUnicode_CompareWithASCIIString(name, "use_o_direct") == 0)
+            idx = 0;
+        else if (PyUnicode_CompareWithASCIIString(name, "checksum") == 0)
+            idx = 1;
+        else {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument %R", fname, name);
+            return -1;
+        }
+        if (flag_obj[idx] != NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument %R", fname, name);
+            return -1;
+        }
+        flag_obj[idx] = args[nargs + k];
+    }
+    if (flag_obj[0] && (*use_o_direct = PyObject_IsTrue(flag_obj[0])) < 0)
+        return -1;
+    if (flag_obj[1] && (*checksum = PyObject_IsTrue(flag_obj[1])) < 0)
+        return -1;
+    return 0;
+}
+
+static PyObject *kvt_py_batch_store_block(PyObject *mod, PyObject *const *args, Py_ssize_t nargs,
+                                          PyObject *kwnames)
+{
+    int use_o_direct, checksum;
+    if (parse_io_flags(kwnames, args, nargs, 3, "batch_store_block", &use_o_direct, &checksum) < 0)
+        return NULL;
+    if (check_list(args[0], "tmp_paths") < 0 || check_list(args[1], "dest_paths") < 0 ||
+        check_list(args[2], "buffers") < 0)
+        return NULL;
+    Py_ssize_t n = PySequence_Size(args[0]);
+    if (PySequence_Size(args[1]) != n || PySequence_Size(args[2]) != n) {
+        PyErr_Format(PyExc_ValueError, "tmp_paths, dest_paths and buffers must have equal lengths (%zd, %zd, %zd)",
+                     n, PySequence_Size(args[1]), PySequence_Size(args[2]));
+        return NULL;
+    }
+    /* Own references to the lists' items: the lists themselves may change
+     * in another thread while the GIL is released. */
+    PyObject *s0 = PySequence_Fast(args[0], ""), *s1 = PySequence_Fast(args[1], ""),
+             *s2 = PySequence_Fast(args[2], "");
+    PyObject *ret = NULL;
+    kvt_batch_args a;
+    memset(&a, 0, sizeof a);
+    if (!s0 || !s1 || !s2)
+        goto done;
+    if (alloc_args(&a, n, 1, 1) < 0 || convert_paths(s0, n, a.paths_a, a.ca, "tmp_paths") < 0 ||
+        convert_paths(s1, n, a.paths_b, a.cb, "dest_paths") < 0 || gather_buffers(&a, s2, 0) < 0)
+        goto done;
+    kvt_batch_result res;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvt_batch_store(a.ca, a.cb, (const void *const *)a.bufs, a.lens, (size_t)n, use_o_direct,
+                         checksum, &res);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        raise_batch_error(&res, PySequence_Fast_GET_ITEM(s1, (Py_ssize_t)res.index));
+        goto done;
+    }
+    Py_INCREF(Py_None);
+    ret = Py_None;
+done:
+    batch_args_free(&a);
+    Py_XDECREF(s0);
+    Py_XDECREF(s1);
+    Py_XDECREF(s2);
+    return ret;
+}
+
+static PyObject *kvt_py_batch_load_block(PyObject *mod, PyObject *const *args, Py_ssize_t nargs,
+                                         PyObject *kwnames)
+{
+    int use_o_direct, checksum;
+    if (parse_io_flags(kwnames, args, nargs, 2, "batch_load_block", &use_o_direct, &checksum) < 0)
+        return NULL;
+    if (check_list(args[0], "source_paths") < 0 || check_list(args[1], "buffers") < 0)
+        return NULL;
+    Py_ssize_t n = PySequence_Size(args[0]);
+    if (PySequence_Size(args[1]) != n) {
+        PyErr_Format(PyExc_ValueError, "source_paths and buffers must have equal lengths (%zd, %zd)", n,
+                     PySequence_Size(args[1]));
+        return NULL;
+    }
+    PyObject *s0 = PySequence_Fast(args[0], ""), *s1 = PySequence_Fast(args[1], "");
+    PyObject *ret = NULL;
+    kvt_batch_args a;
+    memset(&a, 0, sizeof a);
+    if (!s0 || !s1)
+        goto done;
+    if (alloc_args(&a, n, 0, 1) < 0 || convert_paths(s0, n, a.paths_a, a.ca, "source_paths") < 0 ||
+        gather_buffers(&a, s1, 1) < 0)
+        goto done;
+    kvt_batch_result res;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvt_batch_load(a.ca, a.bufs, a.lens, (size_t)n, use_o_direct, checksum, &res);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        raise_batch_error(&res, PySequence_Fast_GET_ITEM(s0, (Py_ssize_t)res.index));
+        goto done;
+    }
+    Py_INCREF(Py_None);
+    ret = Py_None;
+done:
+    batch_args_free(&a);
+    Py_XDECREF(s0);
+    Py_XDECREF(s1);
+    return ret;
+}
+
 /* ------------------------------------------------------------------ */
 /* DSA (dsa/)                                                          */
 /* ------------------------------------------------------------------ */
@@ -268,6 +603,9 @@ static PyMethodDef kvt_methods[] = {
     {"backends", kvt_py_backends, METH_NOARGS, backends_doc},
     {"active_backend", kvt_py_active_backend, METH_NOARGS, active_backend_doc},
     {"isal_version", kvt_py_isal_version, METH_NOARGS, isal_version_doc},
+    {"batch_lookup", (PyCFunction)(void (*)(void))kvt_py_batch_lookup, METH_FASTCALL, batch_lookup_doc},
+    {"batch_store_block", (PyCFunction)(void (*)(void))kvt_py_batch_store_block, METH_FASTCALL | METH_KEYWORDS, batch_store_block_doc},
+    {"batch_load_block", (PyCFunction)(void (*)(void))kvt_py_batch_load_block, METH_FASTCALL | METH_KEYWORDS, batch_load_block_doc},
     /* KVT-METHODS: block I/O and DSA entries go here. */
     {NULL, NULL, 0, NULL},
 };
