@@ -1,0 +1,297 @@
+"""kvtier pure-Python fallback: the same contracts as the C core (kvtier._C).
+
+CRC32C (numpy) and batched checksummed block I/O, used when the C core is not
+built or when forced (KVTIER_IO_BACKEND=python). Sections are owned by
+different parts of the package; each starts with a "# --- name ---" line.
+"""
+from __future__ import annotations
+
+# --- CRC32C ---
+# (placeholder: the CRC32C fallback section -- crc32c(data, value=0),
+# crc32c_combine(crc1, crc2, len2) -- goes here, above the block I/O section)
+
+# --- block I/O ---
+# Pure-Python twin of csrc/fs_io.c: same protocols, same errors, same on-disk
+# bytes (design.md "On-disk contract"). Used when the C core is missing or
+# KVTIER_IO_BACKEND=python. Signatures match kvtier._C.
+
+import ctypes as _ctypes
+import errno as _errno
+import fcntl as _fcntl
+import os as _os
+import struct as _struct
+
+XATTR_NAME = "user.vllm.kv_crc32c"
+"""xattr holding a block's CRC32C (4 bytes big-endian); vLLM FS tier name."""
+XATTR_LEN = 4
+IO_CHUNK = 256 * 1024
+"""Bytes per read/write call; each chunk is checksummed next to its I/O (fs_io.h KVT_IO_CHUNK)."""
+DIO_FALLBACK_ALIGN = 4096
+"""O_DIRECT alignment assumed when statx STATX_DIOALIGN is not reported (fs_io.h)."""
+
+_STATX_SIZE = 0x200  # linux/stat.h
+_STATX_DIOALIGN = 0x2000  # linux/stat.h, Linux >= 6.1
+_AT_EMPTY_PATH = 0x1000  # linux/fcntl.h
+
+try:
+    _libc = _ctypes.CDLL(None, use_errno=True)
+    _statx = _libc.statx
+    _statx.argtypes = [_ctypes.c_int, _ctypes.c_char_p, _ctypes.c_int, _ctypes.c_uint, _ctypes.c_void_p]
+    _statx.restype = _ctypes.c_int
+except (OSError, AttributeError):  # pragma: no cover - glibc < 2.28
+    _statx = None
+
+
+def _block_crc_fn():
+    """The fastest CRC32C available: the C core's dispatched backend, else the
+    numpy fallback of this module (CRC section above)."""
+    try:
+        from kvtier import _C
+
+        return _C.crc32c
+    except ImportError:
+        return globals()["crc32c"]
+
+
+def _dio_align(fd):
+    """(mem_align, offset_align) for O_DIRECT on fd; (0, 0) when the filesystem
+    reports no O_DIRECT support (statx STATX_DIOALIGN with zero alignment)."""
+    if _statx is not None:
+        buf = _ctypes.create_string_buffer(256)  # struct statx is 256 bytes
+        if _statx(fd, b"", _AT_EMPTY_PATH, _STATX_SIZE | _STATX_DIOALIGN, buf) == 0:
+            mask = _struct.unpack_from("<I", buf, 0)[0]
+            if mask & _STATX_DIOALIGN:
+                mem, off = _struct.unpack_from("<II", buf, 152)  # stx_dio_mem_align, stx_dio_offset_align
+                return (mem, off) if mem and off else (0, 0)
+    return DIO_FALLBACK_ALIGN, DIO_FALLBACK_ALIGN
+
+
+def _buffer_address(mv):
+    import numpy as np
+
+    return np.frombuffer(mv, dtype=np.uint8).__array_interface__["data"][0] if len(mv) else 0
+
+
+def _dio_usable(fd, mv):
+    mem, off = _dio_align(fd)
+    if not mem or IO_CHUNK % max(mem, off):
+        return False
+    return len(mv) > 0 and _buffer_address(mv) % mem == 0 and len(mv) % off == 0
+
+
+def _set_direct(fd, on):
+    fl = _fcntl.fcntl(fd, _fcntl.F_GETFL)
+    _fcntl.fcntl(fd, _fcntl.F_SETFL, (fl | _os.O_DIRECT) if on else (fl & ~_os.O_DIRECT))
+
+
+def _try_direct(fd, mv):
+    if not _dio_usable(fd, mv):
+        return False
+    try:
+        _set_direct(fd, True)  # EINVAL: the filesystem refuses O_DIRECT
+    except OSError:
+        return False
+    return True
+
+
+def _batch_error(err, path, index, checksum_failed):
+    exc = OSError(err, _os.strerror(err), path)  # the errno's subclass, e.g. FileNotFoundError
+    exc.num_succeeded = index
+    exc.checksum_failed = checksum_failed
+    return exc
+
+
+def _check_list(obj, what):
+    if not isinstance(obj, (list, tuple)):
+        raise TypeError(f"{what} must be a list, not {type(obj).__name__}")
+
+
+def _encode_paths(seq, what):
+    out = []
+    for i, p in enumerate(seq):
+        if not isinstance(p, (str, bytes)) and not hasattr(p, "__fspath__"):
+            raise TypeError(f"{what}[{i}] must be str, bytes or os.PathLike, not {type(p).__name__}")
+        b = _os.fsencode(p)
+        if b"\0" in b:
+            raise ValueError(f"{what}[{i}]: embedded null byte")
+        out.append(b)
+    return out
+
+
+def _views(buffers, writable):
+    out = []
+    for i, b in enumerate(buffers):
+        mv = memoryview(b)  # TypeError for a non-buffer
+        if not mv.c_contiguous:
+            raise BufferError(f"buffers[{i}]: {type(b).__name__} object is not C-contiguous")
+        if writable and mv.readonly:
+            raise BufferError(f"buffers[{i}] must be a writable C-contiguous buffer: {type(b).__name__} is read-only")
+        out.append(mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv)
+    return out
+
+
+def _write_full(fd, mv, off, direct):
+    """pwrite all of mv at file offset off; EINTR is retried by Python (PEP 475);
+    EINVAL under O_DIRECT drops O_DIRECT and retries buffered. Returns direct."""
+    done = 0
+    n = len(mv)
+    while done < n:
+        try:
+            w = _os.pwrite(fd, mv[done:], off + done)
+        except OSError as e:
+            if e.errno == _errno.EINVAL and direct:
+                _set_direct(fd, False)
+                direct = False
+                continue
+            raise
+        if w == 0:
+            raise OSError(_errno.EIO, _os.strerror(_errno.EIO))
+        done += w
+    return direct
+
+
+def _read_full(fd, mv, off, direct):
+    """preadv into mv at file offset off until full or EOF. Returns (got, direct)."""
+    got = 0
+    n = len(mv)
+    while got < n:
+        try:
+            r = _os.preadv(fd, [mv[got:]], off + got)
+        except OSError as e:
+            if e.errno == _errno.EINVAL and direct:
+                _set_direct(fd, False)
+                direct = False
+                continue
+            raise
+        if r == 0:
+            break
+        got += r
+    return got, direct
+
+
+def _store_one(tmp, dest, mv, use_o_direct, checksum, crc_fn):
+    if _os.path.exists(dest):
+        return
+    flags = _os.O_CREAT | _os.O_EXCL | _os.O_WRONLY | _os.O_CLOEXEC
+    try:
+        fd = _os.open(tmp, flags, 0o644)
+    except FileNotFoundError:
+        parent = _os.path.dirname(tmp)
+        if parent:
+            _os.makedirs(parent, mode=0o755, exist_ok=True)
+        fd = _os.open(tmp, flags, 0o644)
+    try:
+        try:
+            direct = use_o_direct and _try_direct(fd, mv)
+            crc = 0
+            for off in range(0, len(mv), IO_CHUNK):
+                chunk = mv[off : off + IO_CHUNK]
+                if checksum:
+                    crc = crc_fn(chunk, crc)
+                direct = _write_full(fd, chunk, off, direct)
+            if checksum:
+                _os.setxattr(fd, XATTR_NAME, crc.to_bytes(XATTR_LEN, "big"))
+        finally:
+            _os.close(fd)
+        _os.rename(tmp, dest)
+    except BaseException:
+        try:
+            _os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _load_one(src, mv, use_o_direct, checksum, crc_fn):
+    """Returns None, or (errno, checksum_failed) after removing the file when
+    the table in design.md says so. Other OSErrors propagate (file kept)."""
+    fd = _os.open(src, _os.O_RDONLY | _os.O_CLOEXEC)
+    remove = False
+    try:
+        n = len(mv)
+        if _os.fstat(fd).st_size != n:
+            remove = True
+            return _errno.EIO, False
+        want = None
+        if checksum:
+            try:
+                rec = _os.getxattr(fd, XATTR_NAME)
+            except OSError as e:
+                if e.errno != _errno.ENODATA:
+                    raise  # EOPNOTSUPP, EIO ...: not the block's fault, keep it
+                rec = None  # legacy block stored without checksum
+            if rec is not None:
+                if len(rec) != XATTR_LEN:
+                    remove = True
+                    return _errno.EBADMSG, True
+                want = int.from_bytes(rec, "big")
+        direct = use_o_direct and _try_direct(fd, mv)
+        crc = 0
+        for off in range(0, n, IO_CHUNK):
+            chunk = mv[off : off + IO_CHUNK]
+            got, direct = _read_full(fd, chunk, off, direct)
+            if got < len(chunk):
+                remove = True
+                return _errno.EIO, False
+            if want is not None:
+                crc = crc_fn(chunk, crc)
+        if want is not None and crc != want:
+            remove = True
+            return _errno.EBADMSG, True
+        return None
+    finally:
+        _os.close(fd)
+        if remove:
+            try:
+                _os.unlink(src)
+            except OSError:
+                pass
+
+
+def batch_lookup(paths, /):
+    """For each path (str, bytes or os.PathLike) whether it exists (stat(2)).
+    Returns list[bool]. TypeError for a non-list or a bad path type."""
+    _check_list(paths, "paths")
+    return [_os.path.exists(p) for p in _encode_paths(paths, "paths")]
+
+
+def batch_store_block(tmp_paths, dest_paths, buffers, /, use_o_direct=True, checksum=False):
+    """Pure-Python kvtier._C.batch_store_block: same arguments, protocol and
+    errors (OSError with errno, filename = dest path, num_succeeded,
+    checksum_failed=False; the failing block's temp is removed)."""
+    for obj, what in ((tmp_paths, "tmp_paths"), (dest_paths, "dest_paths"), (buffers, "buffers")):
+        _check_list(obj, what)
+    if not len(tmp_paths) == len(dest_paths) == len(buffers):
+        raise ValueError(
+            "tmp_paths, dest_paths and buffers must have equal lengths "
+            f"({len(tmp_paths)}, {len(dest_paths)}, {len(buffers)})"
+        )
+    tmps = _encode_paths(tmp_paths, "tmp_paths")
+    dests = _encode_paths(dest_paths, "dest_paths")
+    views = _views(buffers, writable=False)
+    crc_fn = _block_crc_fn() if checksum else None
+    for i, (tmp, dest, mv) in enumerate(zip(tmps, dests, views)):
+        try:
+            _store_one(tmp, dest, mv, bool(use_o_direct), bool(checksum), crc_fn)
+        except OSError as e:
+            raise _batch_error(e.errno or _errno.EIO, dest_paths[i], i, False) from None
+
+
+def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False):
+    """Pure-Python kvtier._C.batch_load_block: same arguments, protocol and
+    errors (design.md table: EBADMSG + checksum_failed and EIO remove the
+    file; any other errno keeps it)."""
+    _check_list(source_paths, "source_paths")
+    _check_list(buffers, "buffers")
+    if len(source_paths) != len(buffers):
+        raise ValueError(f"source_paths and buffers must have equal lengths ({len(source_paths)}, {len(buffers)})")
+    srcs = _encode_paths(source_paths, "source_paths")
+    views = _views(buffers, writable=True)
+    crc_fn = _block_crc_fn() if checksum else None
+    for i, (src, mv) in enumerate(zip(srcs, views)):
+        try:
+            failed = _load_one(src, mv, bool(use_o_direct), bool(checksum), crc_fn)
+        except OSError as e:
+            raise _batch_error(e.errno or _errno.EIO, source_paths[i], i, False) from None
+        if failed is not None:
+            raise _batch_error(failed[0], source_paths[i], i, failed[1])

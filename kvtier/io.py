@@ -1,0 +1,288 @@
+"""Batched, checksummed KV block I/O: the entry points the tier manager calls.
+
+A job's blocks live in one big CPU buffer (``view``: any C-contiguous buffer,
+e.g. a numpy array or bytearray) at byte ``offsets``, each ``block_size``
+bytes. Each block becomes one file (on-disk contract: design.md):
+
+- store: skip an existing destination; write ``<dest>_<random hex>.tmp``
+  (O_CREAT|O_EXCL, parents created, O_DIRECT when usable); with ``checksum``
+  set xattr ``user.vllm.kv_crc32c`` = CRC32C (RFC 3720) as 4 bytes big-endian
+  on the open temp; close; rename onto the destination.
+- load: open, check size, read, with ``checksum`` verify the xattr through the
+  same fd. A block without the xattr (stored with checksums off) is accepted.
+
+Errors. Bad arguments raise TypeError / ValueError / BufferError before any
+I/O. A batch stops at its first failing block and raises OSError (the errno's
+subclass, e.g. FileNotFoundError) with ``errno``, ``filename`` (that block's
+path), ``num_succeeded`` (its index: blocks before it are done) and
+``checksum_failed``:
+
+=========================================  =========================  ========
+load outcome                               OSError                    file
+=========================================  =========================  ========
+CRC mismatch or xattr length != 4          EBADMSG, checksum_failed   removed
+size != block_size (truncated/empty/long)  EIO                        removed
+open/read/getxattr error (ENOENT, ELOOP,   that errno                 kept
+EACCES, EOPNOTSUPP, EBADMSG from the FS)
+=========================================  =========================  ========
+
+Backend: the C core (``kvtier._C``, GIL released for the whole batch) or the
+pure-Python fallback (``kvtier.fallback``), same semantics and bytes.
+``KVTIER_IO_BACKEND=c|python`` forces one (any other value fails the import
+with ValueError); by default the C core when importable. The choice is
+``kvtier.io.backend``; :func:`for_backend` gives either explicitly.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import operator
+import os
+import secrets
+import warnings
+from typing import Sequence, Union
+
+PathT = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
+
+BACKENDS = ("c", "python")
+"""Valid values of KVTIER_IO_BACKEND and of :func:`for_backend`."""
+
+XATTR_NAME = "user.vllm.kv_crc32c"
+"""xattr holding a block's CRC32C, 4 bytes big-endian (vLLM FS tier name)."""
+
+
+def _c_module():
+    try:
+        from kvtier import _C
+    except ImportError:
+        return None
+    return _C if hasattr(_C, "batch_load_block") else None
+
+
+def _fallback_module():
+    from kvtier import fallback
+
+    return fallback
+
+
+def tmp_path_for(dest: PathT) -> Union[str, bytes]:
+    """Temp file name for storing ``dest``: ``f"{dest}_{16 random hex}.tmp"``
+    (design.md), next to it so the final rename stays on one filesystem."""
+    d = os.fspath(dest)
+    tag = secrets.token_hex(8)
+    if isinstance(d, bytes):
+        return d + b"_" + tag.encode() + b".tmp"
+    return f"{d}_{tag}.tmp"
+
+
+def _check_paths(paths, what="paths") -> list:
+    if isinstance(paths, (str, bytes)) or not isinstance(paths, Sequence):
+        raise TypeError(f"{what} must be a sequence of paths, not {type(paths).__name__}")
+    paths = list(paths)
+    for i, p in enumerate(paths):
+        if not isinstance(p, (str, bytes)) and not hasattr(p, "__fspath__"):
+            raise TypeError(f"{what}[{i}] must be str, bytes or os.PathLike, not {type(p).__name__}")
+    return paths
+
+
+def _check_blocks(paths, view, offsets, block_size, writable):
+    """Validate and slice: returns (paths list, list of per-block memoryviews)."""
+    paths = _check_paths(paths)
+    if isinstance(block_size, bool):
+        raise TypeError("block_size must be int, not bool")
+    block_size = operator.index(block_size)  # TypeError for non-integers
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0 bytes, got {block_size}")
+    mv = memoryview(view)  # TypeError for a non-buffer
+    if not mv.c_contiguous:
+        raise BufferError(f"view must be C-contiguous ({type(view).__name__} is not)")
+    if writable and mv.readonly:
+        raise BufferError(f"view must be writable to load into it ({type(view).__name__} is read-only)")
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    if isinstance(offsets, (str, bytes)) or not hasattr(offsets, "__len__"):
+        raise TypeError(f"offsets must be a sequence of ints, not {type(offsets).__name__}")
+    if len(offsets) != len(paths):
+        raise ValueError(f"paths and offsets must have equal lengths ({len(paths)}, {len(offsets)})")
+    limit = mv.nbytes - block_size
+    views = []
+    for i, off in enumerate(offsets):
+        if isinstance(off, bool):
+            raise TypeError(f"offsets[{i}] must be int, not bool")
+        off = operator.index(off)
+        if off < 0 or off > limit:
+            raise ValueError(
+                f"offsets[{i}] = {off}: block [{off}, {off + block_size}) is outside the view of {mv.nbytes} bytes"
+            )
+        views.append(mv[off : off + block_size])
+    return paths, views
+
+
+class BlockIO:
+    """The batch_* entry points bound to one backend ("c" or "python")."""
+
+    def __init__(self, backend: str):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown block I/O backend {backend!r}; valid: {', '.join(BACKENDS)}")
+        if backend == "c":
+            impl = _c_module()
+            if impl is None:
+                raise ImportError("block I/O backend 'c' requested but kvtier._C (with batch_load_block) is not importable")
+        else:
+            impl = _fallback_module()
+        self.backend = backend
+        self.impl = impl
+
+    def __repr__(self):
+        return f"BlockIO({self.backend!r})"
+
+    def batch_store_block(
+        self,
+        paths: Sequence[PathT],
+        view,
+        offsets: Sequence[int],
+        block_size: int,
+        use_o_direct: bool = True,
+        checksum: bool = False,
+    ) -> None:
+        """Store ``view[offsets[i] : offsets[i] + block_size]`` as file
+        ``paths[i]`` for each i (bytes; ``view`` any C-contiguous buffer).
+        Existing destinations are skipped. With ``checksum`` the CRC32C is
+        recorded in xattr user.vllm.kv_crc32c. Errors: module docstring; a
+        store OSError names the destination and leaves no temp behind."""
+        paths, views = _check_blocks(paths, view, offsets, block_size, writable=False)
+        tmps = [tmp_path_for(p) for p in paths]
+        self.impl.batch_store_block(tmps, paths, views, bool(use_o_direct), bool(checksum))
+
+    def batch_load_block(
+        self,
+        paths: Sequence[PathT],
+        view,
+        offsets: Sequence[int],
+        block_size: int,
+        use_o_direct: bool = True,
+        checksum: bool = False,
+    ) -> None:
+        """Load file ``paths[i]`` into ``view[offsets[i] : offsets[i] +
+        block_size]`` for each i (``view`` writable, C-contiguous). With
+        ``checksum`` verify the recorded CRC32C. Errors and which files are
+        removed: module docstring."""
+        paths, views = _check_blocks(paths, view, offsets, block_size, writable=True)
+        self.impl.batch_load_block(paths, views, bool(use_o_direct), bool(checksum))
+
+    def batch_lookup(self, paths: Sequence[PathT]) -> list:
+        """list[bool]: whether each path exists."""
+        return self.impl.batch_lookup(_check_paths(paths))
+
+
+_io_by_backend: dict = {}
+
+
+def for_backend(name: str) -> BlockIO:
+    """The :class:`BlockIO` of backend ``name`` ("c" or "python"), cached.
+    ValueError for another name, ImportError if "c" is not built."""
+    io = _io_by_backend.get(name)
+    if io is None:
+        io = _io_by_backend[name] = BlockIO(name)
+    return io
+
+
+def _choose_backend() -> str:
+    forced = os.environ.get("KVTIER_IO_BACKEND", "").strip().lower()
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"KVTIER_IO_BACKEND={forced!r} is not valid; valid values: {', '.join(BACKENDS)}")
+        return forced
+    if _c_module() is not None:
+        return "c"
+    warnings.warn(
+        "kvtier: the C core is not importable; block I/O uses the slower pure-Python fallback",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return "python"
+
+
+_default = for_backend(_choose_backend())
+backend: str = _default.backend
+"""Active backend: "c" (kvtier._C) or "python" (kvtier.fallback)."""
+batch_store_block = _default.batch_store_block
+batch_load_block = _default.batch_load_block
+batch_lookup = _default.batch_lookup
+
+
+# ------------------------------------------------------------------ probes
+
+_PROBE_SIZE = 4096  # one page: aligned for every O_DIRECT alignment in use
+
+
+def _probe_file(directory: PathT):
+    d = os.fspath(directory)
+    name = os.path.join(d, (b".kvtier_probe_" if isinstance(d, bytes) else ".kvtier_probe_") + (
+        secrets.token_hex(8).encode() if isinstance(d, bytes) else secrets.token_hex(8)))
+    fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    return name, fd
+
+
+def probe_o_direct(directory: PathT) -> bool:
+    """Whether files in ``directory`` accept O_DIRECT: a page-aligned 4 KiB
+    write and read back with O_DIRECT succeed on a temp file (removed).
+    Raises OSError if the directory cannot hold a temp file (ENOENT, EACCES)."""
+    import fcntl
+
+    name, fd = _probe_file(directory)
+    buf = mmap.mmap(-1, _PROBE_SIZE)  # page-aligned anonymous memory
+    try:
+        buf.write(b"\xa5" * _PROBE_SIZE)
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+            if os.pwrite(fd, buf, 0) != _PROBE_SIZE:
+                return False
+            back = mmap.mmap(-1, _PROBE_SIZE)
+            try:
+                return os.preadv(fd, [back], 0) == _PROBE_SIZE and back[:] == buf[:]
+            finally:
+                back.close()
+        except OSError as e:
+            if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                return False
+            raise
+    finally:
+        buf.close()
+        os.close(fd)
+        os.unlink(name)
+
+
+def probe_xattr(directory: PathT) -> bool:
+    """Whether files in ``directory`` hold user xattrs: sets and reads back
+    ``user.vllm.kv_crc32c`` on a temp file (removed). False when the
+    filesystem says EOPNOTSUPP (e.g. ramfs) or EPERM; other OSErrors (ENOENT,
+    EACCES, ENOSPC ...) are raised."""
+    name, fd = _probe_file(directory)
+    try:
+        value = b"\x12\x34\x56\x78"
+        try:
+            os.setxattr(fd, XATTR_NAME, value)
+            return os.getxattr(fd, XATTR_NAME) == value
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EPERM):
+                return False
+            raise
+    finally:
+        os.close(fd)
+        os.unlink(name)
+
+
+__all__ = [
+    "BACKENDS",
+    "BlockIO",
+    "XATTR_NAME",
+    "backend",
+    "batch_load_block",
+    "batch_lookup",
+    "batch_store_block",
+    "for_backend",
+    "probe_o_direct",
+    "probe_xattr",
+    "tmp_path_for",
+]
