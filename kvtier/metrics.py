@@ -1,0 +1,172 @@
+"""Prometheus metrics of the filesystem tier, with vLLM's names and ``tier`` label.
+
+Counters (names and help text as vLLM's ``TieringOffloadingMetrics``; label ``tier`` is
+``"<index>:<type>"``, ``"1:fs"`` for the first secondary tier):
+
+=================================================  ============================================
+``vllm:kv_offload_tiering_read_bytes``             bytes loaded (promotions) into the buffer
+``vllm:kv_offload_tiering_read_time``              seconds spent in promotion jobs
+``vllm:kv_offload_tiering_write_bytes``            bytes stored (cascades) from the buffer
+``vllm:kv_offload_tiering_write_time``             seconds spent in cascade jobs
+``vllm:kv_offload_tiering_promotion_job_failures`` failed promotion (load) jobs
+``vllm:kv_offload_tiering_cascade_job_failures``   failed cascade (store) jobs
+``vllm:kv_offload_tiering_checksum_failures``      loads failed by a CRC32C mismatch; only
+                                                   registered when checksums are on
+=================================================  ============================================
+
+prometheus_client exposes a Counter named ``X`` as the sample ``X_total`` (plus
+``X_created``), exactly as vLLM's own counters appear on its ``/metrics`` endpoint
+(e.g. ``vllm:kv_offload_tiering_read_bytes_total{tier="1:fs"}``).
+
+Registry: by default each tracker registers into its own fresh
+:class:`prometheus_client.CollectorRegistry`, so several tiers (or tests) in one process
+never collide.  Pass ``registry=prometheus_client.REGISTRY`` to export on the process's
+default ``/metrics`` (only one tracker per tier label may do so).
+
+Counting rules (as vLLM's ``TieringMetricsTracker``): a failed job counts one failure;
+a failed promotion that kept ``n`` blocks (partial keep) still counts ``n`` blocks'
+bytes and its time; a failed cascade counts no bytes.  A checksum failure
+(``JobResult.checksum_failed``) counts once per job; an EBADMSG reported by the filesystem
+itself has ``checksum_failed=False`` and is not counted.
+
+Extra counters (e.g. the DSA engine's, from ``kvtier.dsa``) are exported with
+:meth:`TieringMetricsTracker.add_counter_source`.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterable, Mapping, Optional, Tuple
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily
+
+READ_BYTES = "vllm:kv_offload_tiering_read_bytes"
+READ_TIME = "vllm:kv_offload_tiering_read_time"
+WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
+WRITE_TIME = "vllm:kv_offload_tiering_write_time"
+PROMOTION_JOB_FAILURES = "vllm:kv_offload_tiering_promotion_job_failures"
+CASCADE_JOB_FAILURES = "vllm:kv_offload_tiering_cascade_job_failures"
+CHECKSUM_FAILURES = "vllm:kv_offload_tiering_checksum_failures"
+
+LABELNAMES = ("tier",)
+
+_DOCS = {
+    READ_BYTES: "Total bytes read from secondary tiers into the primary tier.",
+    READ_TIME: "Total time spent reading from secondary tiers into the primary tier, in seconds.",
+    WRITE_BYTES: "Total bytes written from the primary tier to secondary tiers.",
+    WRITE_TIME: "Total time spent writing from the primary tier to secondary tiers, in seconds.",
+    PROMOTION_JOB_FAILURES: "Number of failed secondary-tier promotion jobs.",
+    CASCADE_JOB_FAILURES: "Number of failed secondary-tier cascade jobs.",
+    CHECKSUM_FAILURES: "Number of secondary-tier loads that failed CRC32C checksum verification.",
+}
+
+
+def tier_label(tier_idx: int, tier_type: str = "fs") -> str:
+    """vLLM's tier label: ``f"{tier_idx + 1}:{tier_type}"`` (index 0 -> ``"1:fs"``)."""
+    if isinstance(tier_idx, bool) or not isinstance(tier_idx, int) or tier_idx < 0:
+        raise ValueError(f"tier_idx must be an int >= 0, got {tier_idx!r}")
+    if not isinstance(tier_type, str) or not tier_type:
+        raise ValueError("tier_type must be a non-empty str")
+    return f"{tier_idx + 1}:{tier_type}"
+
+
+class _SourceCollector:
+    """Custom collector: calls ``fn()`` at scrape time, yields one counter family per entry."""
+
+    def __init__(self, fn: Callable[[], Mapping[str, Tuple[str, float]]], label: str) -> None:
+        self._fn = fn
+        self._label = label
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        for name, (doc, value) in sorted(self._fn().items()):
+            fam = CounterMetricFamily(name, doc, labels=list(LABELNAMES))
+            fam.add_metric([self._label], float(value))
+            yield fam
+
+
+class TieringMetricsTracker:
+    """Counts one tier's traffic in prometheus_client counters.
+
+    Args:
+        tier: label value (default ``"1:fs"``, see :func:`tier_label`).
+        checksums: register ``vllm:kv_offload_tiering_checksum_failures`` (only when the
+            tier verifies checksums; absent otherwise).
+        registry: a :class:`prometheus_client.CollectorRegistry`; default a fresh one
+            (see module docstring).
+
+    Thread-safe: :meth:`on_job_finished` may be called from any thread.
+    """
+
+    def __init__(self, tier: str = "1:fs", checksums: bool = False,
+                 registry: Optional[CollectorRegistry] = None) -> None:
+        if not isinstance(tier, str) or not tier:
+            raise ValueError("tier must be a non-empty label string such as '1:fs'")
+        self.tier = tier
+        self.checksums = bool(checksums)
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._lock = threading.Lock()
+        names = [READ_BYTES, READ_TIME, WRITE_BYTES, WRITE_TIME, PROMOTION_JOB_FAILURES, CASCADE_JOB_FAILURES]
+        if self.checksums:
+            names.append(CHECKSUM_FAILURES)
+        self._parents = {n: Counter(n, _DOCS[n], labelnames=LABELNAMES, registry=self.registry) for n in names}
+        self._counters = {n: c.labels(tier=tier) for n, c in self._parents.items()}
+        self._sources: list = []
+
+    def has(self, name: str) -> bool:
+        """True if counter ``name`` (without ``_total``) is registered by this tracker."""
+        return name in self._counters
+
+    def value(self, name: str) -> float:
+        """Current value of counter ``name`` for this tier (KeyError if not registered)."""
+        return self._counters[name]._value.get()
+
+    def inc(self, name: str, amount: float = 1.0) -> None:
+        """Add ``amount`` (>= 0) to counter ``name`` (KeyError if not registered)."""
+        self._counters[name].inc(amount)
+
+    def on_job_finished(self, is_promotion: bool, success: bool, n_keys: int,
+                        n_successful_keys: int, block_bytes: int,
+                        transfer_time: Optional[float], checksum_failed: bool = False) -> None:
+        """Account one finished job.
+
+        ``n_keys`` blocks were in the job, ``n_successful_keys`` of them transferred
+        (partial keep); ``block_bytes`` is the size of one block in bytes;
+        ``transfer_time`` in seconds (None: not measured).
+        """
+        with self._lock:
+            count = n_keys
+            if not success:
+                self._counters[PROMOTION_JOB_FAILURES if is_promotion else CASCADE_JOB_FAILURES].inc()
+                if checksum_failed and self.checksums:
+                    self._counters[CHECKSUM_FAILURES].inc()
+                if is_promotion and n_successful_keys:
+                    count = n_successful_keys
+                else:
+                    return
+            self._counters[READ_BYTES if is_promotion else WRITE_BYTES].inc(count * block_bytes)
+            if transfer_time is not None:
+                self._counters[READ_TIME if is_promotion else WRITE_TIME].inc(transfer_time)
+
+    def add_counter_source(self, fn: Callable[[], Mapping[str, Tuple[str, float]]]) -> None:
+        """Export extra counters read at scrape time.
+
+        ``fn()`` returns ``{metric_name: (help_text, value)}``; each becomes a counter with
+        this tracker's ``tier`` label (exposed as ``<metric_name>_total``).  Used for the DSA
+        engine's counters (``kvtier.dsa``): submitted / completed on the device / redone on
+        the CPU.  ``fn`` must be cheap and must not raise.
+        """
+        if not callable(fn):
+            raise TypeError("fn must be callable")
+        col = _SourceCollector(fn, self.tier)
+        self.registry.register(col)
+        self._sources.append(col)
+
+    def close(self) -> None:
+        """Unregister everything this tracker registered (lets a new tracker reuse the names)."""
+        for c in list(self._sources):
+            self.registry.unregister(c)
+        self._sources.clear()
+        for c in self._parents.values():
+            self.registry.unregister(c)
+        self._parents.clear()
+        self._counters.clear()

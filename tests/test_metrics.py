@@ -1,0 +1,86 @@
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier import metrics as m
+
+
+def samples(registry):
+    """{(sample name, tier label): value} from the text exposition."""
+    out = {}
+    for fam in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in fam.samples:
+            if s.name.endswith("_created"):
+                continue
+            out[(s.name, s.labels.get("tier"))] = s.value
+    return out
+
+
+BASE = [
+    "vllm:kv_offload_tiering_read_bytes_total",
+    "vllm:kv_offload_tiering_read_time_total",
+    "vllm:kv_offload_tiering_write_bytes_total",
+    "vllm:kv_offload_tiering_write_time_total",
+    "vllm:kv_offload_tiering_promotion_job_failures_total",
+    "vllm:kv_offload_tiering_cascade_job_failures_total",
+]
+
+
+def test_exposed_names_match_vllm_checksums_off():
+    reg = CollectorRegistry()
+    m.TieringMetricsTracker("1:fs", checksums=False, registry=reg)
+    s = samples(reg)
+    assert sorted(n for n, _ in s) == sorted(BASE)
+    assert all(t == "1:fs" for _, t in s)
+    assert "vllm:kv_offload_tiering_checksum_failures_total" not in generate_latest(reg).decode()
+
+
+def test_checksum_metric_only_when_on():
+    reg = CollectorRegistry()
+    m.TieringMetricsTracker("1:fs", checksums=True, registry=reg)
+    assert sorted(n for n, _ in samples(reg)) == sorted(BASE + ["vllm:kv_offload_tiering_checksum_failures_total"])
+
+
+def test_counting_rules():
+    reg = CollectorRegistry()
+    t = m.TieringMetricsTracker("1:fs", checksums=True, registry=reg)
+    t.on_job_finished(False, True, 4, 4, 1000, 0.25)  # store ok
+    t.on_job_finished(True, True, 2, 2, 1000, 0.5)  # load ok
+    t.on_job_finished(True, False, 5, 3, 1000, 0.125, checksum_failed=True)  # partial keep, CRC
+    t.on_job_finished(True, False, 5, 0, 1000, 0.125, checksum_failed=False)  # FS EBADMSG etc.
+    t.on_job_finished(False, False, 3, 1, 1000, 1.0)  # failed store: no bytes
+    s = samples(reg)
+    assert s[("vllm:kv_offload_tiering_write_bytes_total", "1:fs")] == 4000
+    assert s[("vllm:kv_offload_tiering_write_time_total", "1:fs")] == 0.25
+    assert s[("vllm:kv_offload_tiering_read_bytes_total", "1:fs")] == 5000
+    assert s[("vllm:kv_offload_tiering_read_time_total", "1:fs")] == 0.625
+    assert s[("vllm:kv_offload_tiering_promotion_job_failures_total", "1:fs")] == 2
+    assert s[("vllm:kv_offload_tiering_cascade_job_failures_total", "1:fs")] == 1
+    assert s[("vllm:kv_offload_tiering_checksum_failures_total", "1:fs")] == 1
+    assert t.value(m.CHECKSUM_FAILURES) == 1
+
+
+def test_default_registry_is_private_and_labels():
+    a = m.TieringMetricsTracker()
+    b = m.TieringMetricsTracker()  # no duplicate-registration error
+    assert a.registry is not b.registry
+    assert m.tier_label(0) == "1:fs" and m.tier_label(1, "s3") == "2:s3"
+    with pytest.raises(ValueError):
+        m.tier_label(-1)
+    with pytest.raises(ValueError):
+        m.TieringMetricsTracker("")
+
+
+def test_counter_source_hook_and_close():
+    reg = CollectorRegistry()
+    t = m.TieringMetricsTracker("2:fs", registry=reg)
+    box = {"n": 3}
+    t.add_counter_source(lambda: {"kvtier:dsa_cpu_redo": ("CRC redone on the CPU", box["n"])})
+    assert samples(reg)[("kvtier:dsa_cpu_redo_total", "2:fs")] == 3
+    box["n"] = 7
+    assert samples(reg)[("kvtier:dsa_cpu_redo_total", "2:fs")] == 7
+    with pytest.raises(TypeError):
+        t.add_counter_source(5)
+    t.close()
+    assert samples(reg) == {}
+    m.TieringMetricsTracker("2:fs", registry=reg)  # names free again
