@@ -1,0 +1,504 @@
+"""FileSystemTierManager: the filesystem ("secondary") tier under a CPU KV buffer.
+
+Standalone (no vLLM import), shaped like vLLM's ``FileSystemTierManager``: an offload
+connector submits store ("cascade") jobs that copy blocks of the primary buffer into
+files, and load ("promotion") jobs that copy files back into the buffer, then polls
+:meth:`FileSystemTierManager.get_finished_jobs`.
+
+Threads: two queues (loads, stores) and two groups of threads.  Read-priority threads
+(``n_read_threads``) take a load job first and a store job when no load is queued;
+write-priority threads (``n_write_threads``) do the reverse, so neither queue starves
+and an idle group helps the busy one.  Each job is one call into the C core
+(``kvtier.io.batch_store_block`` / ``batch_load_block``), which runs the whole batch
+without the GIL.
+
+Partial keep: a load that fails at block ``n`` (``OSError.num_succeeded == n``) reports
+its first ``n`` keys in ``JobResult.successful_keys``; block ``n`` and the rest are misses.
+Files are removed only when provably bad (checksum mismatch, short or long file); a
+transient error (ENOENT, EACCES, ELOOP, EIO from the device, EBADMSG from the
+filesystem...) keeps the file.  See ``shared/design.md`` ("On-disk contract").
+"""
+from __future__ import annotations
+
+import collections
+import inspect
+import logging
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Hashable, List, Mapping, Optional, Sequence, Tuple
+
+from kvtier.file_mapper import FileMapper, Key
+from kvtier.metrics import TieringMetricsTracker, tier_label
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TransferJob:
+    """One batch of blocks to move between the primary buffer and files.
+
+    ``keys[i]`` (``(block_hash: bytes, group_idx: int)``) goes to / comes from block
+    ``chunk_ids[i]`` of the primary buffer (byte offset ``chunk_ids[i] * block_size``).
+    ``is_promotion``: True for a load into the buffer, False for a store; None lets
+    :meth:`FileSystemTierManager.submit_load` / ``submit_store`` decide.
+    """
+
+    job_id: Hashable
+    keys: Sequence[Key]
+    chunk_ids: Sequence[int]
+    is_promotion: Optional[bool] = None
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """Outcome of one job.
+
+    ``successful_keys``: keys transferred (all on success; on a failed load the first
+    ``num_succeeded`` keys, partial keep; on a failed store the blocks stored before the
+    failure).  ``transfer_time``: seconds from submission to completion (queueing + I/O).
+    ``transfer_bytes``: ``len(successful_keys) * block_size``.  ``checksum_failed``: a
+    block failed CRC32C verification (its file was removed).  ``error``: the OSError (or
+    other exception) that failed the job, None on success.
+    """
+
+    job_id: Hashable
+    success: bool
+    successful_keys: Tuple[Key, ...]
+    transfer_time: float
+    transfer_bytes: int
+    checksum_failed: bool = False
+    is_promotion: bool = False
+    error: Optional[BaseException] = field(default=None, compare=False)
+
+
+@dataclass
+class _Job:
+    job_id: Hashable
+    keys: Tuple[Key, ...]
+    paths: List[str]
+    offsets: List[int]
+    is_promotion: bool
+    submitted_at: float
+
+
+def filesystem_type(path: "str | os.PathLike") -> Tuple[str, str]:
+    """``(fstype, mount_point)`` of the mount holding ``path``.
+
+    Read from ``/proc/self/mountinfo`` (proc(5)): the mount whose mount point is the
+    longest prefix of ``realpath(path)``; later entries win on ties (over-mounts).
+    Returns ``("unknown", "")`` if mountinfo is unreadable.
+    """
+    real = os.path.realpath(os.fspath(path))
+    best = ("unknown", "")
+    best_len = -1
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return best
+    for line in lines:
+        parts = line.split()
+        try:
+            sep = parts.index("-")
+        except ValueError:
+            continue
+        if len(parts) < sep + 2 or len(parts) < 5:
+            continue
+        mnt = parts[4].replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+        if mnt == "/" or real == mnt or real.startswith(mnt.rstrip("/") + "/"):
+            if len(mnt) >= best_len:
+                best_len = len(mnt)
+                best = (parts[sep + 1], mnt)
+    return best
+
+
+def _io():
+    from kvtier import io as kio
+
+    return kio
+
+
+def _primary_view(primary: Any, block_size: Optional[int]) -> Tuple[memoryview, int, int]:
+    """Flat writable-or-not byte view of ``primary``, block size and number of blocks."""
+    obj = primary
+    if type(primary).__module__.startswith("torch"):
+        # torch CPU tensors do not export the buffer protocol: view as uint8 numpy
+        if getattr(primary, "device", None) is not None and str(primary.device) != "cpu":
+            raise ValueError(f"primary buffer must be on the CPU, got device {primary.device}")
+        if not primary.is_contiguous():
+            raise BufferError("primary buffer must be C-contiguous")
+        import torch
+
+        rows = primary.shape[0] if primary.dim() >= 2 else None
+        flat = primary.reshape(-1).view(torch.uint8).numpy()
+        obj = flat.reshape(rows, -1) if rows else flat
+    try:
+        m = memoryview(obj)
+    except TypeError:
+        raise TypeError(
+            f"primary buffer must support the buffer protocol (bytearray, numpy array, torch CPU "
+            f"tensor, mmap...), got {type(primary).__name__}"
+        ) from None
+    if not m.c_contiguous:
+        raise BufferError("primary buffer must be C-contiguous")
+    if m.nbytes == 0:
+        raise ValueError("primary buffer is empty")
+    if block_size is not None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int):
+            raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+    if m.ndim >= 2:
+        stride = m.strides[0]
+        if block_size is not None and block_size != stride:
+            raise ValueError(
+                f"block_size {block_size} does not match the primary buffer: one block per row, "
+                f"row stride {stride} bytes (shape {m.shape})"
+            )
+        block_size = stride
+    elif block_size is None:
+        raise ValueError(
+            "a 1-D primary buffer needs block_size (bytes); or pass a 2-D buffer with one block per row"
+        )
+    if m.nbytes % block_size:
+        raise ValueError(f"primary buffer of {m.nbytes} bytes is not a whole number of {block_size}-byte blocks")
+    flat = m.cast("B") if (m.ndim != 1 or m.format != "B") else m
+    return flat, block_size, m.nbytes // block_size
+
+
+class FileSystemTierManager:
+    """Filesystem tier on ``primary`` (the CPU KV buffer) with files under ``root_dir``.
+
+    Args:
+        primary: buffer-protocol object (bytearray, numpy array, torch CPU tensor,
+            mmap), C-contiguous; a 2-D buffer holds one block per row (block size = row
+            stride in bytes), a 1-D buffer needs ``block_size``.
+        root_dir: directory of the cache (created if missing).
+        model_name ... parallel_agnostic: the FileMapper fields (:class:`FileMapper`).
+        block_size: bytes per block (checked against a 2-D buffer's row stride).
+        n_read_threads / n_write_threads: read- and write-priority threads, >= 1.
+        checksum_blocks: record CRC32C in xattr ``user.vllm.kv_crc32c`` on store and
+            verify it on load.  Blocks stored without it still load (unverified).
+        use_o_direct: use O_DIRECT when the filesystem accepts it (probed at startup;
+            a warning and buffered I/O if refused).
+        tier_idx / tier_type: metric label ``f"{tier_idx+1}:{tier_type}"`` ("1:fs").
+        metrics: a :class:`TieringMetricsTracker` to count into (its ``checksums`` must
+            match ``checksum_blocks``), or None to make one in ``registry``.
+        registry: prometheus_client registry for the tracker made here (default a fresh
+            one, see :mod:`kvtier.metrics`).
+
+    Raises, before any I/O: TypeError / ValueError for bad arguments (wrong types,
+    thread counts < 1, block size not matching the buffer, bad FileMapper fields),
+    BufferError for a non-contiguous buffer.  Then: OSError naming ``root_dir`` (errno
+    EACCES, EROFS, ENOTDIR, ENOSPC...) if it cannot be created or written; ValueError
+    mentioning "extended attributes", the root and its filesystem type when
+    ``checksum_blocks`` is on and the filesystem has no user xattrs; ValueError if the
+    directory records another block size (``kvtier.json``).
+    """
+
+    def __init__(
+        self,
+        primary: Any,
+        root_dir: "str | os.PathLike",
+        model_name: str,
+        hash_block_size: int = 16,
+        gpu_blocks_per_file: int = 1,
+        tp_size: int = 1,
+        pp_size: int = 1,
+        pcp_size: int = 1,
+        dcp_size: int = 1,
+        rank: int = 0,
+        dtype: Any = "bfloat16",
+        kv_cache_groups: Optional[Sequence[Mapping]] = None,
+        inference_engine: str = "vllm",
+        parallel_agnostic: bool = False,
+        *,
+        block_size: Optional[int] = None,
+        n_read_threads: int = 16,
+        n_write_threads: int = 16,
+        checksum_blocks: bool = False,
+        use_o_direct: bool = True,
+        tier_idx: int = 0,
+        tier_type: str = "fs",
+        metrics: Optional[TieringMetricsTracker] = None,
+        registry: Any = None,
+    ) -> None:
+        # ---- configuration checks: no I/O until all of them pass ----
+        for name, v in (("n_read_threads", n_read_threads), ("n_write_threads", n_write_threads)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        for name, v in (("checksum_blocks", checksum_blocks), ("use_o_direct", use_o_direct)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+        label = tier_label(tier_idx, tier_type)
+        if metrics is not None:
+            if not isinstance(metrics, TieringMetricsTracker):
+                raise TypeError("metrics must be a kvtier.metrics.TieringMetricsTracker")
+            if registry is not None:
+                raise ValueError("pass either metrics or registry, not both")
+            if metrics.checksums != checksum_blocks:
+                raise ValueError("metrics.checksums must equal checksum_blocks")
+        self._view, self.block_size, self.num_blocks = _primary_view(primary, block_size)
+        self._primary = primary  # keep the exporter alive
+        self.file_mapper = FileMapper(
+            root_dir, model_name, hash_block_size, gpu_blocks_per_file, tp_size, pp_size,
+            pcp_size, dcp_size, rank, dtype, kv_cache_groups, inference_engine, parallel_agnostic,
+        )
+        self.root_dir = self.file_mapper.root_dir
+        self.checksum_blocks = checksum_blocks
+        self.n_read_threads = n_read_threads
+        self.n_write_threads = n_write_threads
+
+        # ---- startup checks that touch the filesystem ----
+        kio = _io()
+        self._check_writable()
+        self.file_mapper.write_run_config()
+        self.file_mapper.write_block_info(self.block_size)
+        self.use_o_direct = bool(use_o_direct and kio.probe_o_direct(self.file_mapper.rank_path))
+        if use_o_direct and not self.use_o_direct:
+            fstype, _ = filesystem_type(self.root_dir)
+            logger.warning(
+                "O_DIRECT is not supported at %r (%s); using buffered I/O for the %s tier",
+                self.root_dir, fstype, label,
+            )
+        if checksum_blocks and not kio.probe_xattr(self.file_mapper.rank_path):
+            fstype, mnt = filesystem_type(self.root_dir)
+            raise ValueError(
+                f"checksum_blocks=True needs extended attributes (user xattr "
+                f"'user.vllm.kv_crc32c'), but the tier root {self.root_dir!r} is on a {fstype} "
+                f"filesystem (mounted at {mnt!r}) that does not support them; use another "
+                f"filesystem (ext4, xfs, btrfs, tmpfs) or set checksum_blocks=False"
+            )
+        self.metrics = metrics if metrics is not None else TieringMetricsTracker(
+            label, checksums=checksum_blocks, registry=registry)
+
+        # ---- pool ----
+        self._cond = threading.Condition(threading.Lock())
+        self._load_q: "collections.deque[_Job]" = collections.deque()
+        self._store_q: "collections.deque[_Job]" = collections.deque()
+        self._finished: "collections.deque[JobResult]" = collections.deque()
+        self._live: set = set()  # submitted, not yet returned by get_finished_jobs
+        self._inflight = 0  # queued or running
+        self._stop = False
+        self._threads: List[threading.Thread] = []
+        for i in range(n_read_threads):
+            self._start_thread(f"kvtier_fs_r{i}", True)
+        for i in range(n_write_threads):
+            self._start_thread(f"kvtier_fs_w{i}", False)
+
+    # ------------------------------------------------------------------ config
+    @classmethod
+    def config_keys(cls) -> List[str]:
+        """Names accepted by :meth:`from_config` (every constructor argument but ``primary``)."""
+        return [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "primary")]
+
+    @classmethod
+    def from_config(cls, primary: Any, config: Mapping[str, Any]) -> "FileSystemTierManager":
+        """Build from a config mapping (e.g. a tier entry of a connector's JSON config).
+
+        Raises ValueError naming unknown keys and listing the valid ones, before any I/O.
+        """
+        if not isinstance(config, Mapping):
+            raise TypeError(f"config must be a mapping, got {type(config).__name__}")
+        valid = cls.config_keys()
+        unknown = sorted(set(config) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown FileSystemTierManager config key(s) {unknown}; valid keys: {valid}")
+        return cls(primary, **config)
+
+    def _check_writable(self) -> None:
+        root = self.root_dir
+        try:
+            os.makedirs(root, exist_ok=True)
+            if not os.path.isdir(root):
+                raise NotADirectoryError(20, "Not a directory", root)
+            os.makedirs(self.file_mapper.rank_path, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".kvtier_probe_", dir=self.file_mapper.rank_path)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise OSError(e.errno, f"tier root is not writable: {e.strerror}"
+                          f"{'' if e.filename in (None, root) else f' ({e.filename})'}", root) from e
+
+    # ------------------------------------------------------------------ pool
+    def _start_thread(self, name: str, load_priority: bool) -> None:
+        t = threading.Thread(target=self._worker, args=(load_priority,), name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _worker(self, load_priority: bool) -> None:
+        first, second = (self._load_q, self._store_q) if load_priority else (self._store_q, self._load_q)
+        while True:
+            with self._cond:
+                while not (self._stop or first or second):
+                    self._cond.wait()
+                if self._stop:
+                    return
+                job = first.popleft() if first else second.popleft()
+            result = self._run(job)
+            self._account(result, len(job.keys))
+            with self._cond:
+                self._finished.append(result)
+                self._inflight -= 1
+                self._cond.notify_all()
+
+    def _run(self, job: _Job) -> JobResult:
+        kio = _io()
+        fn = kio.batch_load_block if job.is_promotion else kio.batch_store_block
+        err: Optional[BaseException] = None
+        n_ok = len(job.keys)
+        checksum_failed = False
+        try:
+            fn(job.paths, self._view, job.offsets, self.block_size,
+               use_o_direct=self.use_o_direct, checksum=self.checksum_blocks)
+        except OSError as e:
+            err = e
+            n_ok = getattr(e, "num_succeeded", 0) or 0
+            n_ok = max(0, min(int(n_ok), len(job.keys)))
+            checksum_failed = bool(getattr(e, "checksum_failed", False))
+        except Exception as e:  # BufferError/ValueError from the I/O layer: nothing moved
+            err = e
+            n_ok = 0
+        elapsed = time.monotonic() - job.submitted_at
+        if err is not None:
+            logger.warning("%s job %r failed at block %d of %d: %s",
+                           "load" if job.is_promotion else "store", job.job_id, n_ok, len(job.keys), err)
+        keys = job.keys if err is None else job.keys[:n_ok]
+        return JobResult(job.job_id, err is None, tuple(keys), elapsed, len(keys) * self.block_size,
+                         checksum_failed, job.is_promotion, err)
+
+    def _account(self, r: JobResult, n_keys: int) -> None:
+        try:
+            self.metrics.on_job_finished(r.is_promotion, r.success, n_keys, len(r.successful_keys),
+                                         self.block_size, r.transfer_time, r.checksum_failed)
+        except Exception:  # metrics must never break the data path
+            logger.exception("metrics accounting failed")
+
+    # ------------------------------------------------------------------ jobs
+    def _prepare(self, job: TransferJob, is_promotion: bool) -> _Job:
+        if not isinstance(job, TransferJob):
+            raise TypeError(f"job must be a TransferJob, got {type(job).__name__}")
+        if job.is_promotion is not None and bool(job.is_promotion) != is_promotion:
+            raise ValueError(
+                f"job {job.job_id!r} has is_promotion={job.is_promotion} but was submitted with "
+                f"{'submit_load' if is_promotion else 'submit_store'}"
+            )
+        try:
+            hash(job.job_id)
+        except TypeError:
+            raise TypeError(f"job_id must be hashable, got {type(job.job_id).__name__}") from None
+        keys = tuple(job.keys)
+        chunk_ids = list(job.chunk_ids)
+        if len(keys) != len(chunk_ids):
+            raise ValueError(f"job {job.job_id!r}: {len(keys)} keys but {len(chunk_ids)} chunk_ids")
+        offsets = []
+        for c in chunk_ids:
+            if isinstance(c, bool) or not isinstance(c, int):
+                try:
+                    c = int(c.__index__())  # numpy integers
+                except (AttributeError, TypeError):
+                    raise TypeError(f"chunk_ids must be ints, got {type(c).__name__}") from None
+            if not 0 <= c < self.num_blocks:
+                raise ValueError(f"job {job.job_id!r}: chunk_id {c} out of range [0, {self.num_blocks})")
+            offsets.append(c * self.block_size)
+        paths = self.file_mapper.get_file_names(keys)
+        if is_promotion and self._view.readonly:
+            raise BufferError("primary buffer is read-only; loads need a writable buffer")
+        return _Job(job.job_id, tuple(FileMapper.check_key(k) for k in keys), paths, offsets,
+                    is_promotion, 0.0)
+
+    def _submit(self, job: TransferJob, is_promotion: bool) -> None:
+        j = self._prepare(job, is_promotion)
+        with self._cond:
+            if self._stop:
+                raise RuntimeError("FileSystemTierManager is shut down")
+            if j.job_id in self._live:
+                raise ValueError(f"job id {j.job_id!r} is already in use by a job not yet collected")
+            self._live.add(j.job_id)
+            j.submitted_at = time.monotonic()
+            if not j.keys:
+                self._finished.append(JobResult(j.job_id, True, (), 0.0, 0, False, is_promotion))
+                return
+            self._inflight += 1
+            (self._load_q if is_promotion else self._store_q).append(j)
+            self._cond.notify()
+
+    def submit_store(self, job: TransferJob) -> None:
+        """Queue a store (cascade): block ``chunk_ids[i]`` of the buffer -> file of ``keys[i]``.
+
+        Existing files are skipped (counted as stored).  Non-blocking.  Raises TypeError /
+        ValueError for a bad job (before queueing), ValueError for a job id still in use,
+        RuntimeError after :meth:`shutdown`.
+        """
+        self._submit(job, False)
+
+    def submit_load(self, job: TransferJob) -> None:
+        """Queue a load (promotion): file of ``keys[i]`` -> block ``chunk_ids[i]`` of the buffer.
+
+        Non-blocking; same errors as :meth:`submit_store`, plus BufferError for a read-only
+        buffer.
+        """
+        self._submit(job, True)
+
+    def get_finished_jobs(self) -> List[JobResult]:
+        """Results of the jobs finished since the last call, in completion order.  Their ids
+        become free for reuse."""
+        out = []
+        with self._cond:
+            while self._finished:
+                r = self._finished.popleft()
+                self._live.discard(r.job_id)
+                out.append(r)
+        return out
+
+    def lookup(self, keys: Sequence[Key]) -> List[bool]:
+        """For each key, True if its block file exists (one C call for all keys)."""
+        paths = self.file_mapper.get_file_names(list(keys))
+        if not paths:
+            return []
+        return [bool(x) for x in _io().batch_lookup(paths)]
+
+    def drain_jobs(self, timeout: Optional[float] = None) -> bool:
+        """Block until every submitted job has finished (results stay available from
+        :meth:`get_finished_jobs`).  Returns False if ``timeout`` (seconds) expired."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._inflight == 0, timeout)
+
+    def shutdown(self, wait: bool = True) -> List[Hashable]:
+        """Stop the tier: queued jobs are discarded (never run, never reported), running
+        jobs finish, threads are joined (``wait``).  Returns the discarded job ids.
+        Idempotent; later submits raise RuntimeError."""
+        with self._cond:
+            discarded = [j.job_id for j in list(self._load_q) + list(self._store_q)]
+            self._inflight -= len(discarded)
+            for jid in discarded:
+                self._live.discard(jid)
+            self._load_q.clear()
+            self._store_q.clear()
+            self._stop = True
+            self._cond.notify_all()
+        if wait:
+            for t in self._threads:
+                if t is not threading.current_thread():
+                    t.join()
+        return discarded
+
+    @property
+    def is_shut_down(self) -> bool:
+        return self._stop
+
+    def __enter__(self) -> "FileSystemTierManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return (f"FileSystemTierManager(root={self.root_dir!r}, block_size={self.block_size}, "
+                f"num_blocks={self.num_blocks}, checksum_blocks={self.checksum_blocks}, "
+                f"o_direct={self.use_o_direct})")

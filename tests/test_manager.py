@@ -1,0 +1,486 @@
+"""FileSystemTierManager on real files in temp dirs (ext4 under /tmp here; tmpfs and ramfs
+mounts where a test needs them, skipped with a reason where mounting is not permitted)."""
+import contextlib
+import errno
+import json
+import logging
+import os
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+import kvtier
+import kvtier.io as kio
+from kvtier import metrics as M
+from kvtier.manager import FileSystemTierManager, JobResult, TransferJob, filesystem_type
+
+BS = 16384  # bytes per block in these tests
+NB = 16
+
+
+def keys_for(n, group=0, salt=0):
+    return [((salt * 1000 + i).to_bytes(8, "big") + b"\xab" * 8, group) for i in range(n)]
+
+
+def rand_buf(nblocks=NB, bs=BS, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, (nblocks, bs), dtype=np.uint8)
+
+
+def mk(buf, root, **kw):
+    kw.setdefault("n_read_threads", 2)
+    kw.setdefault("n_write_threads", 2)
+    return FileSystemTierManager(buf, str(root), "test/model", **kw)
+
+
+def run(mgr, job, load):
+    (mgr.submit_load if load else mgr.submit_store)(job)
+    assert mgr.drain_jobs(timeout=30)
+    res = mgr.get_finished_jobs()
+    assert [r.job_id for r in res] == [job.job_id]
+    return res[0]
+
+
+@contextlib.contextmanager
+def mounted(fstype, target, opts=None):
+    if os.geteuid() != 0:
+        pytest.skip("mounting needs root")
+    cmd = ["mount", "-t", fstype] + (["-o", opts] if opts else []) + [fstype, str(target)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"mount -t {fstype} not permitted here: {r.stderr.strip()}")
+    try:
+        yield str(target)
+    finally:
+        subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+@pytest.fixture
+def tier(tmp_path):
+    made = []
+
+    def factory(buf=None, **kw):
+        buf = rand_buf() if buf is None else buf
+        m = mk(buf, tmp_path / "cache", **kw)
+        made.append(m)
+        return m, buf
+
+    yield factory
+    for m in made:
+        m.shutdown()
+
+
+# ---------------------------------------------------------------- round trip
+@pytest.mark.parametrize("checksum", [False, True])
+def test_round_trip(tier, checksum):
+    m, buf = tier(checksum_blocks=checksum)
+    orig = buf.copy()
+    keys = keys_for(NB)
+    r = run(m, TransferJob(1, keys, list(range(NB))), load=False)
+    assert r.success and r.successful_keys == tuple(keys) and r.transfer_bytes == NB * BS
+    assert not r.checksum_failed and r.error is None and r.transfer_time > 0
+    for i, k in enumerate(keys):
+        p = m.file_mapper.get_file_name(k)
+        with open(p, "rb") as f:
+            assert f.read() == orig[i].tobytes()
+        if checksum:
+            assert os.getxattr(p, "user.vllm.kv_crc32c") == kvtier.crc32c(orig[i]).to_bytes(4, "big")
+        else:
+            with pytest.raises(OSError) as ei:
+                os.getxattr(p, "user.vllm.kv_crc32c")
+            assert ei.value.errno == errno.ENODATA
+    buf[:] = 0
+    # load into permuted slots, as two jobs
+    perm = list(reversed(range(NB)))
+    m.submit_load(TransferJob("a", keys[:8], perm[:8], is_promotion=True))
+    m.submit_load(TransferJob("b", keys[8:], perm[8:]))
+    assert m.drain_jobs(30)
+    res = {r.job_id: r for r in m.get_finished_jobs()}
+    assert res["a"].success and res["b"].success
+    for i in range(NB):
+        assert np.array_equal(buf[perm[i]], orig[i])
+    assert m.lookup(keys[:3] + keys_for(1, salt=9)) == [True, True, True, False]
+    assert m.metrics.value(M.WRITE_BYTES) == NB * BS
+    assert m.metrics.value(M.READ_BYTES) == NB * BS
+    assert m.metrics.value(M.READ_TIME) > 0 and m.metrics.value(M.WRITE_TIME) > 0
+    with open(m.file_mapper.config_path) as f:
+        assert json.load(f) == m.file_mapper.fields
+    assert m.file_mapper.read_block_info() == {"block_bytes": BS}
+
+
+def test_one_dimensional_bytearray_buffer(tmp_path):
+    buf = bytearray(os.urandom(4 * 4096))
+    orig = bytes(buf)
+    with mk(buf, tmp_path, block_size=4096) as m:
+        keys = keys_for(4)
+        assert run(m, TransferJob(1, keys, [0, 1, 2, 3]), load=False).success
+        buf[:] = bytes(len(buf))
+        assert run(m, TransferJob(2, keys, [3, 2, 1, 0]), load=True).success
+        assert buf[:4096] == orig[3 * 4096:]
+        assert buf[3 * 4096:] == orig[:4096]
+
+
+def test_store_skips_existing_destination(tier):
+    m, buf = tier()
+    k = keys_for(1)
+    assert run(m, TransferJob(1, k, [0]), load=False).success
+    r = run(m, TransferJob(2, k, [5]), load=False)  # different bytes, same key
+    assert r.success
+    with open(m.file_mapper.get_file_name(k[0]), "rb") as f:
+        assert f.read() == buf[0].tobytes()
+
+
+# ---------------------------------------------------------------- failures
+def corrupt(path, where):
+    with open(path, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        pos = {"start": 0, "middle": size // 2, "end": size - 1}[where]
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("bad", [0, 4, 7])  # first, middle, last block of the job
+def test_checksum_failure_partial_keep(tier, bad):
+    reg = CollectorRegistry()
+    m, buf = tier(checksum_blocks=True, registry=reg)
+    orig = buf.copy()
+    keys = keys_for(8)
+    assert run(m, TransferJob(1, keys, list(range(8))), load=False).success
+    paths = [m.file_mapper.get_file_name(k) for k in keys]
+    corrupt(paths[bad], ["start", "middle", "end"][bad % 3])
+    buf[:] = 0
+    r = run(m, TransferJob(2, keys, list(range(8))), load=True)
+    assert not r.success and r.checksum_failed
+    assert r.successful_keys == tuple(keys[:bad])
+    assert r.transfer_bytes == bad * BS
+    assert isinstance(r.error, OSError) and r.error.errno == errno.EBADMSG
+    assert r.error.filename == paths[bad]
+    for i in range(bad):
+        assert np.array_equal(buf[i], orig[i])
+    # the provably bad file is removed, every other file kept
+    assert [os.path.exists(p) for p in paths] == [i != bad for i in range(8)]
+    assert reg.get_sample_value("vllm:kv_offload_tiering_checksum_failures_total", {"tier": "1:fs"}) == 1
+    assert reg.get_sample_value("vllm:kv_offload_tiering_promotion_job_failures_total", {"tier": "1:fs"}) == 1
+    assert reg.get_sample_value("vllm:kv_offload_tiering_read_bytes_total", {"tier": "1:fs"}) == bad * BS
+    # a lookup now reports the removed block as a miss
+    assert m.lookup(keys) == [i != bad for i in range(8)]
+
+
+@pytest.mark.parametrize("bad", [0, 3, 7])
+def test_missing_file_is_a_miss_and_keeps_others(tier, bad):
+    m, _ = tier(checksum_blocks=True)
+    keys = keys_for(8)
+    assert run(m, TransferJob(1, keys, list(range(8))), load=False).success
+    paths = [m.file_mapper.get_file_name(k) for k in keys]
+    os.unlink(paths[bad])
+    r = run(m, TransferJob(2, keys, list(range(8))), load=True)
+    assert not r.success and not r.checksum_failed
+    assert r.error.errno == errno.ENOENT and r.successful_keys == tuple(keys[:bad])
+    assert [os.path.exists(p) for p in paths] == [i != bad for i in range(8)]
+    assert m.metrics.value(M.CHECKSUM_FAILURES) == 0
+
+
+def test_symlink_loop_is_transient_and_kept(tier):
+    m, _ = tier(checksum_blocks=True)
+    keys = keys_for(3)
+    assert run(m, TransferJob(1, keys[:2], [0, 1]), load=False).success
+    p = m.file_mapper.get_file_name(keys[2])
+    os.makedirs(os.path.dirname(p), exist_ok=True)
+    os.symlink(p, p)  # a link to itself: open() fails with ELOOP
+    r = run(m, TransferJob(2, keys, [0, 1, 2]), load=True)
+    assert not r.success and not r.checksum_failed
+    assert r.error.errno == errno.ELOOP and r.successful_keys == tuple(keys[:2])
+    assert os.path.islink(p)  # not removed: not provably bad
+    assert m.metrics.value(M.CHECKSUM_FAILURES) == 0
+
+
+def test_truncated_file_fails_eio_and_is_removed(tier):
+    m, _ = tier()
+    keys = keys_for(2)
+    assert run(m, TransferJob(1, keys, [0, 1]), load=False).success
+    p = m.file_mapper.get_file_name(keys[1])
+    os.truncate(p, BS - 1)
+    r = run(m, TransferJob(2, keys, [0, 1]), load=True)
+    assert not r.success and r.error.errno == errno.EIO and r.successful_keys == (keys[0],)
+    assert not os.path.exists(p)
+
+
+def test_fs_ebadmsg_not_counted(tier, monkeypatch):
+    m, _ = tier(checksum_blocks=True)
+    keys = keys_for(4)
+    assert run(m, TransferJob(1, keys, list(range(4))), load=False).success
+
+    def fs_ebadmsg(paths, view, offsets, block_size, use_o_direct=True, checksum=False):
+        e = OSError(errno.EBADMSG, os.strerror(errno.EBADMSG), paths[2])
+        e.num_succeeded = 2
+        e.checksum_failed = False  # the filesystem said EBADMSG (e.g. ext4 metadata csum)
+        raise e
+
+    monkeypatch.setattr(kio, "batch_load_block", fs_ebadmsg)
+    r = run(m, TransferJob(2, keys, list(range(4))), load=True)
+    assert not r.success and not r.checksum_failed and r.error.errno == errno.EBADMSG
+    assert r.successful_keys == tuple(keys[:2])
+    assert m.metrics.value(M.CHECKSUM_FAILURES) == 0
+    assert m.metrics.value(M.PROMOTION_JOB_FAILURES) == 1
+    assert all(os.path.exists(m.file_mapper.get_file_name(k)) for k in keys)
+
+
+def test_store_failure_counts_cascade_failure(tier):
+    m, _ = tier()
+    keys = keys_for(3)
+    # make block 1's <hhh> directory a regular file: its store fails with ENOTDIR
+    p1 = m.file_mapper.get_file_name(keys[1])
+    d = os.path.dirname(os.path.dirname(p1))
+    os.makedirs(os.path.dirname(d), exist_ok=True)
+    if not os.path.exists(d):
+        open(d, "w").close()
+    # keys[0] shares the <hhh> dir with keys[1] (same leading bytes); use a distinct first key
+    k0 = (b"\xff" * 16, 0)
+    r = run(m, TransferJob(1, [k0, keys[1], keys[2]], [0, 1, 2]), load=False)
+    assert not r.success and r.error.errno == errno.ENOTDIR
+    assert r.successful_keys == (k0,)
+    assert m.metrics.value(M.CASCADE_JOB_FAILURES) == 1
+    assert m.metrics.value(M.WRITE_BYTES) == 0
+    assert not [f for f in os.listdir(os.path.dirname(d)) if f.endswith(".tmp")]
+
+
+def test_checksum_metric_absent_when_off(tier):
+    reg = CollectorRegistry()
+    m, _ = tier(checksum_blocks=False, registry=reg)
+    assert not m.metrics.has(M.CHECKSUM_FAILURES)
+    assert reg.get_sample_value("vllm:kv_offload_tiering_checksum_failures_total", {"tier": "1:fs"}) is None
+    assert reg.get_sample_value("vllm:kv_offload_tiering_read_bytes_total", {"tier": "1:fs"}) == 0
+
+
+# ---------------------------------------------------------------- jobs and threads
+class Gate:
+    """Replaces kio.batch_load_block: every call blocks until released."""
+
+    def __init__(self, monkeypatch):
+        self.release = threading.Event()
+        self.started = []
+        self.lock = threading.Lock()
+        real = kio.batch_load_block
+
+        def gated(*a, **kw):
+            with self.lock:
+                self.started.append(threading.current_thread().name)
+            assert self.release.wait(30)
+            return real(*a, **kw)
+
+        monkeypatch.setattr(kio, "batch_load_block", gated)
+
+    def wait_started(self, n, timeout=10):
+        t0 = time.monotonic()
+        while len(self.started) < n:
+            assert time.monotonic() - t0 < timeout
+            time.sleep(0.005)
+
+
+def test_jobs_tracked_independently(tier):
+    m, buf = tier()
+    orig = buf.copy()
+    ka, kb = keys_for(4, salt=1), keys_for(4, salt=2)
+    m.submit_store(TransferJob("sa", ka, [0, 1, 2, 3]))
+    m.submit_store(TransferJob("sb", kb, [4, 5, 6, 7]))
+    assert m.drain_jobs(30)
+    assert sorted(r.job_id for r in m.get_finished_jobs() if r.success) == ["sa", "sb"]
+    os.unlink(m.file_mapper.get_file_name(kb[0]))
+    buf[:] = 0
+    m.submit_load(TransferJob("la", ka, [8, 9, 10, 11]))
+    m.submit_load(TransferJob("lb", kb, [12, 13, 14, 15]))
+    assert m.drain_jobs(30)
+    res = {r.job_id: r for r in m.get_finished_jobs()}
+    assert res["la"].success and res["la"].successful_keys == tuple(ka)
+    assert not res["lb"].success and res["lb"].successful_keys == ()
+    assert np.array_equal(buf[8:12], orig[0:4])
+    assert m.get_finished_jobs() == []
+
+
+def test_job_ids_and_validation(tier, monkeypatch):
+    m, _ = tier()
+    gate = Gate(monkeypatch)
+    k = keys_for(2)
+    assert run(m, TransferJob(7, k, [0, 1]), load=False).success
+    m.submit_load(TransferJob(7, k, [0, 1]))  # 7 was collected: free again
+    with pytest.raises(ValueError, match="already in use"):
+        m.submit_store(TransferJob(7, k, [2, 3]))
+    gate.release.set()
+    assert m.drain_jobs(30)
+    assert [r.job_id for r in m.get_finished_jobs()] == [7]
+    bad = [
+        (TransferJob(1, k, [0]), ValueError),
+        (TransferJob(1, k, [0, NB]), ValueError),
+        (TransferJob(1, k, [0, -1]), ValueError),
+        (TransferJob(1, k, [0, 1.0]), TypeError),
+        (TransferJob(1, [b"x", b"y"], [0, 1]), TypeError),
+        (TransferJob([1], k, [0, 1]), TypeError),
+        (TransferJob(1, k, [0, 1], is_promotion=True), ValueError),  # via submit_store
+        ((1, k, [0, 1]), TypeError),
+    ]
+    for job, exc in bad:
+        with pytest.raises(exc):
+            m.submit_store(job)
+    assert m.drain_jobs(1) and m.get_finished_jobs() == []
+    # empty job: finishes at once
+    m.submit_load(TransferJob(9, [], []))
+    assert m.get_finished_jobs() == [JobResult(9, True, (), 0.0, 0, False, True)]
+
+
+def test_read_and_write_threads_steal(tier, monkeypatch):
+    m, _ = tier(n_read_threads=1, n_write_threads=1)
+    k = keys_for(2)
+    assert run(m, TransferJob(0, k, [0, 1]), load=False).success
+    gate = Gate(monkeypatch)
+    m.submit_load(TransferJob(1, k[:1], [0]))
+    m.submit_load(TransferJob(2, k[1:], [1]))
+    gate.wait_started(2)  # both loads run at once: the write-priority thread took one
+    assert sorted(gate.started) == ["kvtier_fs_r0", "kvtier_fs_w0"]
+    gate.release.set()
+    assert m.drain_jobs(30)
+    assert sorted(r.job_id for r in m.get_finished_jobs() if r.success) == [1, 2]
+
+
+def test_drain_waits_and_shutdown_discards_and_joins(tmp_path, monkeypatch):
+    buf = rand_buf()
+    m = mk(buf, tmp_path, n_read_threads=1, n_write_threads=1)
+    k = keys_for(4)
+    assert run(m, TransferJob(0, k, [0, 1, 2, 3]), load=False).success
+    gate = Gate(monkeypatch)
+    for j in range(4):
+        m.submit_load(TransferJob(j + 1, [k[j]], [j]))
+    gate.wait_started(2)
+    assert m.drain_jobs(timeout=0.2) is False  # two jobs blocked, two queued
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("d", m.shutdown()))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive()  # shutdown joins the threads, which still run jobs 1 and 2
+    gate.release.set()
+    t.join(10)
+    assert not t.is_alive()
+    assert sorted(out["d"]) == [3, 4]
+    assert all(not th.is_alive() for th in m._threads)
+    assert sorted(r.job_id for r in m.get_finished_jobs()) == [1, 2]
+    assert m.drain_jobs(0.1)
+    with pytest.raises(RuntimeError):
+        m.submit_store(TransferJob(5, [k[0]], [0]))
+    assert m.shutdown() == []  # idempotent
+
+
+# ---------------------------------------------------------------- startup checks
+def test_bad_config_raises_before_any_io(tmp_path):
+    root = tmp_path / "never"
+    buf = rand_buf()
+    cases = [
+        (dict(n_read_threads=0), ValueError),
+        (dict(n_write_threads=-1), ValueError),
+        (dict(n_read_threads=2.0), TypeError),
+        (dict(block_size=BS * 2), ValueError),
+        (dict(checksum_blocks="yes"), TypeError),
+        (dict(tp_size=0), ValueError),
+    ]
+    for kw, exc in cases:
+        with pytest.raises(exc):
+            FileSystemTierManager(buf, str(root), "m", **kw)
+    with pytest.raises(ValueError, match="unknown .*'bogus'"):
+        FileSystemTierManager.from_config(buf, {"root_dir": str(root), "model_name": "m", "bogus": 1})
+    with pytest.raises(ValueError, match="1-D primary buffer needs block_size"):
+        FileSystemTierManager(bytearray(100), str(root), "m")
+    with pytest.raises(ValueError, match="whole number"):
+        FileSystemTierManager(bytearray(100), str(root), "m", block_size=30)
+    with pytest.raises(BufferError):
+        FileSystemTierManager(rand_buf()[:, ::2], str(root), "m")
+    with pytest.raises(TypeError):
+        FileSystemTierManager(object(), str(root), "m")
+    assert not root.exists()
+    m = FileSystemTierManager.from_config(buf, {"root_dir": str(root), "model_name": "m",
+                                                "n_read_threads": 1, "n_write_threads": 1})
+    m.shutdown()
+    assert root.is_dir()
+
+
+def test_block_size_recorded_mismatch(tmp_path):
+    with mk(rand_buf(), tmp_path):
+        pass
+    with pytest.raises(ValueError, match="block_bytes"):
+        mk(rand_buf(bs=BS * 2), tmp_path)
+
+
+def test_root_not_a_directory(tmp_path):
+    f = tmp_path / "file"
+    f.write_bytes(b"x")
+    with pytest.raises(OSError) as ei:
+        mk(rand_buf(), f / "sub")
+    assert ei.value.errno == errno.ENOTDIR and ei.value.filename == str(f / "sub")
+
+
+def test_read_only_root(tmp_path):
+    target = tmp_path / "ro"
+    target.mkdir()
+    with mounted("tmpfs", target, "ro,size=1m"):
+        with pytest.raises(OSError) as ei:
+            mk(rand_buf(), target)
+        assert ei.value.errno == errno.EROFS and ei.value.filename == str(target)
+        assert str(target) in str(ei.value)
+
+
+def test_xattr_less_root_with_checksums(tmp_path):
+    target = tmp_path / "ramfs"
+    target.mkdir()
+    with mounted("ramfs", target):
+        with pytest.raises(ValueError) as ei:
+            mk(rand_buf(), target, checksum_blocks=True)
+        msg = str(ei.value)
+        assert "extended attributes" in msg and str(target) in msg and "ramfs" in msg
+
+
+def test_xattr_probe_false_message_names_fs_type(tmp_path, monkeypatch):
+    monkeypatch.setattr(kio, "probe_xattr", lambda d: False)
+    with pytest.raises(ValueError) as ei:
+        mk(rand_buf(), tmp_path, checksum_blocks=True)
+    fstype, _ = filesystem_type(tmp_path)
+    assert "extended attributes" in str(ei.value) and fstype in str(ei.value) and str(tmp_path) in str(ei.value)
+
+
+def test_o_direct_refused_falls_back_with_warning(tmp_path, caplog):
+    # ramfs refuses O_DIRECT (tmpfs accepts it since Linux 6.6)
+    target = tmp_path / "ramfs"
+    target.mkdir()
+    with mounted("ramfs", target):
+        with caplog.at_level(logging.WARNING, logger="kvtier.manager"):
+            m = mk(rand_buf(), target)
+        try:
+            assert m.use_o_direct is False
+            assert any("O_DIRECT" in r.getMessage() for r in caplog.records)
+            buf = m._primary
+            orig = buf.copy()
+            k = keys_for(4)
+            assert run(m, TransferJob(1, k, [0, 1, 2, 3]), load=False).success
+            buf[:4] = 0
+            assert run(m, TransferJob(2, k, [0, 1, 2, 3]), load=True).success
+            assert np.array_equal(buf[:4], orig[:4])
+        finally:
+            m.shutdown()
+
+
+def test_filesystem_type_of_proc():
+    assert filesystem_type("/proc/self") == ("proc", "/proc")
+
+
+def test_torch_tensor_buffer(tmp_path):
+    torch = pytest.importorskip("torch")
+    t = torch.randn(4, 1024, dtype=torch.bfloat16)
+    orig = t.clone()
+    with mk(t, tmp_path) as m:
+        assert m.block_size == 2048
+        k = keys_for(4)
+        assert run(m, TransferJob(1, k, [0, 1, 2, 3]), load=False).success
+        t.zero_()
+        assert run(m, TransferJob(2, k, [0, 1, 2, 3]), load=True).success
+        assert torch.equal(t, orig)
