@@ -1,0 +1,656 @@
+"""Block I/O (kvtier.io over kvtier._C and kvtier.fallback): protocol, on-disk
+bytes, error table of design.md, O_DIRECT fallbacks, argument checks, GIL.
+
+Every test taking ``io_backend`` runs once against the C core and once against
+the pure-Python fallback and calls that implementation (conftest.py).
+"""
+from __future__ import annotations
+
+import errno
+import glob
+import mmap
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvtier
+from kvtier import io as kio
+from mounts import mount_tmpfs
+
+XATTR = "user.vllm.kv_crc32c"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def rand_blocks(n, block_size, seed=0):
+    """A view of n blocks of random bytes (numpy uint8, contiguous)."""
+    return np.random.default_rng(seed).integers(0, 256, n * block_size, dtype=np.uint8)
+
+
+def offsets_of(n, block_size):
+    return [i * block_size for i in range(n)]
+
+
+def block_paths(d, n, name="blk"):
+    # nested, not yet existing parents: the store creates them
+    return [os.path.join(str(d), "m_0123456789ab_r0", f"{i:03x}", f"{i:02x}_g0", f"{name}{i}.bin") for i in range(n)]
+
+
+def expected_record(data) -> bytes:
+    return kvtier.crc32c(data).to_bytes(4, "big")
+
+
+def temps_under(d):
+    return glob.glob(os.path.join(str(d), "**", "*.tmp"), recursive=True)
+
+
+def flip_bit(path, pos):
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def aligned_buffer(nbytes):
+    """Page-aligned writable buffer (anonymous mmap) of nbytes."""
+    m = mmap.mmap(-1, nbytes)
+    return m
+
+
+def store_one(io_backend, path, data: bytes, checksum=True, use_o_direct=True):
+    buf = np.frombuffer(bytearray(data), dtype=np.uint8)
+    io_backend.batch_store_block([path], buf, [0], len(data), use_o_direct=use_o_direct, checksum=checksum)
+
+
+def load_expect_error(io_backend, paths, block_size, checksum=True, use_o_direct=True):
+    out = np.zeros(len(paths) * block_size, dtype=np.uint8)
+    with pytest.raises(OSError) as ei:
+        io_backend.batch_load_block(paths, out, offsets_of(len(paths), block_size), block_size,
+                                    use_o_direct=use_o_direct, checksum=checksum)
+    return ei.value, out
+
+
+# ---------------------------------------------------------------- round trip
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+@pytest.mark.parametrize("n", [0, 1, 2, 5])
+def test_round_trip_batch_sizes(io_backend, tmp_path, n, checksum):
+    bs = 64 * 1024 + 512  # not a power of two: the last chunk is partial
+    view = rand_blocks(n, bs, seed=n)
+    paths = block_paths(tmp_path, n)
+    io_backend.batch_store_block(paths, view, offsets_of(n, bs), bs, checksum=checksum)
+    for i, p in enumerate(paths):
+        with open(p, "rb") as f:
+            assert f.read() == view[i * bs:(i + 1) * bs].tobytes()
+        if checksum:
+            assert os.getxattr(p, XATTR) == expected_record(view[i * bs:(i + 1) * bs])
+        else:
+            assert XATTR not in os.listxattr(p)
+    assert temps_under(tmp_path) == []
+    out = np.zeros_like(view)
+    io_backend.batch_load_block(paths, out, offsets_of(n, bs), bs, checksum=checksum)
+    assert np.array_equal(out, view)
+    assert io_backend.batch_lookup(paths) == [True] * n
+
+
+def test_record_is_big_endian_crc32c(io_backend, tmp_path):
+    # RFC 3720 B.4 check value: CRC32C("123456789") = 0xE3069283
+    p = str(tmp_path / "check.bin")
+    store_one(io_backend, p, b"123456789")
+    assert os.getxattr(p, XATTR) == bytes.fromhex("e3069283")
+    out = bytearray(9)
+    io_backend.batch_load_block([p], out, [0], 9, checksum=True)
+    assert out == b"123456789"
+
+
+def test_blocks_at_arbitrary_offsets(io_backend, tmp_path):
+    bs = 4096
+    view = rand_blocks(4, bs, seed=7)
+    offs = [3 * bs, 0, 2 * bs + 17, 5]  # unordered, overlapping, unaligned
+    paths = block_paths(tmp_path, 4)
+    io_backend.batch_store_block(paths, view, offs, bs, checksum=True)
+    for p, o in zip(paths, offs):
+        assert pathlib.Path(p).read_bytes() == view[o:o + bs].tobytes()
+    out = np.zeros(6 * bs, dtype=np.uint8)
+    io_backend.batch_load_block(paths, out, [0, bs, 2 * bs, 3 * bs], bs, checksum=True)
+    for i, o in enumerate(offs):
+        assert np.array_equal(out[i * bs:(i + 1) * bs], view[o:o + bs])
+    assert not out[4 * bs:].any()
+
+
+def test_store_skips_existing_destination(io_backend, tmp_path):
+    p = str(tmp_path / "a.bin")
+    pathlib.Path(p).write_bytes(b"old!" * 256)
+    store_one(io_backend, p, b"new!" * 256)
+    assert pathlib.Path(p).read_bytes() == b"old!" * 256
+    assert XATTR not in os.listxattr(p)
+    assert temps_under(tmp_path) == []
+
+
+def test_pathlike_and_bytes_paths(io_backend, tmp_path):
+    bs = 1000
+    view = rand_blocks(2, bs, seed=3)
+    paths = [tmp_path / "p" / "a.bin", os.fsencode(str(tmp_path / "p" / "b.bin"))]
+    io_backend.batch_store_block(paths, view, [0, bs], bs, checksum=True)
+    out = np.zeros_like(view)
+    io_backend.batch_load_block(paths, out, [0, bs], bs, checksum=True)
+    assert np.array_equal(out, view)
+    assert io_backend.batch_lookup(paths + [tmp_path / "nope"]) == [True, True, False]
+
+
+def test_lookup(io_backend, tmp_path):
+    (tmp_path / "f").write_bytes(b"x")
+    os.symlink(tmp_path / "f", tmp_path / "good")
+    os.symlink(tmp_path / "missing", tmp_path / "dangling")
+    paths = [str(tmp_path / n) for n in ("f", "good", "dangling", "none")]
+    assert io_backend.batch_lookup(paths) == [True, True, False, False]
+    assert io_backend.impl.batch_lookup(paths) == [True, True, False, False]
+    assert io_backend.batch_lookup([]) == []
+
+
+# ---------------------------------------------------------------- cross compatibility
+
+
+def test_cross_backend_compatible(tmp_path):
+    try:
+        c, py = kio.for_backend("c"), kio.for_backend("python")
+    except ImportError as e:
+        pytest.skip(str(e))
+    bs = 300 * 1024
+    view = rand_blocks(3, bs, seed=11)
+    offs = offsets_of(3, bs)
+    pc, pp = block_paths(tmp_path / "c", 3), block_paths(tmp_path / "py", 3)
+    c.batch_store_block(pc, view, offs, bs, checksum=True)
+    py.batch_store_block(pp, view, offs, bs, checksum=True)
+    for a, b in zip(pc, pp):
+        assert os.getxattr(a, XATTR) == os.getxattr(b, XATTR)  # identical record bytes
+        assert pathlib.Path(a).read_bytes() == pathlib.Path(b).read_bytes()
+    out = np.zeros_like(view)
+    py.batch_load_block(pc, out, offs, bs, checksum=True)  # C wrote, Python reads
+    assert np.array_equal(out, view)
+    out[:] = 0
+    c.batch_load_block(pp, out, offs, bs, checksum=True)  # Python wrote, C reads
+    assert np.array_equal(out, view)
+    flip_bit(pp[1], 5)  # and both reject the same corruption
+    err, _ = load_expect_error(c, pp, bs)
+    assert (err.errno, err.checksum_failed, err.num_succeeded) == (errno.EBADMSG, True, 1)
+
+
+# ---------------------------------------------------------------- xattr before rename
+
+
+@pytest.fixture(scope="module")
+def rename_spy(tmp_path_factory):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler for the LD_PRELOAD rename spy")
+    out = tmp_path_factory.mktemp("spy") / "rename_spy.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(out), str(ROOT / "tests/c/rename_spy.c"), "-ldl"],
+                   check=True)
+    return str(out)
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+def test_xattr_set_before_rename(io_backend, tmp_path, rename_spy, checksum):
+    """An LD_PRELOAD shim intercepts rename(2) of the temp (C core and Python
+    both go through libc) and reads the temp's xattr at that instant."""
+    log = tmp_path / "spy.log"
+    d = tmp_path / "store"
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from kvtier import io
+        assert io.backend == {io_backend.backend!r}, io.backend
+        v = np.frombuffer(bytes(range(256)) * 4096, dtype=np.uint8)  # 1 MiB
+        paths = [{str(d)!r} + f"/x/{{i}}.bin" for i in range(2)]
+        io.batch_store_block(paths, v, [0, 512 * 1024], 512 * 1024, checksum={checksum})
+    """)
+    env = dict(os.environ, LD_PRELOAD=rename_spy, KVT_RENAME_SPY_LOG=str(log), KVTIER_IO_BACKEND=io_backend.backend)
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=str(ROOT))
+    lines = [ln.split("\t") for ln in log.read_text().splitlines()]
+    assert len(lines) == 2
+    block = (bytes(range(256)) * 4096)[: 512 * 1024]
+    for i, (old, new, rec, dest_existed) in enumerate(lines):
+        assert new == f"{d}/x/{i}.bin"
+        assert old.startswith(new + "_") and old.endswith(".tmp")
+        assert len(old) == len(new) + 1 + 16 + 4  # <dest>_<16 hex>.tmp
+        assert dest_existed == "0"
+        if checksum:
+            assert rec == expected_record(block).hex()  # the record was on the temp before the rename
+        else:
+            assert rec == f"-{errno.ENODATA}"
+
+
+# ---------------------------------------------------------------- checksum failures
+
+
+@pytest.mark.parametrize("where", ["start", "middle", "end"])
+def test_corruption_detected_and_removed(io_backend, tmp_path, where):
+    bs = 1024 * 1024 + 4096
+    n = 4
+    view = rand_blocks(n, bs, seed=5)
+    paths = block_paths(tmp_path, n)
+    io_backend.batch_store_block(paths, view, offsets_of(n, bs), bs, checksum=True)
+    pos = {"start": 0, "middle": bs // 2 + 3, "end": bs - 1}[where]
+    flip_bit(paths[2], pos)
+    err, out = load_expect_error(io_backend, paths, bs)
+    assert err.errno == errno.EBADMSG
+    assert err.checksum_failed is True
+    assert err.num_succeeded == 2
+    assert os.fsdecode(err.filename) == paths[2]
+    assert not os.path.exists(paths[2])  # removed
+    assert all(os.path.exists(p) for p in paths[:2] + paths[3:])  # the rest kept
+    assert np.array_equal(out[: 2 * bs], view[: 2 * bs])  # blocks before it loaded
+    assert not out[3 * bs:].any()  # the batch stopped: block 3 not read
+    # without checksums the same-size corruption is invisible (the reason for this feature)
+    paths2 = block_paths(tmp_path / "nock", 1)
+    io_backend.batch_store_block(paths2, view, [0], bs, checksum=False)
+    flip_bit(paths2[0], pos)
+    out2 = np.zeros(bs, dtype=np.uint8)
+    io_backend.batch_load_block(paths2, out2, [0], bs, checksum=False)
+    assert not np.array_equal(out2, view[:bs])
+
+
+@pytest.mark.parametrize("record", [b"", b"\x01\x02\x03", b"\x00" * 5, b"\x11" * 8, b"\x22" * 40, "swapped", "wrong"])
+def test_malformed_or_wrong_record_is_mismatch(io_backend, tmp_path, record):
+    bs = 8192
+    view = rand_blocks(1, bs, seed=9)
+    p = block_paths(tmp_path, 1)
+    io_backend.batch_store_block(p, view, [0], bs, checksum=True)
+    good = os.getxattr(p[0], XATTR)
+    if record == "swapped":
+        record = good[::-1]  # little-endian presentation of the right value
+        assert record != good
+    elif record == "wrong":
+        record = ((int.from_bytes(good, "big") + 1) & 0xFFFFFFFF).to_bytes(4, "big")
+    os.setxattr(p[0], XATTR, record)
+    err, _ = load_expect_error(io_backend, p, bs)
+    assert (err.errno, err.checksum_failed, err.num_succeeded) == (errno.EBADMSG, True, 0)
+    assert not os.path.exists(p[0])
+
+
+def test_legacy_block_without_record_loads(io_backend, tmp_path):
+    bs = 100 * 1024
+    view = rand_blocks(2, bs, seed=2)
+    paths = block_paths(tmp_path, 2)
+    io_backend.batch_store_block(paths, view, [0, bs], bs, checksum=False)
+    assert all(XATTR not in os.listxattr(p) for p in paths)
+    out = np.zeros_like(view)
+    io_backend.batch_load_block(paths, out, [0, bs], bs, checksum=True)
+    assert np.array_equal(out, view)
+    assert all(os.path.exists(p) for p in paths)
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+@pytest.mark.parametrize("shape", ["truncated", "empty", "longer"])
+def test_wrong_size_is_eio_and_removed(io_backend, tmp_path, shape, checksum):
+    bs = 64 * 1024
+    view = rand_blocks(2, bs, seed=4)
+    paths = block_paths(tmp_path, 2)
+    io_backend.batch_store_block(paths, view, [0, bs], bs, checksum=True)
+    if shape == "longer":
+        with open(paths[1], "ab") as f:
+            f.write(b"\0")
+    else:
+        os.truncate(paths[1], {"truncated": bs - 1, "empty": 0}[shape])
+    err, out = load_expect_error(io_backend, paths, bs, checksum=checksum)
+    assert (err.errno, err.checksum_failed, err.num_succeeded) == (errno.EIO, False, 1)
+    assert os.fsdecode(err.filename) == paths[1]
+    assert not os.path.exists(paths[1])
+    assert os.path.exists(paths[0])
+    assert np.array_equal(out[:bs], view[:bs])
+
+
+def test_missing_file_enoent_kept_going_nowhere(io_backend, tmp_path):
+    bs = 4096
+    view = rand_blocks(3, bs, seed=1)
+    paths = block_paths(tmp_path, 3)
+    io_backend.batch_store_block([paths[0], paths[2]], view, [0, 2 * bs], bs, checksum=True)
+    err, out = load_expect_error(io_backend, paths, bs)
+    assert isinstance(err, FileNotFoundError)
+    assert (err.errno, err.checksum_failed, err.num_succeeded) == (errno.ENOENT, False, 1)
+    assert os.fsdecode(err.filename) == paths[1]
+    assert os.path.exists(paths[0]) and os.path.exists(paths[2])
+    assert np.array_equal(out[:bs], view[:bs]) and not out[bs:].any()
+
+
+def test_symlink_loop_eloop_kept(io_backend, tmp_path):
+    a, b = str(tmp_path / "a.bin"), str(tmp_path / "b.bin")
+    os.symlink(b, a)
+    os.symlink(a, b)
+    err, _ = load_expect_error(io_backend, [a], 4096)
+    assert (err.errno, err.checksum_failed, err.num_succeeded) == (errno.ELOOP, False, 0)
+    assert os.path.islink(a) and os.path.islink(b)
+
+
+@pytest.mark.mount
+def test_getxattr_error_other_than_enodata_keeps_file(io_backend, ramfs_dir):
+    # ramfs has no user xattrs: fgetxattr says EOPNOTSUPP, which is not the block's fault
+    bs = 16 * 1024
+    view = rand_blocks(2, bs, seed=6)
+    paths = block_paths(ramfs_dir, 2)
+    io_backend.batch_store_block(paths, view, [0, bs], bs, checksum=False)
+    err, _ = load_expect_error(io_backend, paths, bs, checksum=True)
+    assert (err.errno, err.checksum_failed, err.num_succeeded) == (errno.EOPNOTSUPP, False, 0)
+    assert all(os.path.exists(p) for p in paths)
+    out = np.zeros_like(view)
+    io_backend.batch_load_block(paths, out, [0, bs], bs, checksum=False)
+    assert np.array_equal(out, view)
+
+
+@pytest.mark.mount
+def test_store_setxattr_failure_leaves_nothing(io_backend, ramfs_dir):
+    bs = 16 * 1024
+    view = rand_blocks(1, bs)
+    paths = block_paths(ramfs_dir, 1)
+    with pytest.raises(OSError) as ei:
+        io_backend.batch_store_block(paths, view, [0], bs, checksum=True)
+    e = ei.value
+    assert (e.errno, e.checksum_failed, e.num_succeeded) == (errno.EOPNOTSUPP, False, 0)
+    assert os.fsdecode(e.filename) == paths[0]
+    assert not os.path.exists(paths[0])
+    assert temps_under(ramfs_dir) == []
+
+
+def test_store_failure_index_and_earlier_blocks_kept(io_backend, tmp_path):
+    bs = 4096
+    view = rand_blocks(3, bs)
+    (tmp_path / "file").write_bytes(b"")
+    paths = [str(tmp_path / "ok0.bin"), str(tmp_path / "file" / "sub" / "x.bin"), str(tmp_path / "ok2.bin")]
+    with pytest.raises(NotADirectoryError) as ei:
+        io_backend.batch_store_block(paths, view, offsets_of(3, bs), bs, checksum=True)
+    e = ei.value
+    assert (e.errno, e.num_succeeded, e.checksum_failed) == (errno.ENOTDIR, 1, False)
+    assert os.fsdecode(e.filename) == paths[1]
+    assert os.path.exists(paths[0]) and not os.path.exists(paths[2])
+    assert temps_under(tmp_path) == []
+
+
+# ---------------------------------------------------------------- O_DIRECT
+
+
+@pytest.mark.mount
+@pytest.mark.parametrize("fs", ["tmpfs", "ramfs"])
+def test_o_direct_refusing_or_odd_fs_round_trips(io_backend, fs, request):
+    d = request.getfixturevalue(f"{fs}_dir")
+    bs = 256 * 1024
+    buf = aligned_buffer(4 * bs)  # page-aligned: O_DIRECT is attempted
+    buf[:] = rand_blocks(4, bs, seed=8).tobytes()
+    paths = block_paths(d, 4)
+    checksum = fs == "tmpfs"  # ramfs has no xattrs
+    io_backend.batch_store_block(paths, buf, offsets_of(4, bs), bs, use_o_direct=True, checksum=checksum)
+    out = aligned_buffer(4 * bs)
+    io_backend.batch_load_block(paths, out, offsets_of(4, bs), bs, use_o_direct=True, checksum=checksum)
+    assert out[:] == buf[:]
+    assert kio.probe_o_direct(d) is (fs == "tmpfs")  # Linux >= 6.6 tmpfs accepts O_DIRECT; ramfs never
+
+
+def _misaligned_round_trip(io_backend, d):
+    for bs, skew in [(256 * 1024, 1), (256 * 1024, 512), (1000, 0), (4096 * 3 + 7, 4096)]:
+        base = aligned_buffer(2 * bs + 8192)
+        src = np.frombuffer(base, dtype=np.uint8)
+        src[:] = np.random.default_rng(bs + skew).integers(0, 256, src.size, dtype=np.uint8)
+        paths = block_paths(os.path.join(d, f"{bs}_{skew}"), 2)
+        offs = [skew, skew + bs]
+        io_backend.batch_store_block(paths, base, offs, bs, use_o_direct=True, checksum=True)
+        out_base = aligned_buffer(2 * bs + 8192)
+        io_backend.batch_load_block(paths, out_base, [skew + 3, skew + 3 + bs], bs, use_o_direct=True, checksum=True)
+        out = np.frombuffer(out_base, dtype=np.uint8)
+        assert np.array_equal(out[skew + 3:skew + 3 + 2 * bs], src[skew:skew + 2 * bs]), (bs, skew)
+        del src, out
+        base.close()
+        out_base.close()
+
+
+def test_misaligned_o_direct_round_trips_tmp(io_backend, tmp_path):
+    _misaligned_round_trip(io_backend, str(tmp_path))  # /tmp: the host's disk (ext4 here)
+
+
+@pytest.mark.mount
+def test_misaligned_o_direct_round_trips_ext4(io_backend, ext4_dir):
+    assert kio.probe_o_direct(ext4_dir)
+    _misaligned_round_trip(io_backend, ext4_dir)
+
+
+def _resident_pages(path):
+    """Pages of `path` in the page cache (mincore(2) over a read-only mapping)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+    # a read-only mmap cannot back a ctypes object: take its address through numpy
+    addr = np.frombuffer(m, dtype=np.uint8).__array_interface__["data"][0]
+    npages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * npages)()
+    rc = libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec)
+    assert rc == 0, os.strerror(ctypes.get_errno())
+    return sum(v & 1 for v in vec)
+
+
+@pytest.mark.mount
+def test_o_direct_is_really_used_when_aligned(io_backend, ext4_dir):
+    """O_DIRECT bypasses the page cache: an aligned store leaves none of the
+    file's pages cached; a misaligned one (buffered) leaves them all."""
+    bs = 1024 * 1024
+    buf = aligned_buffer(bs + 4096)
+    buf[:] = os.urandom(bs + 4096)
+    p_direct, p_buffered = os.path.join(ext4_dir, "d.bin"), os.path.join(ext4_dir, "b.bin")
+    io_backend.batch_store_block([p_direct], buf, [0], bs, use_o_direct=True, checksum=True)
+    io_backend.batch_store_block([p_buffered], buf, [1], bs, use_o_direct=True, checksum=True)
+    assert _resident_pages(p_direct) == 0
+    assert _resident_pages(p_buffered) == bs // mmap.PAGESIZE
+
+
+# ---------------------------------------------------------------- ENOSPC, probes
+
+
+@pytest.mark.mount
+def test_enospc_leaves_no_temp_and_no_destination(io_backend):
+    with mount_tmpfs(size="1m") as d:
+        small, big = 64 * 1024, 2 * 1024 * 1024
+        view = rand_blocks(1, big, seed=12)
+        ok, full = os.path.join(d, "a", "ok.bin"), os.path.join(d, "a", "full.bin")
+        io_backend.batch_store_block([ok], view, [0], small, checksum=True)
+        with pytest.raises(OSError) as ei:
+            io_backend.batch_store_block([full], view, [0], big, checksum=True)
+        e = ei.value
+        assert (e.errno, e.num_succeeded, e.checksum_failed) == (errno.ENOSPC, 0, False)
+        assert os.fsdecode(e.filename) == full
+        assert not os.path.exists(full)
+        assert temps_under(d) == []
+        assert sorted(os.listdir(os.path.join(d, "a"))) == ["ok.bin"]
+        out = np.zeros(small, dtype=np.uint8)
+        io_backend.batch_load_block([ok], out, [0], small, checksum=True)
+        assert np.array_equal(out, view[:small])
+
+
+@pytest.mark.mount
+def test_probe_xattr(ramfs_dir, tmpfs_dir, ext4_dir, tmp_path):
+    assert kio.probe_xattr(ramfs_dir) is False
+    assert kio.probe_xattr(tmpfs_dir) is True
+    assert kio.probe_xattr(ext4_dir) is True
+    assert kio.probe_xattr(tmp_path) is True
+    for d in (ramfs_dir, tmpfs_dir, ext4_dir, str(tmp_path)):
+        assert not [n for n in os.listdir(d) if n.startswith(".kvtier_probe")]
+    with pytest.raises(FileNotFoundError):
+        kio.probe_xattr(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError):
+        kio.probe_o_direct(tmp_path / "missing")
+
+
+@pytest.mark.mount
+def test_probe_o_direct(ramfs_dir, ext4_dir):
+    assert kio.probe_o_direct(ramfs_dir) is False
+    assert kio.probe_o_direct(ext4_dir) is True
+
+
+# ---------------------------------------------------------------- bad arguments
+
+
+def test_bad_arguments_io_layer(io_backend, tmp_path):
+    bs = 4096
+    view = rand_blocks(2, bs)
+    paths = block_paths(tmp_path, 2)
+    store, load = io_backend.batch_store_block, io_backend.batch_load_block
+    with pytest.raises(TypeError):
+        store("not-a-list", view, [0], bs)
+    with pytest.raises(TypeError):
+        store([1, 2], view, [0, bs], bs)
+    with pytest.raises(TypeError):
+        store(paths, object(), [0, bs], bs)  # not a buffer
+    with pytest.raises(TypeError):
+        store(paths, view, [0, 1.5], bs)
+    with pytest.raises(TypeError):
+        store(paths, view, [0, bs], "4096")
+    with pytest.raises(ValueError):
+        store(paths, view, [0], bs)  # unequal lengths
+    with pytest.raises(ValueError):
+        store(paths, view, [0, bs + 1], bs)  # past the end
+    with pytest.raises(ValueError):
+        store(paths, view, [-1, 0], bs)
+    with pytest.raises(ValueError):
+        store(paths, view, [0, 0], 0)
+    with pytest.raises(BufferError):
+        load(paths, view.tobytes(), [0, bs], bs)  # read-only view for a load
+    with pytest.raises(BufferError):
+        load(paths, np.zeros((2, 2 * bs), dtype=np.uint8)[:, ::2], [0, bs], bs)  # not contiguous
+    assert not os.listdir(tmp_path)  # nothing written by any of them
+    io_backend.batch_store_block(paths, view.tobytes(), [0, bs], bs)  # read-only view is fine for a store
+    multi = np.zeros((2, bs // 4), dtype=np.float32)  # any C-contiguous dtype/shape, counted in bytes
+    io_backend.batch_load_block(paths, multi, [0, bs], bs)
+    assert multi.tobytes() == view.tobytes()
+
+
+def test_bad_arguments_raw_layer(io_backend, tmp_path):
+    impl = io_backend.impl
+    p = [str(tmp_path / "a.bin")]
+    t = [str(tmp_path / "a.bin_0.tmp")]
+    buf = [bytearray(16)]
+    with pytest.raises(TypeError):
+        impl.batch_store_block("x", p, buf)
+    with pytest.raises(TypeError):
+        impl.batch_store_block(t, p, [object()])
+    with pytest.raises(TypeError):
+        impl.batch_store_block([3], p, buf)
+    with pytest.raises(ValueError):
+        impl.batch_store_block(t, p + p, buf)
+    with pytest.raises(ValueError):
+        impl.batch_store_block([str(tmp_path / "a\0b")], p, buf)
+    with pytest.raises(TypeError):
+        impl.batch_load_block(p, buf, True, False, "extra")
+    with pytest.raises(TypeError):
+        impl.batch_load_block(p, buf, bogus=True)
+    with pytest.raises(ValueError):
+        impl.batch_load_block(p, buf + buf)
+    with pytest.raises(BufferError):
+        impl.batch_load_block(p, [b"read-only bytes!"])
+    with pytest.raises(BufferError):
+        impl.batch_load_block(p, [memoryview(bytearray(32))[::2]])
+    with pytest.raises(TypeError):
+        impl.batch_lookup("x")
+    assert not os.listdir(tmp_path)
+    impl.batch_store_block(t, p, [b"0123456789abcdef"], False, True)  # positional flags (vLLM call shape)
+    out = bytearray(16)
+    impl.batch_load_block(p, [out], use_o_direct=False, checksum=True)
+    assert out == b"0123456789abcdef"
+
+
+def test_c_signatures():
+    import inspect
+
+    C = pytest.importorskip("kvtier._C")
+    assert str(inspect.signature(C.batch_store_block)) == \
+        "(tmp_paths, dest_paths, buffers, /, use_o_direct=True, checksum=False)"
+    assert str(inspect.signature(C.batch_load_block)) == \
+        "(source_paths, buffers, /, use_o_direct=True, checksum=False)"
+    assert str(inspect.signature(C.batch_lookup)) == "(paths, /)"
+
+
+# ---------------------------------------------------------------- GIL
+
+
+@pytest.mark.timeout(60)
+def test_gil_released_while_blocked_in_batch(io_backend, tmp_path):
+    """The load opens a FIFO, which blocks until a writer opens it; the writer
+    is a Python thread, so the batch can only finish if the GIL is released.
+    (A FIFO has size 0 != block size: EIO, and it is removed.)"""
+    fifo = str(tmp_path / "fifo.bin")
+    os.mkfifo(fifo)
+    opened = threading.Event()
+
+    def writer():
+        time.sleep(0.2)  # the batch is surely inside open(2) by now
+        fd = os.open(fifo, os.O_WRONLY)  # needs the GIL: runs only if the batch released it
+        opened.set()
+        os.close(fd)
+
+    th = threading.Thread(target=writer, daemon=True)
+    th.start()
+    err, _ = load_expect_error(io_backend, [fifo], 4096)
+    th.join(10)
+    assert opened.is_set()
+    assert (err.errno, err.num_succeeded) == (errno.EIO, 0)
+
+
+@pytest.mark.timeout(120)
+def test_other_thread_runs_during_large_batch(io_backend, tmp_path):
+    bs, n = 4 * 1024 * 1024, 24
+    view = rand_blocks(n, bs, seed=13)
+    paths = block_paths(tmp_path, n)
+    ticks = []
+    stop = threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    th = threading.Thread(target=ticker, daemon=True)
+    th.start()
+    time.sleep(0.05)
+    t0 = time.perf_counter()
+    io_backend.batch_store_block(paths, view, offsets_of(n, bs), bs, use_o_direct=False, checksum=True)
+    out = np.zeros_like(view)
+    io_backend.batch_load_block(paths, out, offsets_of(n, bs), bs, use_o_direct=False, checksum=True)
+    t1 = time.perf_counter()
+    stop.set()
+    th.join()
+    assert np.array_equal(out, view)
+    assert t1 - t0 > 0.02
+    # with the GIL held for the whole call no tick could land in its first half
+    first_half = [t for t in ticks if t0 < t < t0 + (t1 - t0) / 2]
+    assert len(first_half) >= 3, (len(first_half), t1 - t0)
+
+
+# ---------------------------------------------------------------- backend choice
+
+
+def test_backend_env_var():
+    code = "from kvtier import io; print(io.backend)"
+    env = dict(os.environ)
+    for forced in ("python", "c"):
+        env["KVTIER_IO_BACKEND"] = forced
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=str(ROOT))
+        if forced == "c" and r.returncode != 0 and "not importable" in r.stderr:
+            continue
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == forced
+    env["KVTIER_IO_BACKEND"] = "rust"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=str(ROOT))
+    assert r.returncode != 0
+    assert "ValueError" in r.stderr and "KVTIER_IO_BACKEND" in r.stderr and "c, python" in r.stderr
+    with pytest.raises(ValueError, match="valid: c, python"):
+        kio.for_backend("rust")
