@@ -1,6 +1,8 @@
 """The ``kvtier`` command line.
 
     kvtier info            what is built and active: C core, CRC32C backends, ISA-L, CPU, DSA
+    kvtier bench           store/load real-model KV blocks through the tier, checksum off vs on
+    kvtier scrub ROOT      verify every block of a cache against its CRC32C and size
 """
 from __future__ import annotations
 
@@ -82,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     pi = sub.add_parser("info", help="what is built and active: C core, CRC32C backends, ISA-L, CPU, DSA")
     pi.add_argument("--json", action="store_true", help="print a JSON object")
     pi.set_defaults(func=cmd_info)
+    # --- tier helper: bench and scrub (kvtier/bench.py, kvtier/scrub.py) ---
+    from kvtier import bench as _bench, scrub as _scrub
+
+    _bench.add_parser(sub)
+    _scrub.add_parser(sub)
+    # --- end tier helper ---
     return p
 
 

@@ -1,0 +1,170 @@
+"""`kvtier bench` and `kvtier scrub` end to end on real files."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kvtier.io as kio
+from kvtier import bench
+from kvtier.cli import main
+from kvtier.manager import FileSystemTierManager, TransferJob
+
+TINY_BLOCK = 2 * 2 * 2 * 64 * 2 * 16  # K,V x layers x KV heads x head_dim x fp16 bytes x tokens
+
+
+def test_preset_geometry():
+    assert bench.PRESETS["tiny"].block_bytes(16) == TINY_BLOCK == 16384
+    assert bench.PRESETS["llama-3.1-8b"].block_bytes(16) == 2 * 1024 * 1024
+    assert bench.PRESETS["qwen3-8b"].block_bytes(16) == 36 * 8 * 128 * 2 * 2 * 16 == 2359296
+
+
+def test_bench_tiny_end_to_end_subprocess(tmp_path):
+    png = tmp_path / "b.png"
+    r = subprocess.run(
+        [sys.executable, "-m", "kvtier", "bench", "--preset", "tiny", "--blocks", "8", "--jobs", "1,2",
+         "--repeat", "1", "--root", str(tmp_path), "--json", "--no-progress", "--plot", str(png)],
+        capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["ok"] and d["block_bytes"] == TINY_BLOCK and d["mismatched_bytes"] == 0
+    # 2 job counts x checksum off/on x 8 blocks, every byte compared
+    assert d["verified_bytes"] == 2 * 2 * 8 * TINY_BLOCK
+    assert [(x["op"], x["jobs"], x["checksum"]) for x in d["rows"]] == [
+        ("store", 2, False), ("store", 2, True), ("load", 1, False), ("load", 1, True),
+        ("load", 2, False), ("load", 2, True)]
+    for x in d["rows"]:
+        assert x["failed_jobs"] == 0 and x["gbps"] > 0 and x["p99_ms"] >= x["p50_ms"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert os.listdir(tmp_path) == ["b.png"]  # the temp cache was removed
+
+
+def test_bench_table_text(tmp_path, capsys):
+    assert main(["bench", "--preset", "tiny", "--blocks", "4", "--jobs", "1", "--repeat", "1",
+                 "--root", str(tmp_path), "--no-progress", "--checksum", "on"]) == 0
+    out = capsys.readouterr().out
+    assert "16.00 KiB per block" in out
+    assert "verified 65,536 bytes loaded, 0 mismatched, 0 failed jobs: OK" in out
+
+
+def test_bench_detects_mismatch(tmp_path, monkeypatch, capsys):
+    real = kio.batch_load_block
+
+    def flipping(paths, view, offsets, block_size, **kw):
+        real(paths, view, offsets, block_size, **kw)
+        mv = memoryview(view).cast("B")
+        mv[offsets[0]] ^= 0xFF  # one wrong byte per job
+
+    monkeypatch.setattr(kio, "batch_load_block", flipping)
+    rc = main(["bench", "--preset", "tiny", "--blocks", "4", "--jobs", "2", "--repeat", "1",
+               "--root", str(tmp_path), "--no-progress", "--json"])
+    assert rc == 1
+    d = json.loads(capsys.readouterr().out)
+    assert not d["ok"] and d["mismatched_bytes"] == 2 * 2  # 2 jobs x checksum off/on
+
+
+def test_bench_bad_args(tmp_path, capsys):
+    assert main(["bench", "--blocks", "0", "--root", str(tmp_path), "--no-progress"]) == 2
+    assert main(["bench", "--jobs", "a,b", "--no-progress"]) == 2
+    with pytest.raises(SystemExit):
+        main(["bench", "--preset", "nope"])
+
+
+# ---------------------------------------------------------------- scrub
+def make_cache(root):
+    """6 checksummed blocks + 1 legacy block (no xattr); returns (paths, legacy path)."""
+    buf = np.random.default_rng(1).integers(0, 256, (8, 8192), dtype=np.uint8)
+    keys = [(bytes([i]) * 16, 0) for i in range(7)]
+    with FileSystemTierManager(buf, root, "m/x", checksum_blocks=True, n_read_threads=1, n_write_threads=1) as m:
+        m.submit_store(TransferJob(1, keys[:6], list(range(6))))
+        m.drain_jobs()
+        assert m.get_finished_jobs()[0].success
+        paths = [m.file_mapper.get_file_name(k) for k in keys]
+    with FileSystemTierManager(buf, root, "m/x", checksum_blocks=False, n_read_threads=1, n_write_threads=1) as m:
+        m.submit_store(TransferJob(2, keys[6:], [6]))
+        m.drain_jobs()
+        assert m.get_finished_jobs()[0].success
+    return paths
+
+
+def flip(path, pos):
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x80]))
+
+
+def test_scrub_clean_cache(tmp_path, capsys):
+    paths = make_cache(str(tmp_path))
+    assert main(["scrub", str(tmp_path), "--json", "--no-progress"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["blocks"] == 7 and d["bytes"] == 7 * 8192
+    assert d["counts"] == {"ok": 6, "corrupt": 0, "no_checksum": 1, "wrong_size": 0, "error": 0, "stray_temp": 0}
+    assert [f["path"] for f in d["findings"]] == [paths[6]]
+    assert list(d["expected_block_bytes"].values()) == [8192]
+
+
+def test_scrub_finds_corruption_and_remove_deletes_only_bad(tmp_path, capsys):
+    paths = make_cache(str(tmp_path))
+    flip(paths[2], 4000)
+    os.truncate(paths[4], 8191)
+    stray = paths[0] + "_0123456789abcdef.tmp"
+    open(stray, "wb").close()
+    assert main(["scrub", str(tmp_path), "--json", "--no-progress"]) == 1
+    d = json.loads(capsys.readouterr().out)
+    assert d["counts"] == {"ok": 4, "corrupt": 1, "no_checksum": 1, "wrong_size": 1, "error": 0, "stray_temp": 1}
+    by = {f["path"]: f for f in d["findings"]}
+    assert by[paths[2]]["status"] == "corrupt" and "recorded" in by[paths[2]]["detail"]
+    assert by[paths[4]]["status"] == "wrong_size" and by[paths[4]]["expected_size"] == 8192
+    assert by[stray]["status"] == "stray_temp"
+    assert all(os.path.exists(p) for p in paths)  # nothing removed without --remove
+
+    assert main(["scrub", str(tmp_path), "--remove", "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "[removed]" in out
+    assert [os.path.exists(p) for p in paths] == [True, True, False, True, False, True, True]
+    assert os.path.exists(stray)  # stray temps are only reported
+    assert main(["scrub", str(tmp_path), "--json", "--no-progress"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["counts"]["ok"] == 4 and d["counts"]["corrupt"] == 0
+
+
+def test_scrub_malformed_xattr_is_corrupt(tmp_path, capsys):
+    paths = make_cache(str(tmp_path))
+    os.setxattr(paths[1], "user.vllm.kv_crc32c", b"\x00\x01\x02")
+    assert main(["scrub", str(tmp_path), "--json", "--no-progress"]) == 1
+    d = json.loads(capsys.readouterr().out)
+    assert [(f["path"], f["status"]) for f in d["findings"] if f["status"] == "corrupt"] == [(paths[1], "corrupt")]
+
+
+def test_scrub_size_without_block_info(tmp_path, capsys):
+    paths = make_cache(str(tmp_path))
+    info = [os.path.join(dp, f) for dp, _, fs in os.walk(tmp_path) for f in fs if f == "kvtier.json"]
+    assert len(info) == 1
+    os.unlink(info[0])
+    os.truncate(paths[3], 100)
+    # majority size (8192) is expected
+    assert main(["scrub", str(tmp_path), "--json", "--no-progress"]) == 1
+    d = json.loads(capsys.readouterr().out)
+    assert [f["path"] for f in d["findings"] if f["status"] == "wrong_size"] == [paths[3]]
+    # an explicit --block-size wins over the majority
+    assert main(["scrub", str(tmp_path), "--json", "--no-progress", "--block-size", "100"]) == 1
+    d = json.loads(capsys.readouterr().out)
+    assert d["counts"]["wrong_size"] == 6
+
+
+def test_scrub_symlink_is_error_and_kept(tmp_path, capsys):
+    paths = make_cache(str(tmp_path))
+    os.unlink(paths[5])
+    os.symlink(paths[5], paths[5])
+    assert main(["scrub", str(tmp_path), "--json", "--no-progress", "--remove"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["counts"]["error"] == 1 and os.path.islink(paths[5])
+
+
+def test_scrub_bad_root(tmp_path, capsys):
+    assert main(["scrub", str(tmp_path / "missing")]) == 2
+    assert "No such file" in capsys.readouterr().err
