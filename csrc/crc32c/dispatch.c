@@ -11,6 +11,21 @@ static int always(void) { return 1; }
 static int isal_available(void) { return 1; }
 #endif
 
+/* KVT-DSA (owned by the dsa helper; see csrc/dsa/dsa.h): "dsa" (a real WQ
+ * enabled and self-checked) and "dsa-model" (the software model, enabled
+ * only explicitly). Weak references so a build of csrc/crc32c alone (e.g.
+ * tests/c/Makefile) links without csrc/dsa; the entries are then unavailable. */
+uint32_t kvt_crc32c_dsa(uint32_t crc, const void *buf, size_t len) __attribute__((weak));
+uint32_t kvt_crc32c_dsa_model(uint32_t crc, const void *buf, size_t len) __attribute__((weak));
+int kvt_dsa_backend_available(void) __attribute__((weak));
+int kvt_dsa_model_backend_available(void) __attribute__((weak));
+static int dsa_available(void) { return kvt_dsa_backend_available ? kvt_dsa_backend_available() : 0; }
+static int dsa_model_available(void)
+{
+    return kvt_dsa_model_backend_available ? kvt_dsa_model_backend_available() : 0;
+}
+/* KVT-DSA end */
+
 static const kvt_crc32c_backend BACKENDS[] = {
 #ifdef KVTIER_HAVE_ISAL
     {"isal", kvt_crc32c_isal, isal_available, "ISA-L crc32_iscsi"},
@@ -22,10 +37,15 @@ static const kvt_crc32c_backend BACKENDS[] = {
     {"armv8", kvt_crc32c_armv8, kvt_crc32c_armv8_available, "armv8 crc32c"},
 #endif
     {"table", kvt_crc32c_table, always, "slicing-by-8 table"},
+    /* KVT-DSA: after "table" (always available), so the best-first scan for a
+     * CPU backend never reaches them: neither is ever auto-selected. */
+    {"dsa", kvt_crc32c_dsa, dsa_available, "Intel DSA CRCGEN (work queue)"},
+    {"dsa-model", kvt_crc32c_dsa_model, dsa_model_available, "software model of Intel DSA (not hardware)"},
 };
 #define N_BACKENDS (sizeof(BACKENDS) / sizeof(BACKENDS[0]))
+#define TABLE_INDEX (N_BACKENDS - 3) /* KVT-DSA: "table" is last before the two DSA entries */
 
-static const kvt_crc32c_backend *active = &BACKENDS[N_BACKENDS - 1];
+static const kvt_crc32c_backend *active = &BACKENDS[TABLE_INDEX];
 static kvt_crc32c_fn active_fn = kvt_crc32c_table;
 
 const kvt_crc32c_backend *kvt_crc32c_backends(size_t *count)
@@ -47,7 +67,7 @@ const kvt_crc32c_backend *kvt_crc32c_best_cpu(void)
     for (size_t i = 0; i < N_BACKENDS; i++)
         if (BACKENDS[i].available())
             return &BACKENDS[i];
-    return &BACKENDS[N_BACKENDS - 1];
+    return &BACKENDS[TABLE_INDEX];
 }
 
 int kvt_crc32c_select(const char *name)

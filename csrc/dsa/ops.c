@@ -1,0 +1,839 @@
+/* DSA engine: CRCGEN and COPY_CRC descriptors over a portal (real WQ or the
+ * software model), completion polling, page-fault resume, CPU redo, the
+ * min-size gate, the enable-time self-check, counters, and the process-wide
+ * engines behind the "dsa" and "dsa-model" CRC32C backends.
+ *
+ * Descriptor rules (design.md "DSA facts"):
+ *  - flags CRAV|RCR always; BOF only if the WQ has block_on_fault=1; CC only
+ *    on COPY_CRC and only if gen_cap has bit 0x4
+ *  - completion record 32-B aligned, zeroed before submit, status read with
+ *    acquire ordering; status & 0x7f: 1 success, 3 page fault -> resume with
+ *    crc_seed = crc_val from bytes_completed, anything else -> CPU redo
+ *  - crc_seed = previous standard CRC32C (0 to start) gives the standard value
+ *  - transfers above max_transfer_size are split, chaining the seed
+ *  - an op's memory is never released before the device is done with it:
+ *    kvt_dsa_wait() only returns once no descriptor of the op is in flight
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+#include "crc32c.h"
+#include "dsa.h"
+
+/* Layout the device depends on (linux/idxd.h; DSA spec descriptor and
+ * completion record formats). */
+_Static_assert(sizeof(struct dsa_hw_desc) == 64, "descriptor is 64 bytes");
+_Static_assert(sizeof(struct dsa_completion_record) == 32, "completion record is 32 bytes");
+_Static_assert(offsetof(struct dsa_hw_desc, completion_addr) == 8, "completion_addr at 8");
+_Static_assert(offsetof(struct dsa_hw_desc, src_addr) == 16, "src_addr at 16");
+_Static_assert(offsetof(struct dsa_hw_desc, dst_addr) == 24, "dst_addr at 24");
+_Static_assert(offsetof(struct dsa_hw_desc, xfer_size) == 32, "xfer_size at 32");
+_Static_assert(offsetof(struct dsa_hw_desc, crc_seed) == 40, "crc_seed at 40");
+_Static_assert(offsetof(struct dsa_hw_desc, crc_rsvd) == 44, "crc_rsvd at 44");
+_Static_assert(offsetof(struct dsa_completion_record, bytes_completed) == 4, "bytes_completed at 4");
+_Static_assert(offsetof(struct dsa_completion_record, fault_addr) == 8, "fault_addr at 8");
+_Static_assert(offsetof(struct dsa_completion_record, crc_val) == 16, "crc_val at 16");
+_Static_assert(offsetof(kvt_dsa_op, desc) % 64 == 0, "descriptor 64-B aligned in the op");
+_Static_assert(offsetof(kvt_dsa_op, comp) % 32 == 0, "completion record 32-B aligned in the op");
+_Static_assert(_Alignof(kvt_dsa_op) >= 64, "op aligned for the descriptor");
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
+#endif
+
+struct kvt_dsa_engine {
+    char name[16];
+    kvt_dsa_portal *portal;
+    kvt_dsa_wq_info wq;
+    unsigned in_flight;   /* atomic: descriptors submitted, completion not yet seen */
+    size_t min_size;
+    int wait_mode;
+    long sleep_ns;
+    int cache_control;
+    int enabled;
+    char reason[400];
+    kvt_dsa_selfcheck sc;
+    kvt_dsa_counters c;   /* updated with __atomic builtins */
+};
+
+#define CADD(e, field, v) __atomic_fetch_add(&(e)->c.field, (uint64_t)(v), __ATOMIC_RELAXED)
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield" ::: "memory");
+#endif
+}
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static const char *const STATUS_NAMES[128] = {
+    [DSA_COMP_NONE] = "none",
+    [DSA_COMP_SUCCESS] = "success",
+    [DSA_COMP_SUCCESS_PRED] = "success_pred",
+    [DSA_COMP_PAGE_FAULT_NOBOF] = "page_fault_nobof",
+    [DSA_COMP_PAGE_FAULT_IR] = "page_fault_ir",
+    [DSA_COMP_BATCH_FAIL] = "batch_fail",
+    [DSA_COMP_BATCH_PAGE_FAULT] = "batch_page_fault",
+    [DSA_COMP_DR_OFFSET_NOINC] = "dr_offset_noinc",
+    [DSA_COMP_DR_OFFSET_ERANGE] = "dr_offset_erange",
+    [DSA_COMP_DIF_ERR] = "dif_err",
+    [DSA_COMP_BAD_OPCODE] = "bad_opcode",
+    [DSA_COMP_INVALID_FLAGS] = "invalid_flags",
+    [DSA_COMP_NOZERO_RESERVE] = "nozero_reserve",
+    [DSA_COMP_XFER_ERANGE] = "xfer_erange",
+    [DSA_COMP_DESC_CNT_ERANGE] = "desc_cnt_erange",
+    [DSA_COMP_DR_ERANGE] = "dr_erange",
+    [DSA_COMP_OVERLAP_BUFFERS] = "overlap_buffers",
+    [DSA_COMP_DCAST_ERR] = "dcast_err",
+    [DSA_COMP_DESCLIST_ALIGN] = "desclist_align",
+    [DSA_COMP_INT_HANDLE_INVAL] = "int_handle_inval",
+    [DSA_COMP_CRA_XLAT] = "cra_xlat",
+    [DSA_COMP_CRA_ALIGN] = "cra_align",
+    [DSA_COMP_ADDR_ALIGN] = "addr_align",
+    [DSA_COMP_PRIV_BAD] = "priv_bad",
+    [DSA_COMP_TRAFFIC_CLASS_CONF] = "traffic_class_conf",
+    [DSA_COMP_PFAULT_RDBA] = "pfault_rdba",
+    [DSA_COMP_HW_ERR1] = "hw_err1",
+    [DSA_COMP_HW_ERR_DRB] = "hw_err_drb",
+    [DSA_COMP_TRANSLATION_FAIL] = "translation_fail",
+};
+
+const char *kvt_dsa_status_name(int status)
+{
+    status &= 0x7f;
+    return STATUS_NAMES[status] ? STATUS_NAMES[status] : NULL;
+}
+
+static const char *const WAIT_NAMES[] = {"spin", "yield", "sleep"};
+
+const char *kvt_dsa_wait_name(int mode)
+{
+    return (mode >= 0 && mode <= KVT_DSA_WAIT_SLEEP) ? WAIT_NAMES[mode] : "?";
+}
+
+int kvt_dsa_wait_from_name(const char *name)
+{
+    for (int i = 0; i <= KVT_DSA_WAIT_SLEEP; i++)
+        if (strcmp(name, WAIT_NAMES[i]) == 0)
+            return i;
+    return -1;
+}
+
+/* ------------------------------------------------------------------ */
+/* Engine                                                              */
+/* ------------------------------------------------------------------ */
+
+kvt_dsa_engine *kvt_dsa_engine_create(const char *name, kvt_dsa_portal *portal,
+                                      const kvt_dsa_wq_info *wq)
+{
+    kvt_dsa_engine *e = calloc(1, sizeof *e);
+    if (!e) {
+        errno = ENOMEM;
+        return NULL;
+    }
+    snprintf(e->name, sizeof e->name, "%s", name);
+    e->portal = portal;
+    e->wq = *wq;
+    if (e->wq.size == 0)
+        e->wq.size = 1;
+    if (e->wq.max_transfer_size == 0 || e->wq.max_transfer_size > 0xFFFFFFFFu)
+        e->wq.max_transfer_size = 0x80000000u; /* xfer_size is a 32-bit field */
+    e->min_size = KVT_DSA_MIN_SIZE_DEFAULT;
+    e->wait_mode = KVT_DSA_WAIT_YIELD;
+    e->sleep_ns = 2000;
+    e->cache_control = 1;
+    const char *s = getenv("KVTIER_DSA_MIN_SIZE");
+    if (s && *s) {
+        char *end;
+        unsigned long long v = strtoull(s, &end, 0);
+        if (*end == '\0')
+            e->min_size = (size_t)v;
+    }
+    s = getenv("KVTIER_DSA_WAIT");
+    if (s && *s && kvt_dsa_wait_from_name(s) >= 0)
+        e->wait_mode = kvt_dsa_wait_from_name(s);
+    snprintf(e->reason, sizeof e->reason, "self-check not run");
+    return e;
+}
+
+void kvt_dsa_engine_destroy(kvt_dsa_engine *e)
+{
+    if (!e)
+        return;
+    /* Every op waits for its descriptors, so nothing is in flight here. */
+    if (e->portal)
+        e->portal->ops->close(e->portal);
+    free(e);
+}
+
+int kvt_dsa_engine_enabled(const kvt_dsa_engine *e) { return e && e->enabled; }
+const char *kvt_dsa_engine_name(const kvt_dsa_engine *e) { return e->name; }
+const char *kvt_dsa_engine_reason(const kvt_dsa_engine *e) { return e->reason; }
+const char *kvt_dsa_engine_portal_kind(const kvt_dsa_engine *e) { return e->portal->kind; }
+void kvt_dsa_engine_wq(const kvt_dsa_engine *e, kvt_dsa_wq_info *out) { *out = e->wq; }
+void kvt_dsa_engine_get_selfcheck(const kvt_dsa_engine *e, kvt_dsa_selfcheck *out) { *out = e->sc; }
+void kvt_dsa_engine_set_min_size(kvt_dsa_engine *e, size_t min_size) { e->min_size = min_size; }
+size_t kvt_dsa_engine_min_size(const kvt_dsa_engine *e) { return e->min_size; }
+int kvt_dsa_engine_wait_mode(const kvt_dsa_engine *e) { return e->wait_mode; }
+void kvt_dsa_engine_set_cache_control(kvt_dsa_engine *e, int on) { e->cache_control = on; }
+
+void kvt_dsa_engine_set_wait(kvt_dsa_engine *e, int mode, long sleep_ns)
+{
+    if (mode >= KVT_DSA_WAIT_SPIN && mode <= KVT_DSA_WAIT_SLEEP)
+        e->wait_mode = mode;
+    if (sleep_ns > 0)
+        e->sleep_ns = sleep_ns;
+}
+
+void kvt_dsa_engine_get_counters(const kvt_dsa_engine *e, kvt_dsa_counters *out)
+{
+    const uint64_t *src = (const uint64_t *)&e->c;
+    uint64_t *dst = (uint64_t *)out;
+    for (size_t i = 0; i < sizeof *out / sizeof(uint64_t); i++)
+        dst[i] = __atomic_load_n(&src[i], __ATOMIC_RELAXED);
+}
+
+void kvt_dsa_engine_reset_counters(kvt_dsa_engine *e)
+{
+    uint64_t *p = (uint64_t *)&e->c;
+    for (size_t i = 0; i < sizeof e->c / sizeof(uint64_t); i++)
+        __atomic_store_n(&p[i], 0, __ATOMIC_RELAXED);
+}
+
+/* ------------------------------------------------------------------ */
+/* Operations                                                          */
+/* ------------------------------------------------------------------ */
+
+static void cpu_rest(kvt_dsa_op *op)
+{
+    size_t rem = op->len - op->done;
+    if (rem) {
+        if (op->opcode == DSA_OPCODE_COPY_CRC)
+            memcpy(op->dst + op->done, op->src + op->done, rem);
+        op->crc = kvt_crc32c_best_cpu()->fn(op->crc, op->src + op->done, rem);
+        op->on_device = 0;
+    }
+    op->done = op->len;
+    op->state = 0;
+}
+
+static void wait_backoff(const kvt_dsa_engine *e, unsigned *spins)
+{
+    unsigned s = ++*spins;
+    switch (e->wait_mode) {
+    case KVT_DSA_WAIT_SPIN:
+        cpu_relax();
+        break;
+    case KVT_DSA_WAIT_SLEEP:
+        if (s < 16) {
+            cpu_relax();
+        } else {
+            struct timespec ts = {0, e->sleep_ns};
+            nanosleep(&ts, NULL);
+        }
+        break;
+    default:
+        if (s < 64)
+            cpu_relax();
+        else
+            sched_yield();
+        break;
+    }
+}
+
+/* Submit the descriptor for the next chunk. 0, or -1 (submission failed). */
+static int submit_chunk(kvt_dsa_op *op)
+{
+    kvt_dsa_engine *e = op->e;
+    size_t rem = op->len - op->done;
+    size_t chunk = rem < e->wq.max_transfer_size ? rem : (size_t)e->wq.max_transfer_size;
+    op->chunk = chunk;
+
+    memset(&op->desc, 0, sizeof op->desc);
+    memset(&op->comp, 0, sizeof op->comp); /* status = 0 before submit */
+    uint32_t flags = IDXD_OP_FLAG_CRAV | IDXD_OP_FLAG_RCR;
+    if (e->wq.block_on_fault)
+        flags |= IDXD_OP_FLAG_BOF;
+    if (op->opcode == DSA_OPCODE_COPY_CRC && e->cache_control &&
+        (e->wq.gen_cap & KVT_DSA_GENCAP_CACHE_CONTROL))
+        flags |= IDXD_OP_FLAG_CC;
+    op->desc.opcode = (uint32_t)op->opcode;
+    op->desc.flags = flags;
+    op->desc.completion_addr = (uint64_t)(uintptr_t)&op->comp;
+    op->desc.src_addr = (uint64_t)(uintptr_t)(op->src + op->done);
+    if (op->opcode == DSA_OPCODE_COPY_CRC)
+        op->desc.dst_addr = (uint64_t)(uintptr_t)(op->dst + op->done);
+    op->desc.xfer_size = (uint32_t)chunk;
+    op->desc.crc_seed = op->crc;
+
+    /* Dedicated WQ: MOVDIR64B to a full WQ loses the descriptor, so never
+     * have more than `size` in flight. */
+    unsigned spins = 0;
+    if (e->wq.dedicated) {
+        for (;;) {
+            unsigned cur = __atomic_load_n(&e->in_flight, __ATOMIC_RELAXED);
+            if (cur < e->wq.size &&
+                __atomic_compare_exchange_n(&e->in_flight, &cur, cur + 1, 0, __ATOMIC_ACQ_REL,
+                                            __ATOMIC_RELAXED))
+                break;
+            wait_backoff(e, &spins);
+        }
+    } else {
+        __atomic_fetch_add(&e->in_flight, 1, __ATOMIC_ACQ_REL);
+    }
+    /* Make the zeroed completion record (and the source data) visible
+     * before the device can see the descriptor. */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    unsigned retries = 0;
+    for (;;) {
+        int r = e->portal->ops->submit(e->portal, &op->desc);
+        if (r == KVT_DSA_SUBMIT_OK)
+            break;
+        if (r == KVT_DSA_SUBMIT_RETRY && retries < KVT_DSA_ENQCMD_RETRY_MAX) {
+            retries++;
+            CADD(e, enqcmd_retries, 1);
+            if (retries < 16)
+                cpu_relax();
+            else
+                sched_yield();
+            continue;
+        }
+        __atomic_fetch_sub(&e->in_flight, 1, __ATOMIC_ACQ_REL);
+        CADD(e, submit_failures, 1);
+        return -1;
+    }
+    CADD(e, descriptors_submitted, 1);
+    op->state = 1;
+    return 0;
+}
+
+static void start(kvt_dsa_engine *e, kvt_dsa_op *op, int opcode, void *dst, const void *src,
+                  size_t len, uint32_t seed, int force)
+{
+    op->e = e;
+    op->opcode = opcode;
+    op->src = (const uint8_t *)src;
+    op->dst = (uint8_t *)dst;
+    op->len = len;
+    op->done = 0;
+    op->chunk = 0;
+    op->crc = seed;
+    op->state = 0;
+    op->on_device = 0;
+    op->last_status = 0;
+    op->pf_no_progress = 0;
+    if (!e || len == 0 || (!force && !e->enabled)) {
+        cpu_rest(op);
+        return;
+    }
+    if (!force && len < e->min_size) {
+        CADD(e, below_min_size, 1);
+        cpu_rest(op);
+        return;
+    }
+    op->on_device = 1;
+    if (submit_chunk(op) < 0)
+        cpu_rest(op);
+}
+
+void kvt_dsa_crc_submit(kvt_dsa_engine *e, kvt_dsa_op *op, const void *buf, size_t len,
+                        uint32_t seed)
+{
+    start(e, op, DSA_OPCODE_CRCGEN, NULL, buf, len, seed, 0);
+}
+
+void kvt_dsa_copy_crc_submit(kvt_dsa_engine *e, kvt_dsa_op *op, void *dst, const void *src,
+                             size_t len, uint32_t seed)
+{
+    start(e, op, DSA_OPCODE_COPY_CRC, dst, src, len, seed, 0);
+}
+
+/* Make the faulting page present before resubmitting (BOF off: the device
+ * does not fault pages in itself). Only addresses inside the op's buffers. */
+static void touch_fault(kvt_dsa_op *op, uint64_t addr, int write)
+{
+    uintptr_t a = (uintptr_t)addr;
+    if (write && op->dst && a >= (uintptr_t)op->dst && a < (uintptr_t)(op->dst + op->len))
+        __atomic_fetch_add((uint8_t *)a, 0, __ATOMIC_RELAXED);
+    else if (a >= (uintptr_t)op->src && a < (uintptr_t)(op->src + op->len))
+        (void)*(volatile const uint8_t *)a;
+}
+
+/* Wait for the op; deadline 0 = forever. Returns 0, or -1 when the deadline
+ * passed with a descriptor still in flight (the op then stays in flight: its
+ * memory must be leaked, never reused). */
+static int wait_until(kvt_dsa_op *op, uint64_t deadline)
+{
+    if (op->state == 0)
+        return 0;
+    kvt_dsa_engine *e = op->e;
+    uint64_t t0 = now_ns();
+    const uint8_t *status_p = (const uint8_t *)&op->comp;
+    while (op->state == 1) {
+        unsigned spins = 0;
+        uint8_t s;
+        while ((s = __atomic_load_n(status_p, __ATOMIC_ACQUIRE)) == 0) {
+            wait_backoff(e, &spins);
+            if (deadline && (spins & 63) == 0 && now_ns() > deadline) {
+                CADD(e, wait_ns, now_ns() - t0);
+                return -1;
+            }
+        }
+        __atomic_fetch_sub(&e->in_flight, 1, __ATOMIC_ACQ_REL);
+        op->state = 0;
+        int st = s & DSA_COMP_STATUS_MASK;
+        op->last_status = st;
+        if (st == DSA_COMP_SUCCESS) {
+            CADD(e, completed_on_device, 1);
+            CADD(e, bytes_on_device, op->chunk);
+            op->crc = (uint32_t)op->comp.crc_val;
+            op->done += op->chunk;
+            op->pf_no_progress = 0;
+            if (op->done < op->len && submit_chunk(op) < 0)
+                cpu_rest(op);
+            continue;
+        }
+        if (st == DSA_COMP_PAGE_FAULT_NOBOF && op->comp.bytes_completed <= op->chunk) {
+            uint32_t bc = op->comp.bytes_completed;
+            if (bc) {
+                op->crc = (uint32_t)op->comp.crc_val;
+                op->done += bc;
+                op->pf_no_progress = 0;
+                CADD(e, bytes_on_device, bc);
+            } else {
+                op->pf_no_progress++;
+            }
+            if (op->pf_no_progress <= 4) {
+                CADD(e, page_fault_resumes, 1);
+                touch_fault(op, op->comp.fault_addr, (s & DSA_COMP_STATUS_WRITE) != 0);
+                if (op->done < op->len && submit_chunk(op) < 0)
+                    cpu_rest(op);
+                continue;
+            }
+        }
+        /* Anything else (or a fault that makes no progress): redo on the CPU. */
+        if (st >= 0 && st < 128)
+            CADD(e, cpu_redo_by_status[st], 1);
+        CADD(e, cpu_redo_total, 1);
+        cpu_rest(op);
+    }
+    CADD(e, wait_ns, now_ns() - t0);
+    return 0;
+}
+
+uint32_t kvt_dsa_wait(kvt_dsa_op *op)
+{
+    wait_until(op, 0);
+    return op->crc;
+}
+
+uint32_t kvt_dsa_crc(kvt_dsa_engine *e, uint32_t seed, const void *buf, size_t len)
+{
+    kvt_dsa_op op;
+    kvt_dsa_crc_submit(e, &op, buf, len, seed);
+    return kvt_dsa_wait(&op);
+}
+
+uint32_t kvt_dsa_copy_crc(kvt_dsa_engine *e, void *dst, const void *src, size_t len, uint32_t seed)
+{
+    kvt_dsa_op op;
+    kvt_dsa_copy_crc_submit(e, &op, dst, src, len, seed);
+    return kvt_dsa_wait(&op);
+}
+
+/* ------------------------------------------------------------------ */
+/* Self-check                                                          */
+/* ------------------------------------------------------------------ */
+
+/* Anonymous mapping with every page populated for write: a device touching
+ * an unpopulated page stalls on an IOMMU page request (CacheLib measured it). */
+static void *populated(size_t n)
+{
+    void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return NULL;
+    if (madvise(p, n, MADV_POPULATE_WRITE) != 0) {
+        for (size_t i = 0; i < n; i += 4096)
+            ((volatile uint8_t *)p)[i] = 0;
+    }
+    return p;
+}
+
+static const char *sname(int st)
+{
+    const char *n = kvt_dsa_status_name(st);
+    return n ? n : "unknown";
+}
+
+static pthread_mutex_t g_abandoned_mu = PTHREAD_MUTEX_INITIALIZER;
+static void **g_abandoned; /* list of ops a device never completed */
+
+static uint64_t selfcheck_timeout_ns(void)
+{
+    const char *s = getenv("KVTIER_DSA_SELFCHECK_TIMEOUT_MS");
+    unsigned long long ms = 2000;
+    if (s && *s) {
+        char *end;
+        unsigned long long v = strtoull(s, &end, 10);
+        if (*end == '\0' && v > 0)
+            ms = v;
+    }
+    return ms * 1000000ull;
+}
+
+#define APPEND(...)                                                        \
+    do {                                                                   \
+        size_t l_ = strlen(e->reason);                                     \
+        snprintf(e->reason + l_, sizeof e->reason - l_, __VA_ARGS__);      \
+    } while (0)
+
+int kvt_dsa_engine_selfcheck(kvt_dsa_engine *e)
+{
+    const size_t n = KVT_DSA_SELFCHECK_SIZE;
+    memset(&e->sc, 0, sizeof e->sc);
+    e->enabled = 0;
+    uint8_t *src = populated(n), *dst = populated(n);
+    /* The op lives on the heap: if the device never answers, op and buffers
+     * are leaked rather than handed back while the device may still write. */
+    kvt_dsa_op *op = aligned_alloc(64, sizeof *op);
+    if (!src || !dst || !op) {
+        snprintf(e->reason, sizeof e->reason, "self-check: cannot allocate 2 x 1 MiB: %s",
+                 strerror(errno));
+        if (src)
+            munmap(src, n);
+        if (dst)
+            munmap(dst, n);
+        free(op);
+        return 0;
+    }
+    uint64_t x = 0x9E3779B97F4A7C15ull;
+    for (size_t i = 0; i < n; i += 8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        memcpy(src + i, &x, 8);
+    }
+    memset(dst, 0xA5, n);
+    static const char check[] = "123456789";
+    uint32_t ref = kvt_crc32c_best_cpu()->fn(0, src, n);
+    uint64_t timeout = selfcheck_timeout_ns();
+    e->sc.ran = 1;
+    snprintf(e->reason, sizeof e->reason, "self-check failed:");
+
+    start(e, op, DSA_OPCODE_CRCGEN, NULL, src, n, 0, 1);
+    if (wait_until(op, now_ns() + timeout) < 0)
+        goto timeout;
+    uint32_t c1 = op->crc;
+    e->sc.crcgen_on_device = op->on_device;
+    e->sc.crcgen_status = op->last_status;
+    /* also the standard check value through a single small descriptor */
+    start(e, op, DSA_OPCODE_CRCGEN, NULL, check, 9, 0, 1);
+    if (wait_until(op, now_ns() + timeout) < 0)
+        goto timeout;
+    e->sc.crcgen_on_device &= op->on_device;
+    e->sc.crcgen_match = c1 == ref && op->crc == 0xE3069283u;
+
+    start(e, op, DSA_OPCODE_COPY_CRC, dst, src, n, 0, 1);
+    if (wait_until(op, now_ns() + timeout) < 0)
+        goto timeout;
+    e->sc.copy_on_device = op->on_device;
+    e->sc.copy_status = op->last_status;
+    e->sc.copy_match = op->crc == ref && memcmp(src, dst, n) == 0;
+    munmap(src, n);
+    munmap(dst, n);
+    free(op);
+
+    if (e->sc.crcgen_on_device && e->sc.crcgen_match && e->sc.copy_on_device && e->sc.copy_match) {
+        e->enabled = 1;
+        snprintf(e->reason, sizeof e->reason, "self-check passed (CRCGEN and COPY_CRC on 1 MiB)");
+        return 1;
+    }
+    if (!e->sc.crcgen_on_device)
+        APPEND(" CRCGEN not completed on the device (status 0x%02x %s, redone on the CPU);",
+               e->sc.crcgen_status, sname(e->sc.crcgen_status));
+    if (!e->sc.crcgen_match)
+        APPEND(" CRCGEN result differs from the CPU;");
+    if (!e->sc.copy_on_device)
+        APPEND(" COPY_CRC not completed on the device (status 0x%02x %s, redone on the CPU);",
+               e->sc.copy_status, sname(e->sc.copy_status));
+    if (!e->sc.copy_match)
+        APPEND(" COPY_CRC result or copied bytes differ from the CPU;");
+    return 0;
+
+timeout:
+    /* Keep the abandoned op reachable (it is deliberately never freed). */
+    pthread_mutex_lock(&g_abandoned_mu);
+    op->e = NULL;
+    void **slot = malloc(2 * sizeof(void *));
+    if (slot) {
+        slot[0] = op;
+        slot[1] = g_abandoned;
+        g_abandoned = slot;
+    }
+    pthread_mutex_unlock(&g_abandoned_mu);
+    APPEND(" no completion within %llu ms (op memory leaked, never reused);",
+           (unsigned long long)(timeout / 1000000ull));
+    e->sc.crcgen_on_device = e->sc.copy_on_device = 0;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* Process-wide engines                                                */
+/* ------------------------------------------------------------------ */
+
+static pthread_rwlock_t g_lock = PTHREAD_RWLOCK_INITIALIZER;
+static pthread_mutex_t g_enable_mu = PTHREAD_MUTEX_INITIALIZER;
+static kvt_dsa_engine *g_eng[2];
+static kvt_dsa_model *g_model;
+static int g_tried[2];
+static char g_reason[2][1200];
+
+static void install(int which, kvt_dsa_engine *e, kvt_dsa_model *m)
+{
+    pthread_rwlock_wrlock(&g_lock);
+    kvt_dsa_engine *old = g_eng[which];
+    g_eng[which] = e;
+    if (which == KVT_DSA_MODEL)
+        g_model = m;
+    pthread_rwlock_unlock(&g_lock);
+    kvt_dsa_engine_destroy(old); /* no reader holds it any more */
+}
+
+static void set_reason(int which, const char *s)
+{
+    pthread_rwlock_wrlock(&g_lock);
+    snprintf(g_reason[which], sizeof g_reason[which], "%s", s);
+    g_tried[which] = 1;
+    pthread_rwlock_unlock(&g_lock);
+}
+
+int kvt_dsa_enable_device(const char *sysfs_root, const char *dev_root, const char *want)
+{
+    static kvt_dsa_discovery d; /* large; guarded by g_enable_mu */
+    char why[1200];
+    int ok = 0;
+    pthread_mutex_lock(&g_enable_mu);
+    kvt_dsa_discover(sysfs_root, dev_root, want, &d);
+    if (!d.devices_dir_present) {
+        snprintf(why, sizeof why, "no DSA devices found (%s absent)", d.devices_dir);
+        goto out;
+    }
+    int idx[KVT_DSA_MAX_WQS];
+    size_t k = kvt_dsa_candidates(&d, idx, KVT_DSA_MAX_WQS);
+    if (d.n == 0) {
+        snprintf(why, sizeof why, "no DSA devices found (no WQs under %s)", d.devices_dir);
+        goto out;
+    }
+    size_t used = (size_t)snprintf(why, sizeof why, "WQ found but not usable:");
+    for (size_t i = 0; i < d.n && used < sizeof why; i++)
+        if (!d.wqs[i].usable)
+            used += (size_t)snprintf(why + used, sizeof why - used, " %s: %s;", d.wqs[i].name,
+                                     d.wqs[i].reason);
+    for (size_t j = 0; j < k; j++) {
+        const kvt_dsa_wq_info *w = &d.wqs[idx[j]];
+        kvt_dsa_portal *p = kvt_dsa_portal_open(w);
+        if (!p) {
+            if (used < sizeof why)
+                used += (size_t)snprintf(why + used, sizeof why - used, " %s: open %s: %s;",
+                                         w->name, w->path, strerror(errno));
+            continue;
+        }
+        kvt_dsa_engine *e = kvt_dsa_engine_create("dsa", p, w);
+        if (!e) {
+            p->ops->close(p);
+            continue;
+        }
+        if (kvt_dsa_engine_selfcheck(e)) {
+            install(KVT_DSA_DEVICE, e, NULL);
+            snprintf(why, sizeof why, "enabled: dsa (%s %s size %u max_transfer_size %llu bof %d, %s)",
+                     w->name, w->mode, w->size, (unsigned long long)w->max_transfer_size,
+                     w->block_on_fault, p->kind);
+            ok = 1;
+            goto out;
+        }
+        if (used < sizeof why)
+            used += (size_t)snprintf(why + used, sizeof why - used, " %s: %s;", w->name,
+                                     kvt_dsa_engine_reason(e));
+        kvt_dsa_engine_destroy(e);
+    }
+out:
+    set_reason(KVT_DSA_DEVICE, why);
+    pthread_mutex_unlock(&g_enable_mu);
+    return ok;
+}
+
+int kvt_dsa_enable_model(const kvt_dsa_model_config *cfg, int reject_status)
+{
+    char why[1200];
+    pthread_mutex_lock(&g_enable_mu);
+    kvt_dsa_model *m = kvt_dsa_model_create(cfg);
+    if (!m) {
+        snprintf(why, sizeof why, "dsa-model: cannot create the model: %s", strerror(errno));
+        set_reason(KVT_DSA_MODEL, why);
+        pthread_mutex_unlock(&g_enable_mu);
+        return 0;
+    }
+    if (reject_status)
+        kvt_dsa_model_inject(m, KVT_DSA_FAULT_REJECT_ALL, UINT64_MAX, (uint64_t)reject_status);
+    kvt_dsa_wq_info w;
+    kvt_dsa_model_wq_info(m, &w);
+    kvt_dsa_engine *e = kvt_dsa_engine_create("dsa-model", kvt_dsa_model_portal(m), &w);
+    if (!e) {
+        kvt_dsa_model_destroy(m);
+        set_reason(KVT_DSA_MODEL, "dsa-model: out of memory");
+        pthread_mutex_unlock(&g_enable_mu);
+        return 0;
+    }
+    int ok = kvt_dsa_engine_selfcheck(e);
+    /* Kept installed either way so status and counters stay readable;
+     * the backend is available only when the self-check passed. */
+    install(KVT_DSA_MODEL, e, m);
+    if (ok)
+        snprintf(why, sizeof why, "enabled: dsa-model (software model, %s size %u max_transfer_size %llu bof %d)",
+                 w.mode, w.size, (unsigned long long)w.max_transfer_size, w.block_on_fault);
+    else
+        snprintf(why, sizeof why, "dsa-model not enabled: %s", kvt_dsa_engine_reason(e));
+    set_reason(KVT_DSA_MODEL, why);
+    pthread_mutex_unlock(&g_enable_mu);
+    return ok;
+}
+
+void kvt_dsa_disable(int which)
+{
+    pthread_mutex_lock(&g_enable_mu);
+    install(which, NULL, NULL);
+    set_reason(which, which == KVT_DSA_MODEL ? "dsa-model disabled" : "dsa disabled");
+    pthread_mutex_unlock(&g_enable_mu);
+}
+
+kvt_dsa_engine *kvt_dsa_acquire(int which)
+{
+    pthread_rwlock_rdlock(&g_lock);
+    kvt_dsa_engine *e = g_eng[which];
+    if (!e)
+        pthread_rwlock_unlock(&g_lock);
+    return e;
+}
+
+kvt_dsa_engine *kvt_dsa_acquire_active(void)
+{
+    const kvt_crc32c_backend *b = kvt_crc32c_active();
+    int which;
+    if (strcmp(b->name, "dsa") == 0)
+        which = KVT_DSA_DEVICE;
+    else if (strcmp(b->name, "dsa-model") == 0)
+        which = KVT_DSA_MODEL;
+    else
+        return NULL;
+    kvt_dsa_engine *e = kvt_dsa_acquire(which);
+    if (e && !e->enabled) {
+        kvt_dsa_release(e);
+        return NULL;
+    }
+    return e;
+}
+
+void kvt_dsa_release(kvt_dsa_engine *e)
+{
+    if (e)
+        pthread_rwlock_unlock(&g_lock);
+}
+
+kvt_dsa_model *kvt_dsa_global_model(void) { return g_model; }
+
+int kvt_dsa_global_tried(int which)
+{
+    pthread_rwlock_rdlock(&g_lock);
+    int t = g_tried[which];
+    pthread_rwlock_unlock(&g_lock);
+    return t;
+}
+
+void kvt_dsa_global_reason(int which, char *buf, size_t n)
+{
+    pthread_rwlock_rdlock(&g_lock);
+    snprintf(buf, n, "%s", g_reason[which]);
+    pthread_rwlock_unlock(&g_lock);
+}
+
+static uint32_t backend_crc(int which, uint32_t crc, const void *buf, size_t len)
+{
+    kvt_dsa_engine *e = kvt_dsa_acquire(which);
+    if (!e)
+        return kvt_crc32c_best_cpu()->fn(crc, buf, len);
+    uint32_t r = kvt_dsa_crc(e, crc, buf, len);
+    kvt_dsa_release(e);
+    return r;
+}
+
+uint32_t kvt_crc32c_dsa(uint32_t crc, const void *buf, size_t len)
+{
+    return backend_crc(KVT_DSA_DEVICE, crc, buf, len);
+}
+
+uint32_t kvt_crc32c_dsa_model(uint32_t crc, const void *buf, size_t len)
+{
+    return backend_crc(KVT_DSA_MODEL, crc, buf, len);
+}
+
+static int engine_enabled(int which)
+{
+    pthread_rwlock_rdlock(&g_lock);
+    int r = g_eng[which] && g_eng[which]->enabled;
+    pthread_rwlock_unlock(&g_lock);
+    return r;
+}
+
+static pthread_once_t once_device = PTHREAD_ONCE_INIT;
+static pthread_once_t once_model = PTHREAD_ONCE_INIT;
+
+static int env_is(const char *name, const char *value)
+{
+    const char *v = getenv(name);
+    return v && strcmp(v, value) == 0;
+}
+
+static void try_device_once(void)
+{
+    if (env_is("KVTIER_DSA", "off")) {
+        set_reason(KVT_DSA_DEVICE, "dsa: not probed (KVTIER_DSA=off)");
+        return;
+    }
+    if (!kvt_dsa_global_tried(KVT_DSA_DEVICE))
+        kvt_dsa_enable_device(NULL, NULL, NULL);
+}
+
+static void try_model_once(void)
+{
+    /* The model is only ever enabled explicitly. */
+    if ((env_is("KVTIER_DSA", "model") || env_is("KVTIER_CRC32C_BACKEND", "dsa-model")) &&
+        !kvt_dsa_global_tried(KVT_DSA_MODEL))
+        kvt_dsa_enable_model(NULL, 0);
+}
+
+int kvt_dsa_backend_available(void)
+{
+    pthread_once(&once_device, try_device_once);
+    return engine_enabled(KVT_DSA_DEVICE);
+}
+
+int kvt_dsa_model_backend_available(void)
+{
+    pthread_once(&once_model, try_model_once);
+    return engine_enabled(KVT_DSA_MODEL);
+}
