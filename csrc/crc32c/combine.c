@@ -11,6 +11,8 @@
 static uint32_t gf2_mulmod(uint32_t a, uint32_t b)
 {
     uint32_t m = 1u << 31, p = 0;
+    if (a == 0) /* the loop below stops at a's lowest set bit: none (found by tests/fuzz) */
+        return 0;
     for (;;) {
         if (a & m) {
             p ^= b;
