@@ -189,6 +189,12 @@ class FileSystemTierManager:
             match ``checksum_blocks``), or None to make one in ``registry``.
         registry: prometheus_client registry for the tracker made here (default a fresh
             one, see :mod:`kvtier.metrics`).
+        sweep_stale_temps_after: seconds, or None (default: off). At startup remove this
+            tier's store temps (``<hash>.bin_<hex>.tmp`` under its ``_r<rank>`` directory)
+            last modified more than this long ago, left by a killed process; never
+            ``.bin`` blocks, recent temps or other files (:mod:`kvtier.sweep`). The
+            result is ``self.last_sweep``. TypeError / ValueError (before any I/O) for
+            a non-number or a negative or infinite value.
 
     Raises, before any I/O: TypeError / ValueError for bad arguments (wrong types,
     thread counts < 1, block size not matching the buffer, bad FileMapper fields),
@@ -225,6 +231,7 @@ class FileSystemTierManager:
         tier_type: str = "fs",
         metrics: Optional[TieringMetricsTracker] = None,
         registry: Any = None,
+        sweep_stale_temps_after: Optional[float] = None,  # KVT-REL: stale-temp sweep (kvtier/sweep.py)
     ) -> None:
         # ---- configuration checks: no I/O until all of them pass ----
         for name, v in (("n_read_threads", n_read_threads), ("n_write_threads", n_write_threads)):
@@ -235,6 +242,9 @@ class FileSystemTierManager:
         for name, v in (("checksum_blocks", checksum_blocks), ("use_o_direct", use_o_direct)):
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+        if sweep_stale_temps_after is not None:  # KVT-REL: validate before any I/O
+            from kvtier.sweep import check_older_than
+            check_older_than(sweep_stale_temps_after)
         label = tier_label(tier_idx, tier_type)
         if metrics is not None:
             if not isinstance(metrics, TieringMetricsTracker):
@@ -257,6 +267,10 @@ class FileSystemTierManager:
         # ---- startup checks that touch the filesystem ----
         kio = _io()
         self._check_writable()
+        self.last_sweep = None  # KVT-REL: kvtier.sweep.SweepResult of the startup sweep, if any
+        if sweep_stale_temps_after is not None:
+            from kvtier.sweep import sweep_stale_temps
+            self.last_sweep = sweep_stale_temps(self.file_mapper.rank_path, sweep_stale_temps_after)
         self.file_mapper.write_run_config()
         self.file_mapper.write_block_info(self.block_size)
         self.use_o_direct = bool(use_o_direct and kio.probe_o_direct(self.file_mapper.rank_path))

@@ -1,0 +1,114 @@
+"""Stale-temp sweep: remove a tier's leftover store temp files.
+
+A store writes ``<dest>_<hex>.tmp`` next to its destination and renames it
+onto ``<dest>`` (design.md, "On-disk contract"); a process killed between the
+create and the rename (SIGKILL, OOM, power loss) leaves the temp behind. It
+never becomes a block (only the rename publishes one) but it holds space. The
+sweep removes such temps when they are older than a threshold, so a temp that a
+live peer is still writing (its mtime moves with every write) is left alone.
+
+Used by :class:`kvtier.manager.FileSystemTierManager` at startup when
+``sweep_stale_temps_after`` is set (default off). It only ever removes regular
+files whose name matches :data:`TEMP_NAME_RE`, under the given directory (the
+tier's own ``<model>_<digest>_r<rank>`` directory), not following symlinks;
+never a ``.bin`` block, a recent temp, or any other file.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import re
+import stat
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Union
+
+#: Name of a store temp: ``<hex block hash>.bin_<hex tag>.tmp``
+#: (kvtier.io.tmp_path_for: 16 hex chars of tag; vLLM uses the same shape).
+TEMP_NAME_RE = re.compile(r"^[0-9a-fA-F]+\.bin_[0-9a-fA-F]+\.tmp\Z")
+
+
+@dataclass
+class SweepResult:
+    """What a sweep did.
+
+    ``removed``: paths of the temps removed. ``kept_recent``: temps younger
+    than the threshold (left alone). ``errors``: ``(path, OSError)`` for temps
+    that could not be removed (the sweep goes on). ``seconds``: wall time.
+    """
+
+    removed: List[str] = field(default_factory=list)
+    kept_recent: int = 0
+    errors: List[tuple] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def check_older_than(older_than: float) -> float:
+    """``older_than`` as a float of seconds. TypeError if it is not a real
+    number (bool included), ValueError if negative, NaN or infinite."""
+    if isinstance(older_than, bool) or not isinstance(older_than, (int, float)):
+        raise TypeError(f"older_than must be a number of seconds, not {type(older_than).__name__}")
+    older_than = float(older_than)
+    if not (older_than >= 0.0) or older_than == float("inf"):
+        raise ValueError(f"older_than must be a finite number of seconds >= 0, got {older_than!r}")
+    return older_than
+
+
+def sweep_stale_temps(
+    directory: Union[str, "os.PathLike[str]"],
+    older_than: float,
+    now: Optional[float] = None,
+) -> SweepResult:
+    """Remove store temps under ``directory`` last modified more than
+    ``older_than`` seconds before ``now`` (default ``time.time()``).
+
+    Walks ``directory`` recursively without following symlinks. A missing
+    ``directory`` is an empty sweep. A temp that vanishes meanwhile (a peer
+    renamed or removed it) is skipped silently; any other failure to remove
+    one is recorded in ``SweepResult.errors``.
+
+    Raises TypeError if ``older_than`` is not a real number, ValueError if it
+    is negative or not finite.
+    """
+    older_than = check_older_than(older_than)
+    t0 = time.monotonic()
+    if now is None:
+        now = time.time()
+    cutoff = now - older_than
+    res = SweepResult()
+    top = os.fspath(directory)
+
+    def onerror(e: OSError) -> None:
+        if e.errno != errno.ENOENT:
+            res.errors.append((getattr(e, "filename", top), e))
+
+    for dirpath, _dirnames, filenames in os.walk(top, onerror=onerror, followlinks=False):
+        for name in filenames:
+            if not TEMP_NAME_RE.match(name):
+                continue
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                res.errors.append((path, e))
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if st.st_mtime > cutoff:
+                res.kept_recent += 1
+                continue
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                res.errors.append((path, e))
+                continue
+            res.removed.append(path)
+    res.seconds = time.monotonic() - t0
+    return res
+
+
+__all__ = ["SweepResult", "TEMP_NAME_RE", "check_older_than", "sweep_stale_temps"]
