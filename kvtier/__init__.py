@@ -48,9 +48,9 @@ def crc32c_using(backend: str, data, value: int = 0) -> int:
     or not available here; BufferError for non-contiguous data.
     """
     if backend == "numpy":
-        from kvtier import fallback
+        from kvtier import _fallback_crc  # private: no kvtier.fallback import warning
 
-        return fallback.crc32c(data, value)
+        return _fallback_crc.crc32c(data, value)
     if _C is None:
         raise ValueError(f"CRC32C backend {backend!r} needs the C core, which is not built; available: ['numpy']")
     return _C.crc32c_using(backend, data, value)

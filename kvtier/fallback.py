@@ -7,8 +7,45 @@ different parts of the package; each starts with a "# --- name ---" line.
 from __future__ import annotations
 
 # --- CRC32C ---
-# (placeholder: the CRC32C fallback section -- crc32c(data, value=0),
-# crc32c_combine(crc1, crc2, len2) -- goes here, above the block I/O section)
+# crc32c(data, value=0) and crc32c_combine(crc1, crc2, len2): the numpy
+# implementation lives in the private kvtier._fallback_crc (see its docstring
+# for the method); kvtier itself uses that module for the "numpy" backend.
+#
+# Warning policy: importing this public module while the C core is importable
+# means someone picked the slow path by hand, so the import warns once
+# (RuntimeWarning; a module body runs once per process). Imports made by
+# kvtier's own modules (e.g. kvtier.io with KVTIER_IO_BACKEND=python, an
+# explicit choice already) do not warn: the importer is found by walking out
+# of the import machinery's frames.
+import sys as _sys
+import warnings as _warnings
+
+from kvtier._fallback_crc import POLY, crc32c, crc32c_combine  # noqa: F401
+
+
+def _imported_by_kvtier() -> bool:
+    f = _sys._getframe(2)  # 0: here, 1: this module's body, 2+: the importer
+    while f is not None and f.f_code.co_filename.startswith("<frozen importlib"):
+        f = f.f_back
+    name = f.f_globals.get("__name__", "") if f is not None else ""
+    return name == "kvtier" or name.startswith("kvtier.")
+
+
+def _c_core_importable() -> bool:
+    try:
+        from kvtier import _C  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+if _c_core_importable() and not _imported_by_kvtier():
+    _warnings.warn(
+        "kvtier.fallback imported although the C core (kvtier._C) is available: "
+        "the pure-Python CRC32C and block I/O are much slower; use kvtier.crc32c / kvtier.io",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 # --- block I/O ---
 # Pure-Python twin of csrc/fs_io.c: same protocols, same errors, same on-disk

@@ -39,5 +39,5 @@ uint32_t kvt_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2)
         if (len2)
             xpow = gf2_mulmod(xpow, xpow);
     }
-    return gf2_mulmod(crc1, acc) ^ crc2;
+    return gf2_mulmod(acc, crc1) ^ crc2; /* acc != 0 */
 }

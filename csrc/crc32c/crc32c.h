@@ -21,6 +21,14 @@ extern "C" {
 
 #define KVT_CRC32C_POLY 0x82F63B78u /* reflected Castagnoli, RFC 3720 B.4 */
 
+/* Which CPU backends this build compiles (armv8 needs little-endian). */
+#if defined(__x86_64__)
+#define KVT_CRC32C_HAVE_SSE42 1
+#endif
+#if defined(__aarch64__) && !defined(__AARCH64EB__)
+#define KVT_CRC32C_HAVE_ARMV8 1
+#endif
+
 /* One backend: standard presentation, chainable, any length (size_t). */
 typedef uint32_t (*kvt_crc32c_fn)(uint32_t crc, const void *buf, size_t len);
 
@@ -42,6 +50,19 @@ const char *kvt_isal_version(void);  /* isal.c: version string, or NULL without 
 
 /* Bit-at-a-time reference (ref.c): the oracle for tests and fuzzers. */
 uint32_t kvt_crc32c_bitwise(uint32_t crc, const void *buf, size_t len);
+
+/* Not dispatched: peers for benchmarks and variants for tests. Same
+ * presentation as the backends.
+ *   kvt_crc32c_bytewise      byte-at-a-time table (table.c)
+ *   kvt_crc32c_slice8/16     slicing-by-8 / -16 (table.c; "table" = slice16)
+ *   kvt_crc32c_sse42_serial  one serial crc32q chain (sse42.c, x86-64 only,
+ *                            call only when kvt_crc32c_sse42_available()) */
+uint32_t kvt_crc32c_bytewise(uint32_t crc, const void *buf, size_t len);
+uint32_t kvt_crc32c_slice8(uint32_t crc, const void *buf, size_t len);
+uint32_t kvt_crc32c_slice16(uint32_t crc, const void *buf, size_t len);
+uint32_t kvt_crc32c_sse42_serial(uint32_t crc, const void *buf, size_t len);
+/* Number of wrong entries in the generated tables (0 = tables.h is right). */
+int kvt_crc32c_table_check(void);
 
 /* crc32c(A||B) from crc1 = crc32c(A), crc2 = crc32c(B), len2 = |B| (combine.c).
  * GF(2) shift by len2 zero bytes, O(log len2). */

@@ -30,13 +30,13 @@ static const kvt_crc32c_backend BACKENDS[] = {
 #ifdef KVTIER_HAVE_ISAL
     {"isal", kvt_crc32c_isal, isal_available, "ISA-L crc32_iscsi"},
 #endif
-#if defined(__x86_64__)
+#if defined(KVT_CRC32C_HAVE_SSE42)
     {"sse42", kvt_crc32c_sse42, kvt_crc32c_sse42_available, "sse4.2 crc32, 3 streams"},
 #endif
-#if defined(__aarch64__)
+#if defined(KVT_CRC32C_HAVE_ARMV8)
     {"armv8", kvt_crc32c_armv8, kvt_crc32c_armv8_available, "armv8 crc32c"},
 #endif
-    {"table", kvt_crc32c_table, always, "slicing-by-8 table"},
+    {"table", kvt_crc32c_table, always, "slicing-by-16 table"},
     /* KVT-DSA: after "table" (always available), so the best-first scan for a
      * CPU backend never reaches them: neither is ever auto-selected. */
     {"dsa", kvt_crc32c_dsa, dsa_available, "Intel DSA CRCGEN (work queue)"},
