@@ -7,6 +7,9 @@ never becomes a block (only the rename publishes one) but it holds space. The
 sweep removes such temps when they are older than a threshold, so a temp that a
 live peer is still writing (its mtime moves with every write) is left alone.
 
+The startup probes' ``.kvtier_probe_*`` files, left the same way by a kill
+during startup, are swept too.
+
 Used by :class:`kvtier.manager.FileSystemTierManager` at startup when
 ``sweep_stale_temps_after`` is set (default off). It only ever removes regular
 files whose name matches :data:`TEMP_NAME_RE`, under the given directory (the
@@ -23,9 +26,11 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
-#: Name of a store temp: ``<hex block hash>.bin_<hex tag>.tmp``
-#: (kvtier.io.tmp_path_for: 16 hex chars of tag; vLLM uses the same shape).
-TEMP_NAME_RE = re.compile(r"^[0-9a-fA-F]+\.bin_[0-9a-fA-F]+\.tmp\Z")
+#: Names of this tier's temp files: a store temp ``<hex block hash>.bin_<hex tag>.tmp``
+#: (kvtier.io.tmp_path_for: 16 hex chars of tag; vLLM uses the same shape), or a
+#: startup probe ``.kvtier_probe_<tag>`` (kvtier.io.probe_o_direct / probe_xattr and
+#: the manager's writability check; a kill during startup leaves one).
+TEMP_NAME_RE = re.compile(r"^(?:[0-9a-fA-F]+\.bin_[0-9a-fA-F]+\.tmp|\.kvtier_probe_[A-Za-z0-9_]+)\Z")
 
 
 @dataclass
