@@ -244,6 +244,43 @@ static PyObject *kvt_py_isal_version(PyObject *mod, PyObject *unused)
     return PyUnicode_FromString(v);
 }
 
+/* KVT-SECTION CRC peers (crc helper): benchmark peers, not backends. They
+ * are the baselines of the speed claims in docs/crc32c.md ("sse42" vs one
+ * serial crc32q chain, "table" vs a byte-at-a-time table) and are called by
+ * benchmarks/crc32c_bench.py and tests/test_crc32c.py only. */
+PyDoc_STRVAR(crc32c_serial_crc32q_doc,
+"_crc32c_serial_crc32q($module, data, value=0, /)\n--\n\n"
+"Benchmark peer: crc32c() by one serial chain of SSE4.2 crc32q\n"
+"instructions (x86-64). Raises RuntimeError where SSE4.2 is missing.");
+
+static PyObject *kvt_py_crc32c_serial_crc32q(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "_crc32c_serial_crc32q() takes 1 or 2 positional arguments (%zd given)", nargs);
+        return NULL;
+    }
+#ifdef KVT_CRC32C_HAVE_SSE42
+    if (kvt_crc32c_sse42_available())
+        return run_crc(kvt_crc32c_sse42_serial, args[0], nargs > 1 ? args[1] : NULL);
+#endif
+    PyErr_SetString(PyExc_RuntimeError, "the serial crc32q peer needs x86-64 with SSE4.2");
+    return NULL;
+}
+
+PyDoc_STRVAR(crc32c_bytewise_doc,
+"_crc32c_bytewise($module, data, value=0, /)\n--\n\n"
+"Benchmark peer: crc32c() by a byte-at-a-time table loop.");
+
+static PyObject *kvt_py_crc32c_bytewise(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "_crc32c_bytewise() takes 1 or 2 positional arguments (%zd given)", nargs);
+        return NULL;
+    }
+    return run_crc(kvt_crc32c_bytewise, args[0], nargs > 1 ? args[1] : NULL);
+}
+/* KVT-SECTION CRC peers end */
+
 /* ------------------------------------------------------------------ */
 /* Block I/O (fs_io.c)                                                 */
 /* ------------------------------------------------------------------ */
@@ -1122,6 +1159,8 @@ static PyMethodDef kvt_methods[] = {
     {"backends", kvt_py_backends, METH_NOARGS, backends_doc},
     {"active_backend", kvt_py_active_backend, METH_NOARGS, active_backend_doc},
     {"isal_version", kvt_py_isal_version, METH_NOARGS, isal_version_doc},
+    {"_crc32c_serial_crc32q", (PyCFunction)(void (*)(void))kvt_py_crc32c_serial_crc32q, METH_FASTCALL, crc32c_serial_crc32q_doc},
+    {"_crc32c_bytewise", (PyCFunction)(void (*)(void))kvt_py_crc32c_bytewise, METH_FASTCALL, crc32c_bytewise_doc},
     {"batch_lookup", (PyCFunction)(void (*)(void))kvt_py_batch_lookup, METH_FASTCALL, batch_lookup_doc},
     {"batch_store_block", (PyCFunction)(void (*)(void))kvt_py_batch_store_block, METH_FASTCALL | METH_KEYWORDS, batch_store_block_doc},
     {"batch_load_block", (PyCFunction)(void (*)(void))kvt_py_batch_load_block, METH_FASTCALL | METH_KEYWORDS, batch_load_block_doc},
