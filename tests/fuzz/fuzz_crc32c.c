@@ -12,6 +12,10 @@
  *         any read past the buffer and odd alignments are covered
  * Any mismatch aborts with the backend, length and values.
  *
+ * With -DKVT_FUZZ_DSA_MODEL (and the csrc/dsa sources linked) the "dsa-model" backend
+ * (the software DSA device executing real CRCGEN descriptors) is enabled at
+ * start with its size gate at 1 byte, so every input goes through it too.
+ *
  * Built and run by tests/test_fuzz.py:
  *   clang -fsanitize=fuzzer,address,undefined -Icsrc/crc32c csrc/crc32c/[a-z]*.c \
  *         tests/fuzz/fuzz_crc32c.c [-DKVTIER_HAVE_ISAL ... -lisal]
@@ -22,6 +26,27 @@
 #include <string.h>
 
 #include "crc32c.h"
+
+#ifdef KVT_FUZZ_DSA_MODEL
+#include "dsa.h"
+
+int LLVMFuzzerInitialize(int *argc, char ***argv)
+{
+    (void)argc;
+    (void)argv;
+    setenv("KVTIER_DSA_MIN_SIZE", "1", 1); /* offload every length, not just >= 16 KiB */
+    if (!kvt_dsa_enable_model(NULL, 0)) {
+        fprintf(stderr, "fuzz_crc32c: could not enable the dsa-model backend\n");
+        abort();
+    }
+    const kvt_crc32c_backend *b = kvt_crc32c_find("dsa-model");
+    if (!b || !b->available()) {
+        fprintf(stderr, "fuzz_crc32c: dsa-model backend not available after enabling\n");
+        abort();
+    }
+    return 0;
+}
+#endif
 
 static void fail(const char *what, const char *backend, size_t len, size_t split, uint32_t seed,
                  uint32_t got, uint32_t want)
@@ -77,10 +102,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             check(&bs[i], flush, size, split, seeds[s]);
         }
     }
-    /* The reference itself against the RFC 3720 check value, once. */
+    /* Once: the reference against the RFC 3720 check value, and the list of
+     * backends under test on stderr (tests/test_fuzz.py checks it). */
     static int checked;
     if (!checked) {
         checked = 1;
+        fprintf(stderr, "fuzz_crc32c: backends:");
+        for (size_t i = 0; i < n; i++)
+            if (bs[i].available())
+                fprintf(stderr, " %s", bs[i].name);
+        fprintf(stderr, "\n");
         if (kvt_crc32c_bitwise(0, "123456789", 9) != 0xE3069283u)
             fail("check value", "bitwise", 9, 0, 0, kvt_crc32c_bitwise(0, "123456789", 9), 0xE3069283u);
     }
