@@ -12,9 +12,11 @@
  * and checksums it while it is still in the CPU cache; a store checksums a
  * chunk and then writes it, so the kernel's copy into the page cache reads
  * cache-hot data. There is never a second full pass over cold memory.
- * All CRC work goes through crc_begin/crc_chunk/crc_end below: the one place
- * where an offload engine (Intel DSA: submit before the write, collect after;
- * verify on the device) plugs in.
+ * For blocks of KVT_CRC_HELPER_MIN bytes and more the chunk CRCs run on a
+ * helper thread, overlapped with the I/O of the next chunk (see "CRC hook").
+ * All CRC work goes through crc_begin/crc_ready/crc_finish/crc_cancel: the
+ * one place where an offload engine (Intel DSA: submit before the write,
+ * collect after; verify on the device) plugs in.
  */
 #define _GNU_SOURCE
 #include "fs_io.h"
@@ -22,6 +24,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,25 +38,305 @@
 #include "crc32c.h"
 
 /* ------------------------------------------------------------------ */
-/* CRC hook                                                            */
+/* CRC hook: inline, or overlapped on a helper thread                  */
 /* ------------------------------------------------------------------ */
 
-/* Running CRC of one block. `crc` is the standard-presentation CRC32C of the
- * bytes seen so far (0 for none), so chunks chain with kvt_crc32c(). */
+/* The CRC of a block is fed in order as its bytes become available:
+ *   crc_begin(c, buf, len)   start; picks the engine
+ *   crc_ready(c, upto)       bytes [0, upto) of buf are final (just read by a
+ *                            load, or about to be written by a store)
+ *   crc_finish(c)            wait and return the standard CRC32C of buf
+ *   crc_cancel(c)            abandon (error path); returns once no engine
+ *                            touches buf or c any more
+ * Engines: "inline" checksums each range on the calling thread right away
+ * (cache-hot); "helper" hands chunks to one process-wide helper thread that
+ * checksums chunk k while the caller reads/writes chunk k+1, so a load costs
+ * about max(I/O, CRC) instead of I/O + CRC. The helper takes chunks from the
+ * front; at crc_finish the caller takes the chunks still unclaimed from the
+ * back (joined with kvt_crc32c_combine), so a descheduled or slow helper
+ * never makes the caller wait for more than the one chunk it is on. The
+ * helper serves one block at a time; a caller that finds it busy (many I/O
+ * threads) uses inline. An offload device (DSA) is a third engine with the
+ * same four calls. */
+
+typedef struct crc_job {
+    const uint8_t *base;
+    size_t len;
+    _Atomic size_t ready;     /* bytes of base published by the caller */
+    _Atomic uint64_t claims;  /* (front << 32) | back, in chunks: the helper takes
+                                 front++, the caller takes --back; done when equal */
+    _Atomic int cancel;
+    _Atomic int done;         /* set last by the helper; then it forgets the job */
+    uint32_t head_crc;        /* CRC32C of chunks [0, front) (helper) */
+    size_t head_len;          /* bytes in them */
+} crc_job;
+
 typedef struct kvt_crc_ctx {
+    const uint8_t *base;
+    size_t len;
+    size_t pos;       /* inline: bytes checksummed */
     uint32_t crc;
+    crc_job *job;     /* helper engine, or NULL for inline */
+    crc_job job_storage;
 } kvt_crc_ctx;
 
-static inline void crc_begin(kvt_crc_ctx *c) { c->crc = 0; }
+#define KVT_CRC_PIECE KVT_IO_CHUNK /* helper granularity (bytes) */
+#define KVT_CRC_SPIN 20000          /* pause loops (~tens of us) before sleeping */
 
-/* Account for the next `len` bytes of the block at `p` (just read or about to
- * be written, so cache-hot). */
-static inline void crc_chunk(kvt_crc_ctx *c, const void *p, size_t len)
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;      /* helper: a job was posted, or its ready/cancel moved */
+    pthread_cond_t done_cv; /* caller: job done */
+    crc_job *slot;          /* posted job not yet taken (under mu) */
+    _Atomic int busy;       /* 1 while a caller owns the helper */
+    _Atomic int sleeping;   /* helper is (about to be) in cond_wait on cv */
+    int state;              /* 0 not started, 1 running, -1 unavailable (under mu) */
+} helper = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, 0, 0};
+
+static int crc_helper_disabled = -1; /* KVTIER_CRC_HELPER=0 disables; read once */
+
+static inline void cpu_relax(void)
 {
-    c->crc = kvt_crc32c(c->crc, p, len);
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
 }
 
-static inline uint32_t crc_end(kvt_crc_ctx *c) { return c->crc; }
+static inline size_t piece_len(const crc_job *j, uint64_t k)
+{
+    size_t start = (size_t)k * KVT_CRC_PIECE;
+    return j->len - start < KVT_CRC_PIECE ? j->len - start : KVT_CRC_PIECE;
+}
+
+static void helper_run_job(crc_job *job)
+{
+    uint32_t crc = 0;
+    size_t head = 0;
+    int spins = 0;
+    for (;;) {
+        uint64_t c = atomic_load(&job->claims);
+        uint64_t f = c >> 32, b = c & 0xffffffffu;
+        if (f >= b)
+            break; /* every chunk claimed */
+        size_t n = piece_len(job, f);
+        if (atomic_load(&job->ready) < (size_t)f * KVT_CRC_PIECE + n) {
+            if (atomic_load(&job->cancel))
+                break;
+            if (++spins < KVT_CRC_SPIN) {
+                cpu_relax();
+                continue;
+            }
+            /* Dekker with helper_wake(): sleeping=1, then re-check. */
+            pthread_mutex_lock(&helper.mu);
+            atomic_store(&helper.sleeping, 1);
+            if (atomic_load(&job->ready) < (size_t)f * KVT_CRC_PIECE + n && !atomic_load(&job->cancel))
+                pthread_cond_wait(&helper.cv, &helper.mu);
+            atomic_store(&helper.sleeping, 0);
+            pthread_mutex_unlock(&helper.mu);
+            spins = 0;
+            continue;
+        }
+        if (!atomic_compare_exchange_strong(&job->claims, &c, ((f + 1) << 32) | b))
+            continue; /* the caller took from the back meanwhile */
+        crc = kvt_crc32c(crc, job->base + (size_t)f * KVT_CRC_PIECE, n);
+        head += n;
+        spins = 0;
+    }
+    job->head_crc = crc;
+    job->head_len = head;
+}
+
+static void *crc_helper_main(void *arg)
+{
+    (void)arg;
+    for (;;) {
+        pthread_mutex_lock(&helper.mu);
+        while (helper.slot == NULL)
+            pthread_cond_wait(&helper.cv, &helper.mu);
+        crc_job *job = helper.slot;
+        helper.slot = NULL;
+        pthread_mutex_unlock(&helper.mu);
+
+        helper_run_job(job);
+
+        pthread_mutex_lock(&helper.mu);
+        atomic_store(&job->done, 1); /* from here on the job is the caller's alone */
+        pthread_cond_broadcast(&helper.done_cv);
+        pthread_mutex_unlock(&helper.mu);
+    }
+    return NULL;
+}
+
+/* fork(): the child has no helper thread; start a new one on demand. */
+static void crc_helper_atfork_child(void)
+{
+    pthread_mutex_init(&helper.mu, NULL);
+    pthread_cond_init(&helper.cv, NULL);
+    pthread_cond_init(&helper.done_cv, NULL);
+    helper.slot = NULL;
+    atomic_store(&helper.busy, 0);
+    atomic_store(&helper.sleeping, 0);
+    helper.state = 0;
+}
+
+/* Take the helper for one block: 1 if ours, 0 if busy or unavailable. */
+static int crc_helper_acquire(void)
+{
+    if (crc_helper_disabled < 0) {
+        const char *e = getenv("KVTIER_CRC_HELPER");
+        crc_helper_disabled = e != NULL && e[0] == '0';
+    }
+    if (crc_helper_disabled)
+        return 0;
+    int expected = 0;
+    if (!atomic_compare_exchange_strong(&helper.busy, &expected, 1))
+        return 0;
+    pthread_mutex_lock(&helper.mu);
+    if (helper.state == 0) {
+        static int atfork_done;
+        if (!atfork_done) {
+            pthread_atfork(NULL, NULL, crc_helper_atfork_child);
+            atfork_done = 1;
+        }
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&attr, 64 * 1024);
+        helper.state = pthread_create(&t, &attr, crc_helper_main, NULL) == 0 ? 1 : -1;
+        pthread_attr_destroy(&attr);
+    }
+    int ok = helper.state == 1;
+    pthread_mutex_unlock(&helper.mu);
+    if (!ok)
+        atomic_store(&helper.busy, 0);
+    return ok;
+}
+
+static void crc_begin(kvt_crc_ctx *c, const void *buf, size_t len)
+{
+    c->base = (const uint8_t *)buf;
+    c->len = len;
+    c->pos = 0;
+    c->crc = 0;
+    c->job = NULL;
+    size_t nchunks = (len + KVT_CRC_PIECE - 1) / KVT_CRC_PIECE;
+    if (len >= KVT_CRC_HELPER_MIN && nchunks < 0xffffffffu && crc_helper_acquire()) {
+        crc_job *j = &c->job_storage;
+        j->base = c->base;
+        j->len = len;
+        atomic_init(&j->ready, 0);
+        atomic_init(&j->claims, (uint64_t)nchunks);
+        atomic_init(&j->cancel, 0);
+        atomic_init(&j->done, 0);
+        j->head_crc = 0;
+        j->head_len = 0;
+        c->job = j;
+        pthread_mutex_lock(&helper.mu);
+        helper.slot = j;
+        pthread_cond_signal(&helper.cv);
+        pthread_mutex_unlock(&helper.mu);
+    }
+}
+
+static void helper_wake(void)
+{
+    if (atomic_load(&helper.sleeping)) {
+        pthread_mutex_lock(&helper.mu);
+        pthread_cond_signal(&helper.cv);
+        pthread_mutex_unlock(&helper.mu);
+    }
+}
+
+static inline void crc_ready(kvt_crc_ctx *c, size_t upto)
+{
+    if (c->job) {
+        atomic_store(&c->job->ready, upto);
+        helper_wake();
+    } else if (upto > c->pos) {
+        c->crc = kvt_crc32c(c->crc, c->base + c->pos, upto - c->pos);
+        c->pos = upto;
+    }
+}
+
+/* Detach the caller from its job: 1 if the helper never took it (then it
+ * never will), 0 if the caller must wait for `done`. */
+static int crc_take_back(crc_job *j)
+{
+    int back = 0;
+    pthread_mutex_lock(&helper.mu);
+    if (helper.slot == j) {
+        helper.slot = NULL;
+        back = 1;
+    }
+    pthread_mutex_unlock(&helper.mu);
+    return back;
+}
+
+static void crc_wait_done(crc_job *j)
+{
+    for (int i = 0; i < KVT_CRC_SPIN && !atomic_load(&j->done); i++)
+        cpu_relax();
+    if (!atomic_load(&j->done)) {
+        pthread_mutex_lock(&helper.mu);
+        while (!atomic_load(&j->done))
+            pthread_cond_wait(&helper.done_cv, &helper.mu);
+        pthread_mutex_unlock(&helper.mu);
+    }
+}
+
+static uint32_t crc_finish(kvt_crc_ctx *c)
+{
+    crc_job *j = c->job;
+    if (!j)
+        return c->crc;
+    c->job = NULL;
+    if (crc_take_back(j)) {
+        atomic_store(&helper.busy, 0);
+        return kvt_crc32c(0, c->base, c->len);
+    }
+    /* Every byte is ready: claim the unclaimed chunks from the back, most
+     * recently touched (cache-hot) first, prepending each to the tail. */
+    uint32_t tail = 0;
+    size_t tail_len = 0;
+    for (;;) {
+        uint64_t cl = atomic_load(&j->claims);
+        uint64_t f = cl >> 32, b = cl & 0xffffffffu;
+        if (f >= b)
+            break;
+        if (!atomic_compare_exchange_strong(&j->claims, &cl, (f << 32) | (b - 1)))
+            continue;
+        size_t n = piece_len(j, b - 1);
+        uint32_t cb = kvt_crc32c(0, c->base + (size_t)(b - 1) * KVT_CRC_PIECE, n);
+        tail = kvt_crc32c_combine(cb, tail, tail_len);
+        tail_len += n;
+    }
+    crc_wait_done(j);
+    atomic_store(&helper.busy, 0);
+    if (tail_len == 0)
+        return j->head_crc;
+    if (j->head_len == 0)
+        return tail;
+    return kvt_crc32c_combine(j->head_crc, tail, tail_len);
+}
+
+static void crc_cancel(kvt_crc_ctx *c)
+{
+    crc_job *j = c->job;
+    if (!j)
+        return;
+    c->job = NULL;
+    if (!crc_take_back(j)) {
+        atomic_store(&j->cancel, 1);
+        pthread_mutex_lock(&helper.mu);
+        pthread_cond_signal(&helper.cv);
+        pthread_mutex_unlock(&helper.mu);
+        crc_wait_done(j);
+    }
+    atomic_store(&helper.busy, 0);
+}
 
 /* ------------------------------------------------------------------ */
 /* Small helpers                                                       */
@@ -272,22 +556,25 @@ static int store_one(const char *tmp, const char *dest, const uint8_t *buf, size
     }
 
     kvt_crc_ctx crc;
-    crc_begin(&crc);
+    if (checksum)
+        crc_begin(&crc, buf, len);
     size_t chunk = chunk_size();
     for (size_t off = 0; off < len;) {
         size_t n = len - off < chunk ? len - off : chunk;
         if (checksum)
-            crc_chunk(&crc, buf + off, n);
+            crc_ready(&crc, off + n); /* CRC this chunk (hot) as the kernel copies it */
         if (write_full(fd, buf + off, n, off, &direct) != 0) {
             err = errno;
             break;
         }
         off += n;
     }
+    if (checksum && err)
+        crc_cancel(&crc);
 
     if (!err && checksum) {
         uint8_t rec[KVT_XATTR_LEN];
-        put_be32(rec, crc_end(&crc));
+        put_be32(rec, crc_finish(&crc));
         if (fsetxattr(fd, KVT_XATTR_NAME, rec, sizeof rec, 0) != 0)
             err = errno;
     }
@@ -306,6 +593,7 @@ int kvt_batch_store(const char *const *tmp_paths, const char *const *dest_paths,
     res->err = 0;
     res->index = n;
     res->checksum_failed = 0;
+    res->retried = 0;
     for (size_t i = 0; i < n; i++) {
         int e = store_one(tmp_paths[i], dest_paths[i], (const uint8_t *)bufs[i], lens[i], use_o_direct, checksum);
         if (e) {
@@ -320,12 +608,86 @@ int kvt_batch_store(const char *const *tmp_paths, const char *const *dest_paths,
 /* Load                                                                */
 /* ------------------------------------------------------------------ */
 
+/* Process-wide checksum counters (kvt_checksum_stats). */
+static _Atomic uint64_t stat_retries, stat_condemned;
+
+void kvt_checksum_stats(uint64_t *retries, uint64_t *condemned)
+{
+    *retries = atomic_load(&stat_retries);
+    *condemned = atomic_load(&stat_condemned);
+}
+
+/* Read the record (with `checksum`) and the data of an open block of the
+ * right size. Returns 0 with *mismatch = 1 for a CRC mismatch or malformed
+ * record, 0 with *mismatch = 0 when good (or legacy), or an errno value
+ * (*remove = 1 when the file proved corrupt: short read). */
+static int read_verify(int fd, uint8_t *buf, size_t len, int use_o_direct, size_t mem_align, size_t off_align,
+                       int checksum, int *mismatch, int *remove)
+{
+    *mismatch = 0;
+    /* Record first: a legacy block (ENODATA) needs no CRC at all. */
+    int have_rec = 0;
+    uint32_t want = 0;
+    if (checksum) {
+        uint8_t rec[16];
+        ssize_t r = fgetxattr(fd, KVT_XATTR_NAME, rec, sizeof rec);
+        if (r < 0) {
+            if (errno == ERANGE) {
+                *mismatch = 1; /* record longer than 16 bytes: malformed */
+                return 0;
+            }
+            if (errno != ENODATA)
+                return errno; /* EOPNOTSUPP, EIO, ...: not the block's fault, keep */
+            /* ENODATA: legacy block stored without checksum, accept */
+        } else if (r != KVT_XATTR_LEN) {
+            *mismatch = 1;
+            return 0;
+        } else {
+            have_rec = 1;
+            want = get_be32(rec);
+        }
+    }
+
+    int direct = 0;
+    if (use_o_direct && dio_usable(buf, len, mem_align, off_align))
+        direct = set_direct(fd, 1) == 0;
+    else if (fcntl(fd, F_GETFL) & O_DIRECT)
+        set_direct(fd, 0);
+
+    kvt_crc_ctx crc;
+    if (have_rec)
+        crc_begin(&crc, buf, len);
+    size_t chunk = chunk_size();
+    for (size_t off = 0; off < len;) {
+        size_t n = len - off < chunk ? len - off : chunk;
+        ssize_t r = read_full(fd, buf + off, n, off, &direct);
+        if (r < 0 || (size_t)r < n) {
+            int err = r < 0 ? errno : EIO;
+            if (r >= 0)
+                *remove = 1; /* shrank after fstat: short read */
+            if (have_rec)
+                crc_cancel(&crc);
+            return err;
+        }
+        if (have_rec)
+            crc_ready(&crc, off + n); /* CRC this chunk while the next one is read */
+        off += n;
+    }
+    if (have_rec && crc_finish(&crc) != want)
+        *mismatch = 1;
+    return 0;
+}
+
 /* Load one block. Returns 0, or an errno value with *checksum_failed set for
- * a CRC mismatch / malformed record. Removes the file for a mismatch,
- * malformed record, or wrong size (the table in design.md). */
-static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct, int checksum, int *checksum_failed)
+ * a CRC mismatch / malformed record. A first mismatch is retried once (the
+ * page cache dropped, record and data re-read) to tell a transient glitch
+ * from a bad block; a second condemns it. Removes the file when condemned
+ * or of the wrong size (the table in design.md). *retried = 1 if re-read. */
+static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct, int checksum, int *checksum_failed,
+                    int *retried)
 {
     *checksum_failed = 0;
+    *retried = 0;
     int fd = open(src, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
         return errno;
@@ -343,64 +705,21 @@ static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct,
         remove = 1;
         goto out;
     }
-
-    /* Record first: a legacy block (ENODATA) needs no CRC at all, and a
-     * malformed record fails without reading the data. */
-    int have_rec = 0;
-    uint32_t want = 0;
-    if (checksum) {
-        uint8_t rec[16];
-        ssize_t r = fgetxattr(fd, KVT_XATTR_NAME, rec, sizeof rec);
-        if (r < 0) {
-            if (errno == ENODATA) {
-                have_rec = 0; /* legacy block stored without checksum: accept */
-            } else if (errno == ERANGE) {
-                *checksum_failed = 1; /* record longer than 16 bytes: malformed */
-                err = EBADMSG;
-                remove = 1;
-                goto out;
-            } else {
-                err = errno; /* EOPNOTSUPP, EIO, ... : not the block's fault, keep */
-                goto out;
-            }
-        } else if (r != KVT_XATTR_LEN) {
+    for (int attempt = 0;; attempt++) {
+        int mismatch = 0;
+        err = read_verify(fd, buf, len, use_o_direct, mem_align, off_align, checksum, &mismatch, &remove);
+        if (err || !mismatch)
+            break;
+        atomic_fetch_add(&stat_retries, attempt == 0);
+        if (attempt == 1) {
+            atomic_fetch_add(&stat_condemned, 1);
             *checksum_failed = 1;
             err = EBADMSG;
             remove = 1;
-            goto out;
-        } else {
-            have_rec = 1;
-            want = get_be32(rec);
+            break;
         }
-    }
-
-    int direct = 0;
-    if (use_o_direct && dio_usable(buf, len, mem_align, off_align))
-        direct = set_direct(fd, 1) == 0;
-
-    kvt_crc_ctx crc;
-    crc_begin(&crc);
-    size_t chunk = chunk_size();
-    for (size_t off = 0; off < len;) {
-        size_t n = len - off < chunk ? len - off : chunk;
-        ssize_t r = read_full(fd, buf + off, n, off, &direct);
-        if (r < 0) {
-            err = errno;
-            goto out;
-        }
-        if ((size_t)r < n) {
-            err = EIO; /* shrank after fstat: short read */
-            remove = 1;
-            goto out;
-        }
-        if (have_rec)
-            crc_chunk(&crc, buf + off, n);
-        off += n;
-    }
-    if (have_rec && crc_end(&crc) != want) {
-        *checksum_failed = 1;
-        err = EBADMSG;
-        remove = 1;
+        *retried = 1;
+        posix_fadvise(fd, 0, (off_t)len, POSIX_FADV_DONTNEED); /* re-read from the device */
     }
 
 out:
@@ -416,9 +735,11 @@ int kvt_batch_load(const char *const *src_paths, void *const *bufs, const size_t
     res->err = 0;
     res->index = n;
     res->checksum_failed = 0;
+    res->retried = 0;
     for (size_t i = 0; i < n; i++) {
-        int cf = 0;
-        int e = load_one(src_paths[i], (uint8_t *)bufs[i], lens[i], use_o_direct, checksum, &cf);
+        int cf = 0, retried = 0;
+        int e = load_one(src_paths[i], (uint8_t *)bufs[i], lens[i], use_o_direct, checksum, &cf, &retried);
+        res->retried += (size_t)retried;
         if (e) {
             set_fail(res, e, i, cf);
             return -1;

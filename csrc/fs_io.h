@@ -19,6 +19,14 @@
 #define KVT_IO_CHUNK (256u * 1024u)
 #endif
 
+/* Blocks of at least this many bytes are checksummed on a helper thread,
+ * overlapped with the I/O (fs_io.c "CRC hook"); smaller ones inline, where
+ * the hand-off would cost more than it hides. KVTIER_CRC_HELPER=0 in the
+ * environment disables the helper. */
+#ifndef KVT_CRC_HELPER_MIN
+#define KVT_CRC_HELPER_MIN (512u * 1024u)
+#endif
+
 /* O_DIRECT memory and offset alignment assumed when the kernel does not
  * report one (statx STATX_DIOALIGN, Linux >= 6.1): the page size, which is a
  * multiple of every logical block size in use. */
@@ -32,6 +40,7 @@ typedef struct kvt_batch_result {
     int err;              /* 0 on success */
     size_t index;         /* failing block; n on success */
     int checksum_failed;
+    size_t retried;       /* loads: blocks re-read after a first checksum mismatch */
 } kvt_batch_result;
 
 /* Store: for each i, skip if dest_paths[i] exists; else create tmp_paths[i]
@@ -48,6 +57,10 @@ int kvt_batch_store(const char *const *tmp_paths, const char *const *dest_paths,
 int kvt_batch_load(const char *const *src_paths, void *const *bufs,
                    const size_t *lens, size_t n, int use_o_direct, int checksum,
                    kvt_batch_result *res);
+/* Process-wide counters since load: checksum mismatches retried (re-read
+ * once) and blocks condemned (mismatch again: EBADMSG, removed). */
+void kvt_checksum_stats(uint64_t *retries, uint64_t *condemned);
+
 /* out[i] = 1 if paths[i] exists (stat succeeds), else 0. */
 void kvt_batch_lookup(const char *const *paths, size_t n, uint8_t *out);
 

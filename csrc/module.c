@@ -492,6 +492,9 @@ PyDoc_STRVAR(batch_load_block_doc,
 "With checksum, verify xattr user.vllm.kv_crc32c (4 bytes big-endian\n"
 "CRC32C, RFC 3720) read through the same fd; a block without it (ENODATA,\n"
 "legacy) is accepted. The GIL is released for the whole batch.\n\n"
+"A first checksum mismatch is retried once (page cache dropped, record and\n"
+"data re-read); returns the number of blocks so retried that then\n"
+"verified (int). A second mismatch condemns the block.\n\n"
 "Raises TypeError / ValueError / BufferError (read-only or non-contiguous\n"
 "buffer) before any I/O. The batch stops at the first failing block:\n"
 "OSError with filename = its path, num_succeeded = its index and\n"
@@ -500,6 +503,20 @@ PyDoc_STRVAR(batch_load_block_doc,
 "  errno EIO: file size != buffer length (file removed);\n"
 "  any other errno (ENOENT, ELOOP, EACCES, EIO, EOPNOTSUPP from getxattr,\n"
 "    EBADMSG from the filesystem ...): checksum_failed=False, file kept.");
+
+PyDoc_STRVAR(checksum_stats_doc,
+"checksum_stats($module, /)\n--\n\n"
+"Process-wide counters of batch_load_block since import, as a dict:\n"
+"checksum_retries (first mismatches, re-read once) and checksum_condemned\n"
+"(mismatched again: EBADMSG, file removed).");
+
+static PyObject *kvt_py_checksum_stats(PyObject *mod, PyObject *unused)
+{
+    uint64_t r, c;
+    kvt_checksum_stats(&r, &c);
+    return Py_BuildValue("{sKsK}", "checksum_retries", (unsigned long long)r, "checksum_condemned",
+                         (unsigned long long)c);
+}
 
 static int parse_io_flags(PyObject *kwnames, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t npos,
                           const char *fname, int *use_o_direct, int *checksum)
@@ -618,8 +635,7 @@ static PyObject *kvt_py_batch_load_block(PyObject *mod, PyObject *const *args, P
         raise_batch_error(&res, PySequence_Fast_GET_ITEM(s0, (Py_ssize_t)res.index));
         goto done;
     }
-    Py_INCREF(Py_None);
-    ret = Py_None;
+    ret = PyLong_FromSize_t(res.retried);
 done:
     batch_args_free(&a);
     Py_XDECREF(s0);
@@ -1168,6 +1184,7 @@ static PyMethodDef kvt_methods[] = {
     {"batch_lookup", (PyCFunction)(void (*)(void))kvt_py_batch_lookup, METH_FASTCALL, batch_lookup_doc},
     {"batch_store_block", (PyCFunction)(void (*)(void))kvt_py_batch_store_block, METH_FASTCALL | METH_KEYWORDS, batch_store_block_doc},
     {"batch_load_block", (PyCFunction)(void (*)(void))kvt_py_batch_load_block, METH_FASTCALL | METH_KEYWORDS, batch_load_block_doc},
+    {"checksum_stats", kvt_py_checksum_stats, METH_NOARGS, checksum_stats_doc},
     /* KVT-METHODS: block I/O and DSA entries go here. */
     /* KVT-METHODS DSA: */
     {"dsa_discover", (PyCFunction)(void (*)(void))kvt_py_dsa_discover, METH_VARARGS | METH_KEYWORDS, dsa_discover_doc},

@@ -239,43 +239,83 @@ def _store_one(tmp, dest, mv, use_o_direct, checksum, crc_fn):
         raise
 
 
+import threading as _threading
+
+_stats_lock = _threading.Lock()
+_stats = {"checksum_retries": 0, "checksum_condemned": 0}
+
+
+def _count(key):
+    with _stats_lock:
+        _stats[key] += 1
+
+
+def checksum_stats():
+    """Process-wide counters of batch_load_block, like kvtier._C.checksum_stats():
+    checksum_retries (first mismatches, re-read once), checksum_condemned."""
+    with _stats_lock:
+        return dict(_stats)
+
+
+def _read_verify(fd, mv, use_o_direct, checksum, crc_fn):
+    """Record then data. Returns (mismatch, short): mismatch for a CRC
+    mismatch or malformed record; short for a short read. OSErrors from
+    getxattr other than ENODATA, or from read, propagate (file kept)."""
+    want = None
+    if checksum:
+        try:
+            rec = _os.getxattr(fd, XATTR_NAME)
+        except OSError as e:
+            if e.errno == _errno.ERANGE:
+                return True, False
+            if e.errno != _errno.ENODATA:
+                raise  # EOPNOTSUPP, EIO ...: not the block's fault, keep it
+            rec = None  # legacy block stored without checksum
+        if rec is not None:
+            if len(rec) != XATTR_LEN:
+                return True, False
+            want = int.from_bytes(rec, "big")
+    direct = use_o_direct and _try_direct(fd, mv)
+    if not direct and _fcntl.fcntl(fd, _fcntl.F_GETFL) & _os.O_DIRECT:
+        _set_direct(fd, False)
+    crc = 0
+    for off in range(0, len(mv), IO_CHUNK):
+        chunk = mv[off : off + IO_CHUNK]
+        got, direct = _read_full(fd, chunk, off, direct)
+        if got < len(chunk):
+            return False, True
+        if want is not None:
+            crc = crc_fn(chunk, crc)
+    return want is not None and crc != want, False
+
+
 def _load_one(src, mv, use_o_direct, checksum, crc_fn):
-    """Returns None, or (errno, checksum_failed) after removing the file when
-    the table in design.md says so. Other OSErrors propagate (file kept)."""
+    """Returns (None, retried) or ((errno, checksum_failed), retried) after
+    removing the file when the table in design.md says so. A first mismatch is
+    retried once (page cache dropped); a second condemns the block. Other
+    OSErrors propagate (file kept)."""
     fd = _os.open(src, _os.O_RDONLY | _os.O_CLOEXEC)
     remove = False
+    retried = False
     try:
         n = len(mv)
         if _os.fstat(fd).st_size != n:
             remove = True
-            return _errno.EIO, False
-        want = None
-        if checksum:
-            try:
-                rec = _os.getxattr(fd, XATTR_NAME)
-            except OSError as e:
-                if e.errno != _errno.ENODATA:
-                    raise  # EOPNOTSUPP, EIO ...: not the block's fault, keep it
-                rec = None  # legacy block stored without checksum
-            if rec is not None:
-                if len(rec) != XATTR_LEN:
-                    remove = True
-                    return _errno.EBADMSG, True
-                want = int.from_bytes(rec, "big")
-        direct = use_o_direct and _try_direct(fd, mv)
-        crc = 0
-        for off in range(0, n, IO_CHUNK):
-            chunk = mv[off : off + IO_CHUNK]
-            got, direct = _read_full(fd, chunk, off, direct)
-            if got < len(chunk):
+            return (_errno.EIO, False), retried
+        for attempt in range(2):
+            mismatch, short = _read_verify(fd, mv, use_o_direct, checksum, crc_fn)
+            if short:
                 remove = True
-                return _errno.EIO, False
-            if want is not None:
-                crc = crc_fn(chunk, crc)
-        if want is not None and crc != want:
-            remove = True
-            return _errno.EBADMSG, True
-        return None
+                return (_errno.EIO, False), retried
+            if not mismatch:
+                return None, retried
+            if attempt == 0:
+                _count("checksum_retries")
+                retried = True
+                _os.posix_fadvise(fd, 0, n, _os.POSIX_FADV_DONTNEED)  # re-read from the device
+        _count("checksum_condemned")
+        remove = True
+        return (_errno.EBADMSG, True), retried
     finally:
         _os.close(fd)
         if remove:
@@ -315,9 +355,10 @@ def batch_store_block(tmp_paths, dest_paths, buffers, /, use_o_direct=True, chec
 
 
 def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False):
-    """Pure-Python kvtier._C.batch_load_block: same arguments, protocol and
-    errors (design.md table: EBADMSG + checksum_failed and EIO remove the
-    file; any other errno keeps it)."""
+    """Pure-Python kvtier._C.batch_load_block: same arguments, protocol,
+    return value (blocks re-read once after a first mismatch, int) and errors
+    (design.md table: EBADMSG + checksum_failed and EIO remove the file; any
+    other errno keeps it)."""
     _check_list(source_paths, "source_paths")
     _check_list(buffers, "buffers")
     if len(source_paths) != len(buffers):
@@ -325,10 +366,13 @@ def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False
     srcs = _encode_paths(source_paths, "source_paths")
     views = _views(buffers, writable=True)
     crc_fn = _block_crc_fn() if checksum else None
+    retried_total = 0
     for i, (src, mv) in enumerate(zip(srcs, views)):
         try:
-            failed = _load_one(src, mv, bool(use_o_direct), bool(checksum), crc_fn)
+            failed, retried = _load_one(src, mv, bool(use_o_direct), bool(checksum), crc_fn)
         except OSError as e:
             raise _batch_error(e.errno or _errno.EIO, source_paths[i], i, False) from None
+        retried_total += retried
         if failed is not None:
             raise _batch_error(failed[0], source_paths[i], i, failed[1])
+    return retried_total

@@ -20,11 +20,15 @@ path), ``num_succeeded`` (its index: blocks before it are done) and
 =========================================  =========================  ========
 load outcome                               OSError                    file
 =========================================  =========================  ========
-CRC mismatch or xattr length != 4          EBADMSG, checksum_failed   removed
+CRC mismatch or xattr length != 4, twice   EBADMSG, checksum_failed   removed
 size != block_size (truncated/empty/long)  EIO                        removed
 open/read/getxattr error (ENOENT, ELOOP,   that errno                 kept
 EACCES, EOPNOTSUPP, EBADMSG from the FS)
 =========================================  =========================  ========
+
+A first checksum mismatch is retried once (page cache dropped, record and
+data re-read; a transient glitch then loads), a second condemns the block;
+both are counted (:func:`checksum_stats`).
 
 Backend: the C core (``kvtier._C``, GIL released for the whole batch) or the
 pure-Python fallback (``kvtier.fallback``), same semantics and bytes.
@@ -162,20 +166,34 @@ class BlockIO:
         block_size: int,
         use_o_direct: bool = True,
         checksum: bool = False,
-    ) -> None:
+    ) -> int:
         """Load file ``paths[i]`` into ``view[offsets[i] : offsets[i] +
         block_size]`` for each i (``view`` writable, C-contiguous). With
-        ``checksum`` verify the recorded CRC32C. Errors and which files are
-        removed: module docstring."""
+        ``checksum`` verify the recorded CRC32C; a first mismatch is retried
+        once (page cache dropped, record and data re-read), a second condemns
+        the block. Returns the number of blocks that needed that re-read and
+        then verified. Errors and which files are removed: module docstring."""
         paths, views = _check_blocks(paths, view, offsets, block_size, writable=True)
-        self.impl.batch_load_block(paths, views, bool(use_o_direct), bool(checksum))
+        return self.impl.batch_load_block(paths, views, bool(use_o_direct), bool(checksum))
 
     def batch_lookup(self, paths: Sequence[PathT]) -> list:
         """list[bool]: whether each path exists."""
         return self.impl.batch_lookup(_check_paths(paths))
 
+    def checksum_stats(self) -> dict:
+        """This backend's process-wide load counters: ``checksum_retries``
+        (first mismatches, re-read once) and ``checksum_condemned``
+        (mismatched again: EBADMSG, removed)."""
+        return self.impl.checksum_stats()
+
 
 _io_by_backend: dict = {}
+
+
+def checksum_stats(backend_name: "str | None" = None) -> dict:
+    """Load counters of ``backend_name`` ("c" or "python"; default: the
+    active backend): {"checksum_retries": int, "checksum_condemned": int}."""
+    return for_backend(backend_name or backend).checksum_stats()
 
 
 def for_backend(name: str) -> BlockIO:
@@ -281,6 +299,7 @@ __all__ = [
     "batch_load_block",
     "batch_lookup",
     "batch_store_block",
+    "checksum_stats",
     "for_backend",
     "probe_o_direct",
     "probe_xattr",
