@@ -25,6 +25,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -36,6 +37,7 @@
 #include <unistd.h>
 
 #include "crc32c.h"
+#include "dsa.h" /* KVT-DSA: third CRC engine (csrc/dsa) */
 
 /* ------------------------------------------------------------------ */
 /* CRC hook: inline, or overlapped on a helper thread                  */
@@ -45,53 +47,58 @@
  *   crc_begin(c, buf, len)   start; picks the engine
  *   crc_ready(c, upto)       bytes [0, upto) of buf are final (just read by a
  *                            load, or about to be written by a store)
- *   crc_finish(c)            wait and return the standard CRC32C of buf
- *   crc_cancel(c)            abandon (error path); returns once no engine
- *                            touches buf or c any more
+ *   crc_finish(c)            return the standard CRC32C of buf
+ *   crc_cancel(c)            abandon (error path)
+ * After crc_finish/crc_cancel no engine touches buf any more.
+ *
  * Engines: "inline" checksums each range on the calling thread right away
- * (cache-hot); "helper" hands chunks to one process-wide helper thread that
+ * (cache-hot). "helper" hands chunks to one process-wide helper thread that
  * checksums chunk k while the caller reads/writes chunk k+1, so a load costs
- * about max(I/O, CRC) instead of I/O + CRC. The helper takes chunks from the
- * front; at crc_finish the caller takes the chunks still unclaimed from the
- * back (joined with kvt_crc32c_combine), so a descheduled or slow helper
- * never makes the caller wait for more than the one chunk it is on. The
- * helper serves one block at a time; a caller that finds it busy (many I/O
- * threads) uses inline. An offload device (DSA) is a third engine with the
- * same four calls. */
+ * about max(I/O, CRC) instead of I/O + CRC. The helper claims chunks from the
+ * front; at crc_finish the caller claims the rest from the back (joined with
+ * kvt_crc32c_combine) and waits only for the one chunk the helper may be in
+ * the middle of: a descheduled helper (busy host) costs the caller nothing
+ * but the inline CRC it would have paid anyway. The helper serves one block
+ * at a time; a caller that finds it busy (many I/O threads) uses inline.
+ * An offload device (DSA) is a third engine with the same four calls.
+ *
+ * Claims word: generation (16 bits) | front (24) | back (24), in chunks of
+ * KVT_CRC_PIECE bytes, so a helper still looking at a finished job can never
+ * claim a chunk of the next one. */
 
-typedef struct crc_job {
-    const uint8_t *base;
-    size_t len;
-    _Atomic size_t ready;     /* bytes of base published by the caller */
-    _Atomic uint64_t claims;  /* (front << 32) | back, in chunks: the helper takes
-                                 front++, the caller takes --back; done when equal */
-    _Atomic int cancel;
-    _Atomic int done;         /* set last by the helper; then it forgets the job */
-    uint32_t head_crc;        /* CRC32C of chunks [0, front) (helper) */
-    size_t head_len;          /* bytes in them */
-} crc_job;
+#define KVT_CRC_PIECE KVT_IO_CHUNK /* helper granularity (bytes) */
+#define KVT_CRC_SPIN 20000          /* pause loops (~tens of us) before sleeping */
+#define CL_MASK 0xffffffull
+#define CL_MAKE(g, f, b) (((uint64_t)(g) << 48) | ((uint64_t)(f) << 24) | (uint64_t)(b))
+#define CL_GEN(c) ((unsigned)((c) >> 48))
+#define CL_FRONT(c) (((c) >> 24) & CL_MASK)
+#define CL_BACK(c) ((c)&CL_MASK)
 
 typedef struct kvt_crc_ctx {
     const uint8_t *base;
     size_t len;
-    size_t pos;       /* inline: bytes checksummed */
+    size_t pos;    /* inline: bytes checksummed */
     uint32_t crc;
-    crc_job *job;     /* helper engine, or NULL for inline */
-    crc_job job_storage;
+    int helper;    /* 1 when the helper engine owns this block */
+    unsigned gen;
 } kvt_crc_ctx;
-
-#define KVT_CRC_PIECE KVT_IO_CHUNK /* helper granularity (bytes) */
-#define KVT_CRC_SPIN 20000          /* pause loops (~tens of us) before sleeping */
 
 static struct {
     pthread_mutex_t mu;
-    pthread_cond_t cv;      /* helper: a job was posted, or its ready/cancel moved */
-    pthread_cond_t done_cv; /* caller: job done */
-    crc_job *slot;          /* posted job not yet taken (under mu) */
-    _Atomic int busy;       /* 1 while a caller owns the helper */
-    _Atomic int sleeping;   /* helper is (about to be) in cond_wait on cv */
-    int state;              /* 0 not started, 1 running, -1 unavailable (under mu) */
-} helper = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, 0, 0};
+    pthread_cond_t cv;            /* helper: a job was posted, or ready moved */
+    int posted;                   /* a job waits to be picked up (under mu) */
+    int state;                    /* 0 not started, 1 running, -1 unavailable (under mu) */
+    _Atomic int busy;             /* 1 while a caller owns the helper */
+    _Atomic int sleeping;         /* helper is (about to be) in cond_wait */
+    /* the current job, written by its caller before posting (under mu) */
+    const uint8_t *base;
+    size_t len;
+    unsigned gen;
+    _Atomic size_t ready;         /* bytes published by the caller */
+    _Atomic uint64_t claims;      /* CL_MAKE(gen, front, back) */
+    _Atomic uint32_t head_crc;    /* CRC of the chunks the helper completed */
+    _Atomic uint64_t completed;   /* (gen << 32) | chunks the helper completed */
+} helper = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
 static int crc_helper_disabled = -1; /* KVTIER_CRC_HELPER=0 disables; read once */
 
@@ -104,26 +111,25 @@ static inline void cpu_relax(void)
 #endif
 }
 
-static inline size_t piece_len(const crc_job *j, uint64_t k)
+static inline size_t piece_len(size_t len, uint64_t k)
 {
     size_t start = (size_t)k * KVT_CRC_PIECE;
-    return j->len - start < KVT_CRC_PIECE ? j->len - start : KVT_CRC_PIECE;
+    return len - start < KVT_CRC_PIECE ? len - start : KVT_CRC_PIECE;
 }
 
-static void helper_run_job(crc_job *job)
+static void helper_run_job(const uint8_t *base, size_t len, unsigned gen)
 {
     uint32_t crc = 0;
-    size_t head = 0;
     int spins = 0;
     for (;;) {
-        uint64_t c = atomic_load(&job->claims);
-        uint64_t f = c >> 32, b = c & 0xffffffffu;
+        uint64_t c = atomic_load(&helper.claims);
+        if (CL_GEN(c) != gen)
+            return; /* the caller finished this job */
+        uint64_t f = CL_FRONT(c), b = CL_BACK(c);
         if (f >= b)
-            break; /* every chunk claimed */
-        size_t n = piece_len(job, f);
-        if (atomic_load(&job->ready) < (size_t)f * KVT_CRC_PIECE + n) {
-            if (atomic_load(&job->cancel))
-                break;
+            return; /* every chunk claimed */
+        size_t n = piece_len(len, f);
+        if (atomic_load(&helper.ready) < (size_t)f * KVT_CRC_PIECE + n) {
             if (++spins < KVT_CRC_SPIN) {
                 cpu_relax();
                 continue;
@@ -131,21 +137,21 @@ static void helper_run_job(crc_job *job)
             /* Dekker with helper_wake(): sleeping=1, then re-check. */
             pthread_mutex_lock(&helper.mu);
             atomic_store(&helper.sleeping, 1);
-            if (atomic_load(&job->ready) < (size_t)f * KVT_CRC_PIECE + n && !atomic_load(&job->cancel))
+            if (atomic_load(&helper.claims) == c && !helper.posted &&
+                atomic_load(&helper.ready) < (size_t)f * KVT_CRC_PIECE + n)
                 pthread_cond_wait(&helper.cv, &helper.mu);
             atomic_store(&helper.sleeping, 0);
             pthread_mutex_unlock(&helper.mu);
             spins = 0;
             continue;
         }
-        if (!atomic_compare_exchange_strong(&job->claims, &c, ((f + 1) << 32) | b))
-            continue; /* the caller took from the back meanwhile */
-        crc = kvt_crc32c(crc, job->base + (size_t)f * KVT_CRC_PIECE, n);
-        head += n;
+        if (!atomic_compare_exchange_strong(&helper.claims, &c, CL_MAKE(gen, f + 1, b)))
+            continue; /* the caller claimed from the back, or finished */
+        crc = kvt_crc32c(crc, base + (size_t)f * KVT_CRC_PIECE, n);
+        atomic_store(&helper.head_crc, crc);
+        atomic_store(&helper.completed, ((uint64_t)gen << 32) | (f + 1));
         spins = 0;
     }
-    job->head_crc = crc;
-    job->head_len = head;
 }
 
 static void *crc_helper_main(void *arg)
@@ -153,18 +159,14 @@ static void *crc_helper_main(void *arg)
     (void)arg;
     for (;;) {
         pthread_mutex_lock(&helper.mu);
-        while (helper.slot == NULL)
+        while (!helper.posted)
             pthread_cond_wait(&helper.cv, &helper.mu);
-        crc_job *job = helper.slot;
-        helper.slot = NULL;
+        helper.posted = 0;
+        const uint8_t *base = helper.base;
+        size_t len = helper.len;
+        unsigned gen = helper.gen;
         pthread_mutex_unlock(&helper.mu);
-
-        helper_run_job(job);
-
-        pthread_mutex_lock(&helper.mu);
-        atomic_store(&job->done, 1); /* from here on the job is the caller's alone */
-        pthread_cond_broadcast(&helper.done_cv);
-        pthread_mutex_unlock(&helper.mu);
+        helper_run_job(base, len, gen);
     }
     return NULL;
 }
@@ -174,11 +176,10 @@ static void crc_helper_atfork_child(void)
 {
     pthread_mutex_init(&helper.mu, NULL);
     pthread_cond_init(&helper.cv, NULL);
-    pthread_cond_init(&helper.done_cv, NULL);
-    helper.slot = NULL;
+    helper.posted = 0;
+    helper.state = 0;
     atomic_store(&helper.busy, 0);
     atomic_store(&helper.sleeping, 0);
-    helper.state = 0;
 }
 
 /* Take the helper for one block: 1 if ours, 0 if busy or unavailable. */
@@ -221,121 +222,111 @@ static void crc_begin(kvt_crc_ctx *c, const void *buf, size_t len)
     c->len = len;
     c->pos = 0;
     c->crc = 0;
-    c->job = NULL;
+    c->helper = 0;
     size_t nchunks = (len + KVT_CRC_PIECE - 1) / KVT_CRC_PIECE;
-    if (len >= KVT_CRC_HELPER_MIN && nchunks < 0xffffffffu && crc_helper_acquire()) {
-        crc_job *j = &c->job_storage;
-        j->base = c->base;
-        j->len = len;
-        atomic_init(&j->ready, 0);
-        atomic_init(&j->claims, (uint64_t)nchunks);
-        atomic_init(&j->cancel, 0);
-        atomic_init(&j->done, 0);
-        j->head_crc = 0;
-        j->head_len = 0;
-        c->job = j;
-        pthread_mutex_lock(&helper.mu);
-        helper.slot = j;
-        pthread_cond_signal(&helper.cv);
-        pthread_mutex_unlock(&helper.mu);
-    }
-}
-
-static void helper_wake(void)
-{
-    if (atomic_load(&helper.sleeping)) {
-        pthread_mutex_lock(&helper.mu);
-        pthread_cond_signal(&helper.cv);
-        pthread_mutex_unlock(&helper.mu);
-    }
+    if (len < KVT_CRC_HELPER_MIN || nchunks > CL_MASK || !crc_helper_acquire())
+        return;
+    pthread_mutex_lock(&helper.mu);
+    unsigned gen = (helper.gen + 1) & 0xffffu;
+    helper.gen = gen;
+    helper.base = c->base;
+    helper.len = len;
+    atomic_store(&helper.ready, 0);
+    atomic_store(&helper.head_crc, 0);
+    atomic_store(&helper.completed, (uint64_t)gen << 32);
+    atomic_store(&helper.claims, CL_MAKE(gen, 0, nchunks));
+    helper.posted = 1;
+    pthread_cond_signal(&helper.cv);
+    pthread_mutex_unlock(&helper.mu);
+    c->helper = 1;
+    c->gen = gen;
 }
 
 static inline void crc_ready(kvt_crc_ctx *c, size_t upto)
 {
-    if (c->job) {
-        atomic_store(&c->job->ready, upto);
-        helper_wake();
+    if (c->helper) {
+        atomic_store(&helper.ready, upto);
+        if (atomic_load(&helper.sleeping)) {
+            pthread_mutex_lock(&helper.mu);
+            pthread_cond_signal(&helper.cv);
+            pthread_mutex_unlock(&helper.mu);
+        }
     } else if (upto > c->pos) {
         c->crc = kvt_crc32c(c->crc, c->base + c->pos, upto - c->pos);
         c->pos = upto;
     }
 }
 
-/* Detach the caller from its job: 1 if the helper never took it (then it
- * never will), 0 if the caller must wait for `done`. */
-static int crc_take_back(crc_job *j)
+/* Claim every unclaimed chunk from the back (computing them when `compute`),
+ * then wait for the helper's chunks; release the helper. Returns the CRC. */
+static uint32_t crc_settle(kvt_crc_ctx *c, int compute)
 {
-    int back = 0;
+    unsigned gen = c->gen;
+    c->helper = 0;
     pthread_mutex_lock(&helper.mu);
-    if (helper.slot == j) {
-        helper.slot = NULL;
-        back = 1;
-    }
+    int never_taken = helper.posted && helper.gen == gen;
+    if (never_taken)
+        helper.posted = 0;
     pthread_mutex_unlock(&helper.mu);
-    return back;
-}
 
-static void crc_wait_done(crc_job *j)
-{
-    for (int i = 0; i < KVT_CRC_SPIN && !atomic_load(&j->done); i++)
-        cpu_relax();
-    if (!atomic_load(&j->done)) {
-        pthread_mutex_lock(&helper.mu);
-        while (!atomic_load(&j->done))
-            pthread_cond_wait(&helper.done_cv, &helper.mu);
-        pthread_mutex_unlock(&helper.mu);
+    uint32_t tail = 0;
+    size_t tail_len = 0;
+    uint64_t front;
+    for (;;) {
+        uint64_t cl = atomic_load(&helper.claims);
+        uint64_t f = CL_FRONT(cl), b = CL_BACK(cl);
+        if (f >= b) {
+            front = f;
+            /* close the job: a helper still in it sees a foreign generation */
+            if (atomic_compare_exchange_strong(&helper.claims, &cl, CL_MAKE((gen + 0x8000u) & 0xffffu, 0, 0)))
+                break;
+            continue;
+        }
+        if (never_taken && compute) {
+            /* the helper never saw it: one inline pass, no combines */
+            if (!atomic_compare_exchange_strong(&helper.claims, &cl, CL_MAKE(gen, f, f)))
+                continue;
+            tail = kvt_crc32c(0, c->base + (size_t)f * KVT_CRC_PIECE, c->len - (size_t)f * KVT_CRC_PIECE);
+            tail_len = c->len - (size_t)f * KVT_CRC_PIECE;
+            continue;
+        }
+        if (!atomic_compare_exchange_strong(&helper.claims, &cl, CL_MAKE(gen, f, b - 1)))
+            continue;
+        if (compute) {
+            size_t n = piece_len(c->len, b - 1);
+            uint32_t cb = kvt_crc32c(0, c->base + (size_t)(b - 1) * KVT_CRC_PIECE, n);
+            tail = tail_len ? kvt_crc32c_combine(cb, tail, tail_len) : cb;
+            tail_len += n;
+        }
     }
+    /* wait for the chunk the helper may be in the middle of */
+    uint64_t want = ((uint64_t)gen << 32) | front;
+    for (unsigned spins = 0; atomic_load(&helper.completed) != want; spins++) {
+        if (spins < KVT_CRC_SPIN)
+            cpu_relax();
+        else
+            sched_yield();
+    }
+    uint32_t head = atomic_load(&helper.head_crc);
+    atomic_store(&helper.busy, 0);
+    if (front == 0)
+        return tail;
+    if (tail_len == 0)
+        return head;
+    return kvt_crc32c_combine(head, tail, tail_len);
 }
 
 static uint32_t crc_finish(kvt_crc_ctx *c)
 {
-    crc_job *j = c->job;
-    if (!j)
+    if (!c->helper)
         return c->crc;
-    c->job = NULL;
-    if (crc_take_back(j)) {
-        atomic_store(&helper.busy, 0);
-        return kvt_crc32c(0, c->base, c->len);
-    }
-    /* Every byte is ready: claim the unclaimed chunks from the back, most
-     * recently touched (cache-hot) first, prepending each to the tail. */
-    uint32_t tail = 0;
-    size_t tail_len = 0;
-    for (;;) {
-        uint64_t cl = atomic_load(&j->claims);
-        uint64_t f = cl >> 32, b = cl & 0xffffffffu;
-        if (f >= b)
-            break;
-        if (!atomic_compare_exchange_strong(&j->claims, &cl, (f << 32) | (b - 1)))
-            continue;
-        size_t n = piece_len(j, b - 1);
-        uint32_t cb = kvt_crc32c(0, c->base + (size_t)(b - 1) * KVT_CRC_PIECE, n);
-        tail = kvt_crc32c_combine(cb, tail, tail_len);
-        tail_len += n;
-    }
-    crc_wait_done(j);
-    atomic_store(&helper.busy, 0);
-    if (tail_len == 0)
-        return j->head_crc;
-    if (j->head_len == 0)
-        return tail;
-    return kvt_crc32c_combine(j->head_crc, tail, tail_len);
+    return crc_settle(c, 1);
 }
 
 static void crc_cancel(kvt_crc_ctx *c)
 {
-    crc_job *j = c->job;
-    if (!j)
-        return;
-    c->job = NULL;
-    if (!crc_take_back(j)) {
-        atomic_store(&j->cancel, 1);
-        pthread_mutex_lock(&helper.mu);
-        pthread_cond_signal(&helper.cv);
-        pthread_mutex_unlock(&helper.mu);
-        crc_wait_done(j);
-    }
-    atomic_store(&helper.busy, 0);
+    if (c->helper)
+        crc_settle(c, 0);
 }
 
 /* ------------------------------------------------------------------ */
