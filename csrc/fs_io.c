@@ -81,6 +81,15 @@ typedef struct kvt_crc_ctx {
     uint32_t crc;
     int helper;    /* 1 when the helper engine owns this block */
     unsigned gen;
+    /* KVT-DSA: DSA engine when the active CRC backend is "dsa" / "dsa-model"
+     * (read-locked from crc_begin to crc_finish/crc_cancel). Each crc_ready()
+     * collects the previous range's descriptor and submits the new range
+     * chained from it, so the device checksums chunk k while the caller
+     * reads/writes chunk k+1. The op stays valid until the device is done. */
+    kvt_dsa_engine *dsa;
+    size_t dsa_pos;   /* bytes submitted to the device */
+    int dsa_inflight;
+    kvt_dsa_op dsa_op;
 } kvt_crc_ctx;
 
 static struct {
@@ -223,6 +232,11 @@ static void crc_begin(kvt_crc_ctx *c, const void *buf, size_t len)
     c->pos = 0;
     c->crc = 0;
     c->helper = 0;
+    c->dsa = kvt_dsa_acquire_active(); /* KVT-DSA: NULL unless the backend is dsa/dsa-model */
+    c->dsa_pos = 0;
+    c->dsa_inflight = 0;
+    if (c->dsa)
+        return;
     size_t nchunks = (len + KVT_CRC_PIECE - 1) / KVT_CRC_PIECE;
     if (len < KVT_CRC_HELPER_MIN || nchunks > CL_MASK || !crc_helper_acquire())
         return;
@@ -242,8 +256,26 @@ static void crc_begin(kvt_crc_ctx *c, const void *buf, size_t len)
     c->gen = gen;
 }
 
+/* KVT-DSA: collect the in-flight range (its CRC seeds the next one). */
+static void dsa_collect(kvt_crc_ctx *c)
+{
+    if (c->dsa_inflight) {
+        c->crc = kvt_dsa_wait(&c->dsa_op);
+        c->dsa_inflight = 0;
+    }
+}
+
 static inline void crc_ready(kvt_crc_ctx *c, size_t upto)
 {
+    if (c->dsa) { /* KVT-DSA */
+        if (upto > c->dsa_pos) {
+            dsa_collect(c);
+            kvt_dsa_crc_submit(c->dsa, &c->dsa_op, c->base + c->dsa_pos, upto - c->dsa_pos, c->crc);
+            c->dsa_inflight = 1;
+            c->dsa_pos = upto;
+        }
+        return;
+    }
     if (c->helper) {
         atomic_store(&helper.ready, upto);
         if (atomic_load(&helper.sleeping)) {
@@ -318,6 +350,14 @@ static uint32_t crc_settle(kvt_crc_ctx *c, int compute)
 
 static uint32_t crc_finish(kvt_crc_ctx *c)
 {
+    if (c->dsa) { /* KVT-DSA */
+        if (c->dsa_pos < c->len)
+            crc_ready(c, c->len);
+        dsa_collect(c);
+        kvt_dsa_release(c->dsa);
+        c->dsa = NULL;
+        return c->crc;
+    }
     if (!c->helper)
         return c->crc;
     return crc_settle(c, 1);
@@ -325,6 +365,12 @@ static uint32_t crc_finish(kvt_crc_ctx *c)
 
 static void crc_cancel(kvt_crc_ctx *c)
 {
+    if (c->dsa) { /* KVT-DSA: the device may still read buf: wait for it */
+        dsa_collect(c);
+        kvt_dsa_release(c->dsa);
+        c->dsa = NULL;
+        return;
+    }
     if (c->helper)
         crc_settle(c, 0);
 }
