@@ -25,6 +25,7 @@
 #define SSE42 __attribute__((target("sse4.2")))
 #define LONG KVT_SSE42_LONG
 #define SHORT KVT_SSE42_SHORT
+_Static_assert(LONG % 64 == 0 && SHORT % 64 == 0, "lanes are walked a cache line at a time");
 
 int kvt_crc32c_sse42_available(void)
 {
@@ -60,17 +61,33 @@ SSE42 static inline uint32_t serial(uint32_t c32, const unsigned char *p, size_t
     return c32;
 }
 
-/* Three lanes of `n` bytes each (n a multiple of 8) from p; returns the
+/* Software prefetch PF_AHEAD bytes ahead in each lane: the three streams
+ * cross a 4 KiB page every few hundred cycles, where the hardware stream
+ * prefetchers stop, so without it a cold (DRAM) buffer runs at about half
+ * speed (C cold run over 256 MiB: ~15 -> ~20 GB/s; 512..4096 ahead all
+ * similar). Lines past the lane end are harmless hints (never fault). */
+#define PF_AHEAD 2048
+#define PREFETCH(p, n)                                                        \
+    do {                                                                      \
+        __builtin_prefetch((p) + PF_AHEAD);                                   \
+        __builtin_prefetch((p) + (n) + PF_AHEAD);                             \
+        __builtin_prefetch((p) + 2 * (n) + PF_AHEAD);                         \
+    } while (0)
+
+/* Three lanes of `n` bytes each (n a multiple of 64) from p; returns the
  * merged raw register. Written once, instantiated for LONG and SHORT. */
 #define THREE_LANES(c, p, n, S1, S2)                                          \
     do {                                                                      \
         uint64_t c0 = (c), c1 = 0, c2 = 0;                                    \
         const unsigned char *end_ = (p) + (n);                                \
         do {                                                                  \
-            c0 = _mm_crc32_u64(c0, load64(p));                                \
-            c1 = _mm_crc32_u64(c1, load64((p) + (n)));                        \
-            c2 = _mm_crc32_u64(c2, load64((p) + 2 * (n)));                    \
-            p += 8;                                                           \
+            PREFETCH(p, n);                                                   \
+            for (int w_ = 0; w_ < 8; w_++) { /* one cache line per lane */    \
+                c0 = _mm_crc32_u64(c0, load64(p));                            \
+                c1 = _mm_crc32_u64(c1, load64((p) + (n)));                    \
+                c2 = _mm_crc32_u64(c2, load64((p) + 2 * (n)));                \
+                p += 8;                                                       \
+            }                                                                 \
         } while (p < end_);                                                   \
         (c) = shift((uint32_t)c0, S2) ^ shift((uint32_t)c1, S1) ^ (uint32_t)c2; \
         p += 2 * (n);                                                         \
