@@ -12,8 +12,9 @@
  * and checksums it while it is still in the CPU cache; a store checksums a
  * chunk and then writes it, so the kernel's copy into the page cache reads
  * cache-hot data. There is never a second full pass over cold memory.
- * For blocks of KVT_CRC_HELPER_MIN bytes and more the chunk CRCs run on a
- * helper thread, overlapped with the I/O of the next chunk (see "CRC hook").
+ * With KVTIER_CRC_HELPER=1, blocks of KVT_CRC_HELPER_MIN bytes and more have
+ * their chunk CRCs run on a helper thread, overlapped with the I/O of the
+ * next chunk (see "CRC hook").
  * All CRC work goes through crc_begin/crc_ready/crc_finish/crc_cancel: the
  * one place where an offload engine (Intel DSA: submit before the write,
  * collect after; verify on the device) plugs in.
@@ -60,6 +61,8 @@
  * the middle of: a descheduled helper (busy host) costs the caller nothing
  * but the inline CRC it would have paid anyway. The helper serves one block
  * at a time; a caller that finds it busy (many I/O threads) uses inline.
+ * Opt-in (KVTIER_CRC_HELPER=1): it needs an idle core; on an oversubscribed
+ * host the helper's CPU time comes out of the I/O threads' (docs/block_io.md).
  * An offload device (DSA) is a third engine with the same four calls.
  *
  * Claims word: generation (16 bits) | front (24) | back (24), in chunks of
@@ -67,7 +70,7 @@
  * claim a chunk of the next one. */
 
 #define KVT_CRC_PIECE KVT_IO_CHUNK /* helper granularity (bytes) */
-#define KVT_CRC_SPIN 20000          /* pause loops (~tens of us) before sleeping */
+#define KVT_CRC_SPIN 200            /* pause loops (a few us) before sleeping */
 #define CL_MASK 0xffffffull
 #define CL_MAKE(g, f, b) (((uint64_t)(g) << 48) | ((uint64_t)(f) << 24) | (uint64_t)(b))
 #define CL_GEN(c) ((unsigned)((c) >> 48))
@@ -107,9 +110,9 @@ static struct {
     _Atomic uint64_t claims;      /* CL_MAKE(gen, front, back) */
     _Atomic uint32_t head_crc;    /* CRC of the chunks the helper completed */
     _Atomic uint64_t completed;   /* (gen << 32) | chunks the helper completed */
-} helper = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+} helper = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
-static int crc_helper_disabled = -1; /* KVTIER_CRC_HELPER=0 disables; read once */
+static int crc_helper_disabled = -1; /* KVTIER_CRC_HELPER=1 enables; read once */
 
 static inline void cpu_relax(void)
 {
@@ -196,7 +199,7 @@ static int crc_helper_acquire(void)
 {
     if (crc_helper_disabled < 0) {
         const char *e = getenv("KVTIER_CRC_HELPER");
-        crc_helper_disabled = e != NULL && e[0] == '0';
+        crc_helper_disabled = !(e != NULL && e[0] == '1');
     }
     if (crc_helper_disabled)
         return 0;

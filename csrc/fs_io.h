@@ -19,10 +19,10 @@
 #define KVT_IO_CHUNK (256u * 1024u)
 #endif
 
-/* Blocks of at least this many bytes are checksummed on a helper thread,
- * overlapped with the I/O (fs_io.c "CRC hook"); smaller ones inline, where
- * the hand-off would cost more than it hides. KVTIER_CRC_HELPER=0 in the
- * environment disables the helper. */
+/* With KVTIER_CRC_HELPER=1 in the environment (opt-in), blocks of at least
+ * this many bytes are checksummed on a helper thread, overlapped with the
+ * I/O (fs_io.c "CRC hook"); smaller ones inline, where the hand-off would
+ * cost more than it hides. Default: inline, chunk by chunk. */
 #ifndef KVT_CRC_HELPER_MIN
 #define KVT_CRC_HELPER_MIN (512u * 1024u)
 #endif

@@ -725,3 +725,17 @@ def test_crc_helper_after_fork(io_backend, tmp_path):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert os.getxattr(str(tmp_path / "child.bin"), XATTR) == expected_record(view)
+
+
+@pytest.mark.timeout(300)
+def test_with_crc_helper_thread_enabled():
+    """Re-run the checksum tests with the C core's opt-in CRC helper thread
+    (KVTIER_CRC_HELPER=1, read once per process): exact CRCs under
+    contention, mismatches, cancellation on ENOSPC, fork."""
+    pytest.importorskip("kvtier._C")
+    env = dict(os.environ, KVTIER_CRC_HELPER="1")
+    sel = "c- and (concurrent or fork or corruption or malformed or enospc or round_trip or cross)"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", __file__, "-k", sel],
+                       env=env, cwd=str(ROOT), capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout
