@@ -739,3 +739,19 @@ def test_with_crc_helper_thread_enabled():
                        env=env, cwd=str(ROOT), capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and " failed" not in r.stdout
+
+
+def test_type_stub_covers_the_c_module():
+    """kvtier/_C.pyi declares every public name of kvtier._C, with the
+    positional-only parameters of the block I/O calls."""
+    import ast
+
+    C = pytest.importorskip("kvtier._C")
+    tree = ast.parse((ROOT / "kvtier" / "_C.pyi").read_text())
+    declared = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    declared |= {n.target.id for n in tree.body if isinstance(n, ast.AnnAssign)}
+    public = {n for n in dir(C) if not n.startswith("__")}
+    assert public - declared == set()
+    fn = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert [a.arg for a in fn["batch_store_block"].args.posonlyargs] == ["tmp_paths", "dest_paths", "buffers"]
+    assert [a.arg for a in fn["batch_load_block"].args.posonlyargs] == ["source_paths", "buffers"]

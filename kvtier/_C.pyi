@@ -1,0 +1,92 @@
+"""Type stub of kvtier._C, the C core (csrc/module.c). Sizes are in bytes."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Literal, Optional, Union
+
+if sys.version_info >= (3, 12):
+    from collections.abc import Buffer  # PEP 688
+else:
+    from typing_extensions import Buffer
+
+_Path = Union[str, bytes, os.PathLike[str], os.PathLike[bytes]]
+_PathList = Union[list[_Path], tuple[_Path, ...]]
+
+GIL_RELEASE_MIN: int
+"""CRC inputs of at least this many bytes run with the GIL released."""
+XATTR_NAME: str
+"""'user.vllm.kv_crc32c': xattr holding a block's CRC32C, 4 bytes big-endian."""
+
+# ---------------------------------------------------------------- CRC32C
+
+def crc32c(data: Buffer, value: int = 0, /) -> int:
+    """CRC-32C (RFC 3720) of a C-contiguous buffer chained from value, 0..2**32-1."""
+
+def crc32c_using(backend: str, data: Buffer, value: int = 0, /) -> int: ...
+def crc32c_combine(crc1: int, crc2: int, len2: int, /) -> int: ...
+def backends() -> list[tuple[str, bool, str]]:
+    """(name, available, features) of every compiled-in backend, best first."""
+
+def active_backend() -> str: ...
+def isal_version() -> Optional[str]: ...
+def _crc32c_serial_crc32q(data: Buffer, value: int = 0, /) -> int: ...
+def _crc32c_bytewise(data: Buffer, value: int = 0, /) -> int: ...
+
+# ---------------------------------------------------------------- block I/O
+
+def batch_lookup(paths: _PathList, /) -> list[bool]: ...
+def batch_store_block(
+    tmp_paths: _PathList,
+    dest_paths: _PathList,
+    buffers: Union[list[Buffer], tuple[Buffer, ...]],
+    /,
+    use_o_direct: bool = True,
+    checksum: bool = False,
+) -> None:
+    """Raises OSError(errno, strerror, dest) with num_succeeded: int and
+    checksum_failed: bool attributes at the first failing block."""
+
+def batch_load_block(
+    source_paths: _PathList,
+    buffers: Union[list[Buffer], tuple[Buffer, ...]],
+    /,
+    use_o_direct: bool = True,
+    checksum: bool = False,
+) -> int:
+    """Returns the number of blocks re-read once after a first checksum
+    mismatch. Raises OSError with num_succeeded and checksum_failed."""
+
+def checksum_stats() -> dict[Literal["checksum_retries", "checksum_condemned"], int]: ...
+
+# ---------------------------------------------------------------- Intel DSA (csrc/dsa/)
+
+def dsa_discover(sysfs_root: Optional[str] = None, dev_root: Optional[str] = None, wq: Optional[str] = None) -> dict[str, Any]: ...
+def dsa_enable(sysfs_root: Optional[str] = None, dev_root: Optional[str] = None, wq: Optional[str] = None) -> bool: ...
+def dsa_model_enable(
+    *,
+    shared: bool = False,
+    size: int = 32,
+    max_transfer_size: int = 2097152,
+    block_on_fault: bool = False,
+    gen_cap: int = 5,
+    latency_ns: int = 0,
+    reject_status: int = 0,
+) -> bool: ...
+def dsa_model_inject(kind: str, /, count: int = 1, param: int = 0) -> None: ...
+def dsa_model_stats() -> Optional[dict[str, int]]: ...
+def dsa_configure(
+    backend: str,
+    /,
+    *,
+    min_size: Optional[int] = None,
+    wait: Optional[Literal["spin", "yield", "sleep"]] = None,
+    sleep_ns: Optional[int] = None,
+    cache_control: Optional[bool] = None,
+) -> None: ...
+def dsa_copy_crc(backend: str, dst: Buffer, src: Buffer, value: int = 0, /) -> int: ...
+def dsa_counters(backend: str, /) -> Optional[dict[str, Any]]: ...
+def dsa_cpu_features() -> dict[str, bool]: ...
+def dsa_disable(backend: str, /) -> None: ...
+def dsa_reset_counters(backend: str, /) -> None: ...
+def dsa_status(backend: str, /) -> dict[str, Any]: ...
