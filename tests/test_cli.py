@@ -168,3 +168,17 @@ def test_scrub_symlink_is_error_and_kept(tmp_path, capsys):
 def test_scrub_bad_root(tmp_path, capsys):
     assert main(["scrub", str(tmp_path / "missing")]) == 2
     assert "No such file" in capsys.readouterr().err
+
+
+def test_tier_bench_script_smoke(tmp_path):
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "tier_bench.py")
+    r = subprocess.run([sys.executable, script, "--sizes", "4K,8K", "--jobs", "1,2", "--repeat", "1",
+                        "--cap-mib", "1", "--threads", "2", "--root", str(tmp_path), "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["mismatched_bytes"] == 0
+    assert [(x["block_bytes"], x["jobs"], x["blocks_per_job"]) for x in d["rows"]] == [
+        (4096, 1, 16), (4096, 2, 16), (8192, 1, 16), (8192, 2, 16)]
+    assert all(x["store_ms_off"] > 0 and x["load_ms_on"] > 0 for x in d["rows"])
+    assert os.listdir(tmp_path) == []
