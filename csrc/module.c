@@ -12,10 +12,11 @@
 
 /* Below this many bytes the CRC runs with the GIL held. Measured with
  * `python benchmarks/gil_threshold.py` (docs/crc32c.md): one uncontended
- * release + re-acquire costs ~44 ns; on the fastest backend (isal, ~25-60
- * GB/s) that is <= 5 % of the CRC from 32 KiB (1.3 us), while sse42 reaches
- * it at 8 KiB and table at 2 KiB. Below 32 KiB a call holds the GIL for at
- * most ~20 us (table backend), far under the 5 ms switch interval.
+ * release + re-acquire costs 18-44 ns (two runs); on the fastest backend
+ * (isal, ~25-60 GB/s) that is <= 5 % of the CRC from 32 KiB (0.6-1.3 us) in
+ * both runs, sse42 reaches it at 8 KiB and table at 0.5-2 KiB. Below
+ * 32 KiB a call holds the GIL for at most ~20 us (table backend), far under
+ * the 5 ms switch interval.
  * (CPython's zlib.crc32 uses 5 KiB, ICRAR crc32c 32 KiB.) */
 #define KVT_GIL_RELEASE_MIN (32 * 1024)
 
