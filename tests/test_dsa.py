@@ -413,3 +413,44 @@ def test_tier_round_trip_on_dsa_model(tmp_path):
     assert out["error"] == [errno.EBADMSG, 2, True, "b2.bin"]
     assert out["exists"] == [True, True, False, True]
     assert out["corrupt_load"]["completed_on_device"] >= 3  # block 2 verified on the device
+
+
+def test_model_concurrent_threads_small_wq(tmp_path):
+    """4 threads share a 2-slot dedicated WQ: never more than 2 in flight (the
+    model counts a MOVDIR64B to a full dedicated WQ as dropped), all right."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert dsa.enable_model(size=2, max_transfer_size=32 * 1024)
+    try:
+        dsa.reset_counters("dsa-model")
+        bufs = [_payload(200_000 + 4096 * i, seed=i) for i in range(8)]
+        with ThreadPoolExecutor(4) as ex:
+            got = list(ex.map(lambda b: kvtier.crc32c_using("dsa-model", b), bufs * 4))
+        assert got == [oracle(b) for b in bufs] * 4
+        c = dsa.counters("dsa-model")
+        assert c["cpu_redo_total"] == 0 and c["completed_on_device"] == c["descriptors_submitted"] > 8 * 4
+        assert dsa.model_stats()["dropped"] == 0
+    finally:
+        dsa.disable("dsa-model")
+
+
+def test_fork_child_computes_on_cpu():
+    code = r"""
+import os, sys, kvtier
+from kvtier import dsa
+data = bytes(range(256)) * 4096
+want = kvtier.crc32c_using("table", data)
+assert kvtier.crc32c(data) == want
+pid = os.fork()
+if pid == 0:
+    ok = kvtier.crc32c(data) == want and not dsa.status("dsa-model")["enabled"]
+    ok = ok and "fork" in dsa.status("dsa-model")["reason"]
+    os._exit(0 if ok else 1)
+_, st = os.waitpid(pid, 0)
+assert kvtier.crc32c(data) == want and dsa.status("dsa-model")["enabled"]
+sys.exit(os.waitstatus_to_exitcode(st))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env["KVTIER_CRC32C_BACKEND"] = "dsa-model"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr

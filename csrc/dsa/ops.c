@@ -603,8 +603,32 @@ static kvt_dsa_model *g_model;
 static int g_tried[2];
 static char g_reason[2][1200];
 
+/* fork(): the child has no model thread and no right to the parent's WQ
+ * (its PASID / dedicated-WQ ownership belong to the parent), and the locks
+ * may have been held by another thread. The child forgets the engines
+ * (leaked, never used) and computes on the CPU. */
+static void atfork_child(void)
+{
+    pthread_rwlock_t fresh = PTHREAD_RWLOCK_INITIALIZER;
+    pthread_mutex_t fresh_mu = PTHREAD_MUTEX_INITIALIZER;
+    memcpy(&g_lock, &fresh, sizeof fresh);
+    memcpy(&g_enable_mu, &fresh_mu, sizeof fresh_mu);
+    for (int i = 0; i < 2; i++) {
+        if (g_eng[i]) {
+            g_eng[i] = NULL;
+            snprintf(g_reason[i], sizeof g_reason[i], "%s: disabled in a fork()ed child (CPU computes)",
+                     i == KVT_DSA_MODEL ? "dsa-model" : "dsa");
+        }
+    }
+    g_model = NULL;
+}
+
+static pthread_once_t once_atfork = PTHREAD_ONCE_INIT;
+static void register_atfork(void) { pthread_atfork(NULL, NULL, atfork_child); }
+
 static void install(int which, kvt_dsa_engine *e, kvt_dsa_model *m)
 {
+    pthread_once(&once_atfork, register_atfork);
     pthread_rwlock_wrlock(&g_lock);
     kvt_dsa_engine *old = g_eng[which];
     g_eng[which] = e;
