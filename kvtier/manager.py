@@ -121,6 +121,21 @@ def _io():
     return kio
 
 
+# KVT-REL: CacheLib-style retry-once counters (process-wide, of the active I/O backend).
+CHECKSUM_RETRIES = "kvtier:kv_offload_tiering_checksum_retries"
+CHECKSUM_CONDEMNED = "kvtier:kv_offload_tiering_checksum_condemned"
+
+
+def _checksum_counter_source():
+    s = _io().checksum_stats()
+    return {
+        CHECKSUM_RETRIES: ("Blocks re-read once after a first CRC32C mismatch (transient corruption; "
+                           "process-wide).", s["checksum_retries"]),
+        CHECKSUM_CONDEMNED: ("Blocks condemned after a second CRC32C mismatch: EBADMSG, file removed "
+                             "(process-wide).", s["checksum_condemned"]),
+    }
+
+
 def _primary_view(primary: Any, block_size: Optional[int]) -> Tuple[memoryview, int, int]:
     """Flat writable-or-not byte view of ``primary``, block size and number of blocks."""
     obj = primary
@@ -290,6 +305,8 @@ class FileSystemTierManager:
             )
         self.metrics = metrics if metrics is not None else TieringMetricsTracker(
             label, checksums=checksum_blocks, registry=registry)
+        if checksum_blocks:  # KVT-REL: retry-once counters of the load path, read at scrape time
+            self.metrics.add_counter_source(_checksum_counter_source)
 
         # ---- pool ----
         self._cond = threading.Condition(threading.Lock())
