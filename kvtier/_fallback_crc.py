@@ -173,7 +173,24 @@ def _vector(raw: int, a: np.ndarray) -> int:
     return _bytewise(raw, a[s * m:].tobytes())
 
 
+def torch_bytes_view(t) -> np.ndarray:
+    """uint8 ndarray aliasing a contiguous CPU torch tensor's bytes (any dtype,
+    bf16 included), as the C core takes it. BufferError if not contiguous."""
+    import torch
+
+    if not t.is_contiguous():
+        raise BufferError("torch tensor is not contiguous")
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def _is_torch_tensor(obj) -> bool:
+    mod = type(obj).__module__ or ""
+    return mod == "torch" or mod.startswith("torch.")
+
+
 def _as_bytes_array(data) -> np.ndarray:
+    if _is_torch_tensor(data):
+        data = torch_bytes_view(data)
     try:
         mv = memoryview(data)
     except TypeError:

@@ -236,6 +236,11 @@ def test_torch_cpu_tensor(backend):
     t = torch.arange(1000, dtype=torch.int32)
     want = ref_crc(t.numpy().tobytes())
     assert kvtier.crc32c_using(backend, t) == want
+    # bf16 (the usual KV dtype) has no numpy dtype: taken as its raw bytes.
+    b = torch.arange(1000, dtype=torch.bfloat16)
+    assert kvtier.crc32c_using(backend, b) == ref_crc(b.view(torch.int16).numpy().tobytes())
+    with pytest.raises(BufferError):
+        kvtier.crc32c_using(backend, t[::2])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
