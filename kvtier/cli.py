@@ -49,6 +49,14 @@ def info_dict() -> dict:
         ]
         d["isal_version"] = c.isal_version()
     d["crc32c_backends"].append({"name": "numpy", "available": True, "uses": "pure Python + numpy fallback"})
+    if c is not None:
+        from kvtier import dsa
+
+        d["dsa"] = dsa.describe()
+        d["dsa_counters"] = dsa.counters()
+    else:
+        d["dsa"] = "not available: the C core is not built"
+        d["dsa_counters"] = {}
     return d
 
 
@@ -65,6 +73,8 @@ def _print_info(d: dict) -> None:
     isal = d["isal_version"]
     print(f"ISA-L:          {isal if isal else 'not built in (libisal not found at build time, or KVTIER_NO_ISAL=1)'}")
     print(f"CPU features:   {' '.join(d['cpu_features']) or 'none of interest'}")
+    for i, line in enumerate(d["dsa"].splitlines()):
+        print(("DSA:            " if i == 0 else "                ") + line)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
