@@ -567,8 +567,34 @@ static ssize_t read_full(int fd, uint8_t *p, size_t len, uint64_t off, int *dire
 /* ------------------------------------------------------------------ */
 
 /* Store one block. Returns 0, or an errno value (the temp is removed). */
+/* KVT-REL: fsync the directory holding `path` (makes a rename durable).
+ * Returns 0 or an errno value; EINVAL (directory fsync not supported, e.g.
+ * some FUSE filesystems) counts as done. */
+static int fsync_parent(const char *path)
+{
+    const char *slash = strrchr(path, '/');
+    char *dir;
+    if (!slash)
+        dir = strdup(".");
+    else if (slash == path)
+        dir = strdup("/");
+    else
+        dir = strndup(path, (size_t)(slash - path));
+    if (!dir)
+        return ENOMEM;
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    free(dir);
+    if (fd < 0)
+        return errno;
+    int err = 0;
+    if (fsync(fd) != 0 && errno != EINVAL)
+        err = errno;
+    close(fd);
+    return err;
+}
+
 static int store_one(const char *tmp, const char *dest, const uint8_t *buf, size_t len, int use_o_direct,
-                     int checksum)
+                     int checksum, int durable)
 {
     struct stat st;
     if (stat(dest, &st) == 0)
@@ -618,24 +644,32 @@ static int store_one(const char *tmp, const char *dest, const uint8_t *buf, size
         if (fsetxattr(fd, KVT_XATTR_NAME, rec, sizeof rec, 0) != 0)
             err = errno;
     }
+    if (!err && durable && fdatasync(fd) != 0) /* KVT-REL: data before the name */
+        err = errno;
     if (close(fd) != 0 && !err)
         err = errno;
     if (!err && rename(tmp, dest) != 0)
         err = errno;
-    if (err)
+    if (err) {
         unlink(tmp);
+        return err;
+    }
+    if (durable && (err = fsync_parent(dest)) != 0)
+        unlink(dest); /* published but not durable: a failed store leaves nothing */
     return err;
 }
 
 int kvt_batch_store(const char *const *tmp_paths, const char *const *dest_paths, const void *const *bufs,
-                    const size_t *lens, size_t n, int use_o_direct, int checksum, kvt_batch_result *res)
+                    const size_t *lens, size_t n, int use_o_direct, int checksum, int durable,
+                    kvt_batch_result *res)
 {
     res->err = 0;
     res->index = n;
     res->checksum_failed = 0;
     res->retried = 0;
     for (size_t i = 0; i < n; i++) {
-        int e = store_one(tmp_paths[i], dest_paths[i], (const uint8_t *)bufs[i], lens[i], use_o_direct, checksum);
+        int e = store_one(tmp_paths[i], dest_paths[i], (const uint8_t *)bufs[i], lens[i], use_o_direct, checksum,
+                          durable);
         if (e) {
             set_fail(res, e, i, 0);
             return -1;
@@ -669,22 +703,20 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int use_o_direct, size_
     int have_rec = 0;
     uint32_t want = 0;
     if (checksum) {
-        uint8_t rec[16];
+        uint8_t rec[KVT_XATTR_BUF];
         ssize_t r = fgetxattr(fd, KVT_XATTR_NAME, rec, sizeof rec);
-        if (r < 0) {
-            if (errno == ERANGE) {
-                *mismatch = 1; /* record longer than 16 bytes: malformed */
-                return 0;
-            }
-            if (errno != ENODATA)
-                return errno; /* EOPNOTSUPP, EIO, ...: not the block's fault, keep */
-            /* ENODATA: legacy block stored without checksum, accept */
-        } else if (r != KVT_XATTR_LEN) {
+        int xerr = r < 0 ? errno : 0;
+        switch (kvt_xattr_parse(rec, (long)r, xerr, &want)) {
+        case KVT_REC_OK:
+            have_rec = 1;
+            break;
+        case KVT_REC_ABSENT: /* ENODATA: legacy block stored without checksum, accept */
+            break;
+        case KVT_REC_MALFORMED: /* wrong length, or longer than the buffer (ERANGE) */
             *mismatch = 1;
             return 0;
-        } else {
-            have_rec = 1;
-            want = get_be32(rec);
+        default: /* EOPNOTSUPP, EIO, ...: not the block's fault, keep */
+            return xerr;
         }
     }
 
@@ -716,6 +748,22 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int use_o_direct, size_
     if (have_rec && crc_finish(&crc) != want)
         *mismatch = 1;
     return 0;
+}
+
+/* KVT-REL: see fs_io.h. */
+int kvt_xattr_parse(const void *rec, long r, int err, uint32_t *crc)
+{
+    if (r < 0) {
+        if (err == ENODATA)
+            return KVT_REC_ABSENT;
+        if (err == ERANGE)
+            return KVT_REC_MALFORMED;
+        return KVT_REC_ERROR;
+    }
+    if (r != KVT_XATTR_LEN)
+        return KVT_REC_MALFORMED;
+    *crc = get_be32((const uint8_t *)rec);
+    return KVT_REC_OK;
 }
 
 /* Load one block. Returns 0, or an errno value with *checksum_failed set for

@@ -47,19 +47,34 @@ typedef struct kvt_batch_result {
  * (O_CREAT|O_EXCL, parents created), write lens[i] bytes of bufs[i] (O_DIRECT
  * when use_o_direct and the buffer/length meet the filesystem's alignment),
  * with `checksum` set the xattr on the open fd, close, rename onto dest.
- * Any failure removes the temp. Load: open, size must equal lens[i] (else EIO
+ * Any failure removes the temp. With `durable` (KVT-REL) the temp is
+ * fdatasync'ed before the rename and the parent directory fsync'ed after it,
+ * so a published block survives power loss; a failure there removes the
+ * temp, or the just-renamed destination. Load: open, size must equal lens[i] (else EIO
  * and removed), read, with `checksum` verify (design.md table).
  * Both stop at the first failing block.
  * Returns 0 on success, -1 on failure with *res filled. */
 int kvt_batch_store(const char *const *tmp_paths, const char *const *dest_paths,
                     const void *const *bufs, const size_t *lens, size_t n,
-                    int use_o_direct, int checksum, kvt_batch_result *res);
+                    int use_o_direct, int checksum, int durable, kvt_batch_result *res);
 int kvt_batch_load(const char *const *src_paths, void *const *bufs,
                    const size_t *lens, size_t n, int use_o_direct, int checksum,
                    kvt_batch_result *res);
 /* Process-wide counters since load: checksum mismatches retried (re-read
  * once) and blocks condemned (mismatch again: EBADMSG, removed). */
 void kvt_checksum_stats(uint64_t *retries, uint64_t *condemned);
+
+/* KVT-REL: the xattr record parser of the load path, a pure function
+ * (fuzzed by tests/fuzz/fuzz_xattr_record.c). `r` is what
+ * fgetxattr(fd, KVT_XATTR_NAME, rec, KVT_XATTR_BUF) returned and `err` the
+ * errno when r < 0. Returns KVT_REC_OK with *crc = the big-endian 4-byte
+ * value; KVT_REC_ABSENT (ENODATA: a legacy block stored without checksum);
+ * KVT_REC_MALFORMED (length != 4, or ERANGE: longer than the buffer): a
+ * checksum failure; KVT_REC_ERROR (any other errno: the filesystem's fault,
+ * the block is kept). Reads at most min(r, KVT_XATTR_BUF) bytes of rec. */
+#define KVT_XATTR_BUF 16
+enum { KVT_REC_OK = 0, KVT_REC_ABSENT = 1, KVT_REC_MALFORMED = 2, KVT_REC_ERROR = 3 };
+int kvt_xattr_parse(const void *rec, long r, int err, uint32_t *crc);
 
 /* out[i] = 1 if paths[i] exists (stat succeeds), else 0. */
 void kvt_batch_lookup(const char *const *paths, size_t n, uint8_t *out);

@@ -470,14 +470,16 @@ done:
 
 PyDoc_STRVAR(batch_store_block_doc,
 "batch_store_block($module, tmp_paths, dest_paths, buffers, /, use_o_direct=True,\n"
-"                  checksum=False)\n--\n\n"
+"                  checksum=False, durable=False)\n--\n\n"
 "Store each buffers[i] (C-contiguous, its whole length in bytes) as the file\n"
 "dest_paths[i] through the temp tmp_paths[i]: skip if dest exists; create\n"
 "the temp with O_CREAT|O_EXCL (missing parents are created), write it (with\n"
 "O_DIRECT when use_o_direct and the buffer address and length meet the\n"
 "filesystem's alignment, else buffered), with checksum set xattr\n"
 "user.vllm.kv_crc32c = CRC32C (RFC 3720) as 4 bytes big-endian on the open\n"
-"temp, close, rename onto dest. The GIL is released for the whole batch.\n\n"
+"temp, close, rename onto dest. The GIL is released for the whole batch.\n"
+"With durable, fdatasync the temp before the rename and fsync the parent\n"
+"directory after it (survives power loss; costs a device flush per block).\n\n"
 "Raises TypeError (non-list, bad path or buffer type), ValueError (unequal\n"
 "lengths, NUL in a path), BufferError (non-contiguous buffer) before any\n"
 "I/O. The batch stops at the first failing block: OSError with its errno,\n"
@@ -519,18 +521,22 @@ static PyObject *kvt_py_checksum_stats(PyObject *mod, PyObject *unused)
                          (unsigned long long)c);
 }
 
+/* durable == NULL: the call has no `durable` flag (loads). KVT-REL added it. */
 static int parse_io_flags(PyObject *kwnames, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t npos,
-                          const char *fname, int *use_o_direct, int *checksum)
+                          const char *fname, int *use_o_direct, int *checksum, int *durable)
 {
     *use_o_direct = 1;
     *checksum = 0;
+    if (durable)
+        *durable = 0;
+    Py_ssize_t nflags = durable ? 3 : 2;
     Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-    if (nargs < npos || nargs > npos + 2) {
+    if (nargs < npos || nargs > npos + nflags) {
         PyErr_Format(PyExc_TypeError, "%s() takes from %zd to %zd positional arguments (%zd given)", fname, npos,
-                     npos + 2, nargs);
+                     npos + nflags, nargs);
         return -1;
     }
-    PyObject *flag_obj[2] = {NULL, NULL};
+    PyObject *flag_obj[3] = {NULL, NULL, NULL};
     for (Py_ssize_t i = npos; i < nargs; i++)
         flag_obj[i - npos] = args[i];
     for (Py_ssize_t k = 0; k < nkw; k++) {
@@ -540,6 +546,8 @@ static int parse_io_flags(PyObject *kwnames, PyObject *const *args, Py_ssize_t n
             idx = 0;
         else if (PyUnicode_CompareWithASCIIString(name, "checksum") == 0)
             idx = 1;
+        else if (durable && PyUnicode_CompareWithASCIIString(name, "durable") == 0)
+            idx = 2;
         else {
             PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument %R", fname, name);
             return -1;
@@ -554,14 +562,16 @@ static int parse_io_flags(PyObject *kwnames, PyObject *const *args, Py_ssize_t n
         return -1;
     if (flag_obj[1] && (*checksum = PyObject_IsTrue(flag_obj[1])) < 0)
         return -1;
+    if (flag_obj[2] && (*durable = PyObject_IsTrue(flag_obj[2])) < 0)
+        return -1;
     return 0;
 }
 
 static PyObject *kvt_py_batch_store_block(PyObject *mod, PyObject *const *args, Py_ssize_t nargs,
                                           PyObject *kwnames)
 {
-    int use_o_direct, checksum;
-    if (parse_io_flags(kwnames, args, nargs, 3, "batch_store_block", &use_o_direct, &checksum) < 0)
+    int use_o_direct, checksum, durable;
+    if (parse_io_flags(kwnames, args, nargs, 3, "batch_store_block", &use_o_direct, &checksum, &durable) < 0)
         return NULL;
     if (check_list(args[0], "tmp_paths") < 0 || check_list(args[1], "dest_paths") < 0 ||
         check_list(args[2], "buffers") < 0)
@@ -588,7 +598,7 @@ static PyObject *kvt_py_batch_store_block(PyObject *mod, PyObject *const *args, 
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = kvt_batch_store(a.ca, a.cb, (const void *const *)a.bufs, a.lens, (size_t)n, use_o_direct,
-                         checksum, &res);
+                         checksum, durable, &res);
     Py_END_ALLOW_THREADS
     if (rc != 0) {
         raise_batch_error(&res, PySequence_Fast_GET_ITEM(s1, (Py_ssize_t)res.index));
@@ -608,7 +618,7 @@ static PyObject *kvt_py_batch_load_block(PyObject *mod, PyObject *const *args, P
                                          PyObject *kwnames)
 {
     int use_o_direct, checksum;
-    if (parse_io_flags(kwnames, args, nargs, 2, "batch_load_block", &use_o_direct, &checksum) < 0)
+    if (parse_io_flags(kwnames, args, nargs, 2, "batch_load_block", &use_o_direct, &checksum, NULL) < 0)
         return NULL;
     if (check_list(args[0], "source_paths") < 0 || check_list(args[1], "buffers") < 0)
         return NULL;

@@ -43,6 +43,7 @@ def batch_store_block(
     /,
     use_o_direct: bool = True,
     checksum: bool = False,
+    durable: bool = False,
 ) -> None:
     """Raises OSError(errno, strerror, dest) with num_succeeded: int and
     checksum_failed: bool attributes at the first failing block."""

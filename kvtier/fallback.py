@@ -206,7 +206,21 @@ def _read_full(fd, mv, off, direct):
     return got, direct
 
 
-def _store_one(tmp, dest, mv, use_o_direct, checksum, crc_fn):
+def _fsync_dir(path):
+    """KVT-REL: fsync the directory holding ``path`` (makes its rename
+    durable); EINVAL (not supported by the filesystem) counts as done."""
+    d = _os.path.dirname(path) or (b"." if isinstance(path, bytes) else ".")
+    fd = _os.open(d, _os.O_RDONLY | _os.O_DIRECTORY | _os.O_CLOEXEC)
+    try:
+        _os.fsync(fd)
+    except OSError as e:
+        if e.errno != _errno.EINVAL:
+            raise
+    finally:
+        _os.close(fd)
+
+
+def _store_one(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable=False):
     if _os.path.exists(dest):
         return
     flags = _os.O_CREAT | _os.O_EXCL | _os.O_WRONLY | _os.O_CLOEXEC
@@ -228,6 +242,8 @@ def _store_one(tmp, dest, mv, use_o_direct, checksum, crc_fn):
                 direct = _write_full(fd, chunk, off, direct)
             if checksum:
                 _os.setxattr(fd, XATTR_NAME, crc.to_bytes(XATTR_LEN, "big"))
+            if durable:  # KVT-REL: data before the name
+                _os.fdatasync(fd)
         finally:
             _os.close(fd)
         _os.rename(tmp, dest)
@@ -237,6 +253,15 @@ def _store_one(tmp, dest, mv, use_o_direct, checksum, crc_fn):
         except OSError:
             pass
         raise
+    if durable:
+        try:
+            _fsync_dir(dest)
+        except BaseException:
+            try:
+                _os.unlink(dest)  # published but not durable: a failed store leaves nothing
+            except OSError:
+                pass
+            raise
 
 
 import threading as _threading
@@ -332,10 +357,12 @@ def batch_lookup(paths, /):
     return [_os.path.exists(p) for p in _encode_paths(paths, "paths")]
 
 
-def batch_store_block(tmp_paths, dest_paths, buffers, /, use_o_direct=True, checksum=False):
+def batch_store_block(tmp_paths, dest_paths, buffers, /, use_o_direct=True, checksum=False, durable=False):
     """Pure-Python kvtier._C.batch_store_block: same arguments, protocol and
     errors (OSError with errno, filename = dest path, num_succeeded,
-    checksum_failed=False; the failing block's temp is removed)."""
+    checksum_failed=False; the failing block's temp is removed). With
+    ``durable``: os.fdatasync of the temp before the rename, os.fsync of the
+    directory after."""
     for obj, what in ((tmp_paths, "tmp_paths"), (dest_paths, "dest_paths"), (buffers, "buffers")):
         _check_list(obj, what)
     if not len(tmp_paths) == len(dest_paths) == len(buffers):
@@ -349,7 +376,7 @@ def batch_store_block(tmp_paths, dest_paths, buffers, /, use_o_direct=True, chec
     crc_fn = _block_crc_fn() if checksum else None
     for i, (tmp, dest, mv) in enumerate(zip(tmps, dests, views)):
         try:
-            _store_one(tmp, dest, mv, bool(use_o_direct), bool(checksum), crc_fn)
+            _store_one(tmp, dest, mv, bool(use_o_direct), bool(checksum), crc_fn, bool(durable))
         except OSError as e:
             raise _batch_error(e.errno or _errno.EIO, dest_paths[i], i, False) from None
 

@@ -148,15 +148,19 @@ class BlockIO:
         block_size: int,
         use_o_direct: bool = True,
         checksum: bool = False,
+        durable: bool = False,
     ) -> None:
         """Store ``view[offsets[i] : offsets[i] + block_size]`` as file
         ``paths[i]`` for each i (bytes; ``view`` any C-contiguous buffer).
         Existing destinations are skipped. With ``checksum`` the CRC32C is
-        recorded in xattr user.vllm.kv_crc32c. Errors: module docstring; a
-        store OSError names the destination and leaves no temp behind."""
+        recorded in xattr user.vllm.kv_crc32c. With ``durable`` each temp is
+        fdatasync'ed before its rename and the directory fsync'ed after, so a
+        stored block survives power loss (one device flush per block; cost:
+        docs/reliability.md). Errors: module docstring; a store OSError names
+        the destination and leaves no temp (and no destination) behind."""
         paths, views = _check_blocks(paths, view, offsets, block_size, writable=False)
         tmps = [tmp_path_for(p) for p in paths]
-        self.impl.batch_store_block(tmps, paths, views, bool(use_o_direct), bool(checksum))
+        self.impl.batch_store_block(tmps, paths, views, bool(use_o_direct), bool(checksum), durable=bool(durable))
 
     def batch_load_block(
         self,

@@ -210,6 +210,9 @@ class FileSystemTierManager:
             ``.bin`` blocks, recent temps or other files (:mod:`kvtier.sweep`). The
             result is ``self.last_sweep``. TypeError / ValueError (before any I/O) for
             a non-number or a negative or infinite value.
+        durable: on store, fdatasync each temp before its rename and fsync its directory
+            after, so a stored block survives power loss (default False: a crash can lose
+            recently stored blocks, never publish a torn one). Cost: docs/reliability.md.
 
     Raises, before any I/O: TypeError / ValueError for bad arguments (wrong types,
     thread counts < 1, block size not matching the buffer, bad FileMapper fields),
@@ -247,6 +250,7 @@ class FileSystemTierManager:
         metrics: Optional[TieringMetricsTracker] = None,
         registry: Any = None,
         sweep_stale_temps_after: Optional[float] = None,  # KVT-REL: stale-temp sweep (kvtier/sweep.py)
+        durable: bool = False,  # KVT-REL: fdatasync temp + fsync dir on store
     ) -> None:
         # ---- configuration checks: no I/O until all of them pass ----
         for name, v in (("n_read_threads", n_read_threads), ("n_write_threads", n_write_threads)):
@@ -254,7 +258,8 @@ class FileSystemTierManager:
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
-        for name, v in (("checksum_blocks", checksum_blocks), ("use_o_direct", use_o_direct)):
+        for name, v in (("checksum_blocks", checksum_blocks), ("use_o_direct", use_o_direct),
+                        ("durable", durable)):
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
         if sweep_stale_temps_after is not None:  # KVT-REL: validate before any I/O
@@ -276,6 +281,7 @@ class FileSystemTierManager:
         )
         self.root_dir = self.file_mapper.root_dir
         self.checksum_blocks = checksum_blocks
+        self.durable = durable  # KVT-REL
         self.n_read_threads = n_read_threads
         self.n_write_threads = n_write_threads
 
@@ -384,9 +390,10 @@ class FileSystemTierManager:
         err: Optional[BaseException] = None
         n_ok = len(job.keys)
         checksum_failed = False
+        extra = {} if job.is_promotion or not self.durable else {"durable": True}  # KVT-REL
         try:
             fn(job.paths, self._view, job.offsets, self.block_size,
-               use_o_direct=self.use_o_direct, checksum=self.checksum_blocks)
+               use_o_direct=self.use_o_direct, checksum=self.checksum_blocks, **extra)
         except OSError as e:
             err = e
             n_ok = getattr(e, "num_succeeded", 0) or 0

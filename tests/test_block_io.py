@@ -580,7 +580,7 @@ def test_c_signatures():
 
     C = pytest.importorskip("kvtier._C")
     assert str(inspect.signature(C.batch_store_block)) == \
-        "(tmp_paths, dest_paths, buffers, /, use_o_direct=True, checksum=False)"
+        "(tmp_paths, dest_paths, buffers, /, use_o_direct=True, checksum=False, durable=False)"
     assert str(inspect.signature(C.batch_load_block)) == \
         "(source_paths, buffers, /, use_o_direct=True, checksum=False)"
     assert str(inspect.signature(C.batch_lookup)) == "(paths, /)"

@@ -146,6 +146,19 @@ def test_libfuzzer_crc32c_dsa_model(tmp_path):
     assert "dsa-model" in re.search(r"fuzz_crc32c: backends:(.*)", log).group(1).split()
 
 
+def test_libfuzzer_xattr_record_parser(tmp_path):
+    fs_io = os.path.join(ROOT, "csrc", "fs_io.c")
+    with open(fs_io) as f:
+        if "kvt_xattr_parse" not in f.read():
+            pytest.skip("csrc/fs_io.c has no kvt_xattr_parse")
+    srcs = [fs_io] + crc_sources() + sorted(glob.glob(os.path.join(ROOT, "csrc", "dsa", "*.c")))
+    exe = build_fuzzer("fuzz_xattr_record", srcs + [os.path.join(FUZZ_DIR, "fuzz_xattr_record.c")])
+    seeds = [b"\x00\x00\x12\x34\x56\x78", b"\x01" + bytes([errno.ENODATA]), b"\x01" + bytes([errno.ERANGE]),
+             b"\x01" + bytes([errno.EIO]), b"\x00\x00", b"\x00\x00" + bytes(40)]
+    runs, log = run_fuzzer(exe, tmp_path, max_len=64, seconds=max(3, SECONDS // 3), seeds=seeds)
+    assert runs > 1000, log[-2000:]
+
+
 # ---------------------------------------------------------------- hypothesis: CRC
 
 BACKENDS = kvtier.crc32c_backends()
