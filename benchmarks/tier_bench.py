@@ -4,7 +4,7 @@
 For each block size (256 KiB .. 16 MiB) and number of jobs in flight (1, 4, 16, 64):
 N jobs of B blocks each are submitted at once to one tier (16 read + 16 write threads
 by default) and the wall time until the last job finished is measured, for stores and
-then loads, with checksums off and on (runs interleaved), plus the process CPU time
+then loads, with checksums off and on (runs interleaved, alternating which mode goes first), plus the process CPU time
 (user+sys of all threads, ``time.process_time``).  Medians of ``--repeat`` runs.  Every
 loaded byte is compared with what was stored.  The table has the layout of the pool
 table in vLLM PR #57912 (median e2e ms off -> on, CPU ms), with on/off ratios.
@@ -100,15 +100,17 @@ def run(args) -> dict:
                     slots = list(range(n))
                     t = {(op, ck): [] for op in ("store", "load") for ck in (False, True)}
                     c = {(op, ck): [] for op in ("store", "load") for ck in (False, True)}
-                    for _ in range(args.repeat):
+                    for rep in range(args.repeat):
                         keys = [(secrets.token_bytes(16), 0) for _ in range(n)]
-                        for ck in (False, True):  # interleaved
+                        # interleaved, and alternating which mode goes first
+                        order = (False, True) if rep % 2 == 0 else (True, False)
+                        for ck in order:
                             buf[:n] = src[:n]
                             w, cpu = one_pass(mgrs[ck], "store", keys, slots, nj, per_job, job_base)
                             job_base += nj
                             t["store", ck].append(w)
                             c["store", ck].append(cpu)
-                        for ck in (False, True):
+                        for ck in order:
                             buf[:n] = 0
                             w, cpu = one_pass(mgrs[ck], "load", keys, slots, nj, per_job, job_base)
                             job_base += nj
