@@ -109,7 +109,9 @@ def run_fuzzer(exe: str, workdir, max_len: int = 4096, seconds: int = SECONDS, s
         [exe, f"-max_total_time={seconds}", "-timeout=10", f"-max_len={max_len}", "-print_final_stats=1",
          f"-artifact_prefix={os.fspath(workdir)}/", corpus],
         capture_output=True, text=True, timeout=seconds + 120,
-        env={**os.environ, "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0"},
+        # own (clang) sanitizer runtime: never scripts/sanitize's preloaded gcc one
+        env={**{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
+             "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0"},
     )
     log = proc.stderr
     crashes = glob.glob(os.path.join(os.fspath(workdir), "crash-*")) + glob.glob(
