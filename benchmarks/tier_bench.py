@@ -90,7 +90,7 @@ def run(args) -> dict:
                 mgrs[ck] = FileSystemTierManager(
                     buf, os.path.join(base, f"{bs}_{int(ck)}"), "bench/tier", block_size=bs,
                     n_read_threads=args.threads, n_write_threads=args.threads, checksum_blocks=ck,
-                    use_o_direct=not args.no_o_direct)
+                    use_o_direct=not args.no_o_direct, durable=args.durable)
             o_direct = all(m.use_o_direct for m in mgrs.values())
             job_base = 0
             try:
@@ -141,6 +141,7 @@ def run(args) -> dict:
         shutil.rmtree(base, ignore_errors=True)
     return {"root": args.root or tempfile.gettempdir(), "fstype": fstype, "o_direct": o_direct,
             "threads": args.threads, "repeat": args.repeat, "cap_mib": args.cap_mib,
+            "durable": args.durable,
             "io_backend": kio.backend, "crc32c_backend": kvtier.crc32c_backend,
             "cells": len(cells), "rows": rows, "mismatched_bytes": mismatched}
 
@@ -148,7 +149,8 @@ def run(args) -> dict:
 def table(d: dict) -> str:
     out = [f"tier pool benchmark: root {d['root']} ({d['fstype']}, {'O_DIRECT' if d['o_direct'] else 'buffered'}), "
            f"{d['threads']} read + {d['threads']} write threads, I/O {d['io_backend']}, CRC32C "
-           f"{d['crc32c_backend']}, median of {d['repeat']}, cell cap {d['cap_mib']} MiB",
+           f"{d['crc32c_backend']}, median of {d['repeat']}, cell cap {d['cap_mib']} MiB"
+           f"{', durable stores (fdatasync + dir fsync)' if d.get('durable') else ''}",
            "e2e = submit all jobs .. last job finished; CPU = process user+sys over store and load",
            ""]
     hdr = (f"{'Block':>8} {'Jobs':>5} {'Blk/job':>7} {'MiB':>6} | {'Store e2e ms off -> on':>24} {'x':>5} | "
@@ -177,6 +179,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=16, help="read- and write-priority threads each (default 16)")
     p.add_argument("--root", default=None, help="directory for the temp cache (default $TMPDIR or /tmp)")
     p.add_argument("--no-o-direct", action="store_true")
+    p.add_argument("--durable", action="store_true",
+                   help="durable stores: fdatasync each temp, fsync its directory (docs/reliability.md)")
     p.add_argument("--quick", action="store_true", help="256K,1M x 1,4,16 jobs, 64 MiB cap, 1 run")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
