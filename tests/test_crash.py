@@ -1,7 +1,8 @@
 """Crash consistency: a process storing blocks is SIGKILLed at random points.
 
-A forked child stores checksummed blocks in a loop (kvtier.io over the C core
-or the fallback, or the tier manager) and is SIGKILLed after a random delay,
+A child (forked by a clean, single-threaded fork server) stores checksummed
+blocks in a loop (kvtier.io over the C core or the fallback, or the tier
+manager) and is SIGKILLed after a random delay,
 at least 100 times in all. After each kill: every published ``.bin`` loads
 with checksum verification and holds exactly the bytes stored for its key (no
 torn or half-written block is ever visible under its final name), and every
@@ -104,48 +105,82 @@ def _verify(bins, backend="c"):
         assert np.array_equal(out, content(i)), f"{p} does not hold the bytes of key {i}"
 
 
+# A fork server: a fresh single-threaded Python (no pytest threads, no locks
+# held by other threads at fork time) that forks one storing child per request,
+# reports its pid, and reaps it after the test kills it.
+FORK_SERVER = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import test_crash as tc
+for line in sys.stdin:
+    mode, d, start = line.split()
+    pid = os.fork()
+    if pid == 0:
+        tc._child_loop(mode, d, int(start))
+    print(pid, flush=True)
+    print(os.waitpid(pid, 0)[1], flush=True)
+"""
+
+
 def test_sigkill_during_stores_never_publishes_a_torn_block(tmp_path):
+    import subprocess
+    import sys
+
     rng = random.Random(42)
     published = temps_seen = 0
     t_end = time.monotonic() + 60
     kills = 0
-    while kills < KILLS:
-        assert time.monotonic() < t_end, f"only {kills} kills in 60 s"
-        mode = MODES[kills % len(MODES)]
-        d = str(tmp_path / f"k{kills}")
-        os.makedirs(d)
-        delay = rng.uniform(0.0, 0.04 if mode != "manager" else 0.08)
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - child
-            _child_loop(mode, d, start=kills * 100000)
-        time.sleep(delay)
-        os.kill(pid, signal.SIGKILL)
-        _, status = os.waitpid(pid, 0)
-        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, \
-            f"child ({mode}) ended by itself (status {status}) before the kill"
-        kills += 1
-
-        root = d
-        if mode == "manager":
-            ranks = [e for e in os.listdir(d) if e.endswith("_r0")]
-            root = os.path.join(d, ranks[0]) if ranks else d
-        bins, temps, other = _scan(root)
-        if mode == "manager":
-            other = [p for p in other if os.path.basename(p) not in ("config.json", "kvtier.json")]
-        assert other == [], f"unexpected files after a kill: {other}"
-        _verify(bins, backend="c" if kills % 2 else "python")
-        published += len(bins)
-        temps_seen += len(temps)
-
-        # the sweep removes exactly the temps, and the blocks still verify
-        res = sweep_stale_temps(d, older_than=0.0, now=time.time() + 1)
-        assert sorted(res.removed) == sorted(temps) and res.errors == []
-        bins2, temps2, _ = _scan(root)
-        assert sorted(bins2) == sorted(bins) and temps2 == []
-        shutil.rmtree(d)
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    server = subprocess.Popen([sys.executable, "-c", FORK_SERVER, os.path.dirname(os.path.abspath(__file__))],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        while kills < KILLS:
+            assert time.monotonic() < t_end, f"only {kills} kills in 60 s"
+            mode = MODES[kills % len(MODES)]
+            d = str(tmp_path / f"k{kills}")
+            os.makedirs(d)
+            delay = rng.uniform(0.0, 0.04 if mode != "manager" else 0.08)
+            server.stdin.write(f"{mode} {d} {kills * 100000}\n")
+            server.stdin.flush()
+            pid = int(server.stdout.readline())
+            time.sleep(delay)
+            os.kill(pid, signal.SIGKILL)
+            status = int(server.stdout.readline())
+            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, \
+                f"child ({mode}) ended by itself (status {status}) before the kill"
+            kills += 1
+            published_now, temps_now = _check_after_kill(mode, d, kills)
+            published += published_now
+            temps_seen += temps_now
+    finally:
+        server.stdin.close()
+        server.wait(timeout=30)
     # the kills really landed inside stores, and plenty of blocks were published
     assert temps_seen >= 5, f"only {temps_seen} temps left in {KILLS} kills: kills never hit a store"
     assert published >= KILLS, f"only {published} blocks published in {KILLS} runs"
+
+
+def _check_after_kill(mode, d, kills):
+
+    """After a kill: only complete, verified blocks and temps; the sweep
+    removes exactly the temps. Returns (blocks published, temps left)."""
+    root = d
+    if mode == "manager":
+        ranks = [e for e in os.listdir(d) if e.endswith("_r0")]
+        root = os.path.join(d, ranks[0]) if ranks else d
+    bins, temps, other = _scan(root)
+    if mode == "manager":
+        other = [p for p in other if os.path.basename(p) not in ("config.json", "kvtier.json")]
+    assert other == [], f"unexpected files after a kill: {other}"
+    _verify(bins, backend="c" if kills % 2 else "python")
+
+    # the sweep removes exactly the temps, and the blocks still verify
+    res = sweep_stale_temps(d, older_than=0.0, now=time.time() + 1)
+    assert sorted(res.removed) == sorted(temps) and res.errors == []
+    bins2, temps2, _ = _scan(root)
+    assert sorted(bins2) == sorted(bins) and temps2 == []
+    shutil.rmtree(d)
+    return len(bins), len(temps)
 
 
 # ---------------------------------------------------------------- stale-temp sweep
