@@ -16,6 +16,7 @@ import glob
 import os
 import random
 import threading
+import time
 import traceback
 
 import numpy as np
@@ -81,36 +82,37 @@ def run_threads(d: str, seed: int, start_fd: int) -> list:
     return errors
 
 
+CHILD = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import test_concurrency as t
+errs = t.run_threads(sys.argv[2], seed=2, start_fd=int(sys.argv[3]))
+print("\\n".join(errs))
+sys.exit(3 if errs else 0)
+"""
+
+
 def test_two_processes_many_threads_same_keys(tmp_path):
+    import subprocess
+    import sys
+
     d = str(tmp_path / "cache")
     os.makedirs(d)
     start_r, start_w = os.pipe()
-    err_r, err_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child process
-        code = 1
-        try:
-            os.close(err_r)
-            errs = run_threads(d, seed=2, start_fd=start_r)
-            os.write(err_w, "\n".join(errs).encode()[:60000])
-            code = 0 if not errs else 3
-        finally:
-            os._exit(code)
-    os.close(err_w)
-    os.write(start_w, b"gg")  # one byte for each process
-    errors = run_threads(d, seed=1, start_fd=start_r)
-    child_msg = b""
-    while True:
-        chunk = os.read(err_r, 65536)
-        if not chunk:
-            break
-        child_msg += chunk
-    _, status = os.waitpid(pid, 0)
-    os.close(err_r)
-    os.close(start_r)
-    os.close(start_w)
+    try:
+        # the second process is a fresh Python (not a fork of this one)
+        child = subprocess.Popen([sys.executable, "-c", CHILD, os.path.dirname(os.path.abspath(__file__)), d,
+                                  str(start_r)], pass_fds=(start_r,), stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+        time.sleep(0.5)  # let it import; then both start at once
+        os.write(start_w, b"gg")  # one byte for each process
+        errors = run_threads(d, seed=1, start_fd=start_r)
+        child_out, _ = child.communicate(timeout=300)
+    finally:
+        os.close(start_r)
+        os.close(start_w)
     assert errors == [], "\n".join(errors)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, child_msg.decode(errors="replace")
+    assert child.returncode == 0, child_out
 
     # every key of every round was published exactly once, complete and verified
     bins = glob.glob(os.path.join(d, "**", "*.bin"), recursive=True)
