@@ -28,10 +28,73 @@ typedef struct {
 /* Buffers                                                             */
 /* ------------------------------------------------------------------ */
 
-/* Get a C-contiguous buffer; BufferError for strided/non-contiguous. */
+/* 1 if obj is a torch tensor (its type comes from a "torch" module). torch
+ * tensors do not export the buffer protocol; Tensor.numpy() returns an
+ * ndarray sharing the tensor's memory (CPU only; it raises for CUDA tensors
+ * and tensors requiring grad), never a copy, so loads land in the tensor. */
+static int is_torch_tensor(PyObject *obj)
+{
+    PyObject *mod = PyObject_GetAttrString((PyObject *)Py_TYPE(obj), "__module__");
+    if (!mod) {
+        PyErr_Clear();
+        return 0;
+    }
+    const char *m = PyUnicode_Check(mod) ? PyUnicode_AsUTF8(mod) : NULL;
+    int yes = m != NULL && strncmp(m, "torch", 5) == 0 && (m[5] == '\0' || m[5] == '.');
+    if (m == NULL)
+        PyErr_Clear();
+    Py_DECREF(mod);
+    return yes;
+}
+
+/* A uint8 ndarray aliasing a contiguous CPU torch tensor's bytes (any dtype,
+ * bf16 included): t.detach().reshape(-1).view(torch.uint8).numpy().
+ * BufferError for a non-contiguous tensor; torch's own error otherwise
+ * (e.g. TypeError for a CUDA tensor). */
+static PyObject *torch_bytes_view(PyObject *t)
+{
+    PyObject *c = PyObject_CallMethod(t, "is_contiguous", NULL);
+    if (!c)
+        return NULL;
+    int contig = PyObject_IsTrue(c);
+    Py_DECREF(c);
+    if (contig < 0)
+        return NULL;
+    if (!contig) {
+        PyErr_SetString(PyExc_BufferError, "torch tensor is not contiguous");
+        return NULL;
+    }
+    PyObject *torch = PyImport_ImportModule("torch");
+    if (!torch)
+        return NULL;
+    PyObject *u8 = PyObject_GetAttrString(torch, "uint8");
+    Py_DECREF(torch);
+    if (!u8)
+        return NULL;
+    PyObject *a = PyObject_CallMethod(t, "detach", NULL);
+    PyObject *b = a ? PyObject_CallMethod(a, "reshape", "(i)", -1) : NULL;
+    PyObject *v = b ? PyObject_CallMethod(b, "view", "(O)", u8) : NULL;
+    PyObject *arr = v ? PyObject_CallMethod(v, "numpy", NULL) : NULL;
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    Py_XDECREF(v);
+    Py_DECREF(u8);
+    return arr;
+}
+
+/* Get a C-contiguous buffer; BufferError for strided/non-contiguous.
+ * torch CPU tensors are taken through torch_bytes_view(). */
 static int get_contig_buffer(PyObject *obj, Py_buffer *view, int writable)
 {
     int flags = PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (!PyObject_CheckBuffer(obj) && is_torch_tensor(obj)) {
+        PyObject *arr = torch_bytes_view(obj);
+        if (!arr)
+            return -1;
+        int rc = get_contig_buffer(arr, view, writable); /* view->obj keeps arr alive */
+        Py_DECREF(arr);
+        return rc;
+    }
     if (PyObject_GetBuffer(obj, view, flags) < 0) {
         if (PyErr_ExceptionMatches(PyExc_BufferError) || PyErr_ExceptionMatches(PyExc_TypeError))
             return -1;
@@ -145,8 +208,8 @@ static const kvt_crc32c_backend *lookup_backend(const char *name)
         return b;
     PyObject *valid = backend_names_list(1);
     if (valid) {
-        PyErr_Format(PyExc_ValueError, "CRC32C backend %R is %s; available backends: %S",
-                     PyUnicode_FromString(name), b ? "not available on this host" : "unknown", valid);
+        PyErr_Format(PyExc_ValueError, "CRC32C backend '%s' is %s; available backends: %S",
+                     name, b ? "not available on this host" : "unknown", valid);
         Py_DECREF(valid);
     }
     return NULL;
@@ -668,8 +731,7 @@ static int dsa_which(const char *name)
         return KVT_DSA_DEVICE;
     if (strcmp(name, "dsa-model") == 0)
         return KVT_DSA_MODEL;
-    PyErr_Format(PyExc_ValueError, "DSA backend must be 'dsa' or 'dsa-model', not %R",
-                 PyUnicode_FromString(name));
+    PyErr_Format(PyExc_ValueError, "DSA backend must be 'dsa' or 'dsa-model', not '%s'", name);
     return -1;
 }
 
