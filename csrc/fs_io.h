@@ -40,7 +40,8 @@ typedef struct kvt_batch_result {
     int err;              /* 0 on success */
     size_t index;         /* failing block; n on success */
     int checksum_failed;
-    size_t retried;       /* loads: blocks re-read after a first checksum mismatch */
+    size_t retried;       /* loads: blocks re-read after a first checksum mismatch,
+                             on failure too (the failing block included) */
 } kvt_batch_result;
 
 /* Store: for each i, skip if dest_paths[i] exists; else create tmp_paths[i]

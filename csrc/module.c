@@ -465,7 +465,9 @@ static int gather_buffers(kvt_batch_args *a, PyObject *seq, int writable)
 }
 
 /* OSError(errno, strerror, path) (the errno-specific subclass, e.g.
- * FileNotFoundError) with num_succeeded and checksum_failed set. */
+ * FileNotFoundError) with num_succeeded, checksum_failed and num_retried
+ * (blocks of the batch re-read after a first checksum mismatch, the failing
+ * one included; 0 for stores) set. */
 static void raise_batch_error(const kvt_batch_result *res, PyObject *path)
 {
     errno = res->err;
@@ -475,15 +477,19 @@ static void raise_batch_error(const kvt_batch_result *res, PyObject *path)
     PyErr_NormalizeException(&t, &v, &tb);
     if (v != NULL) {
         PyObject *ns = PyLong_FromSize_t(res->index);
-        if (ns == NULL || PyObject_SetAttrString(v, "num_succeeded", ns) < 0 ||
-            PyObject_SetAttrString(v, "checksum_failed", res->checksum_failed ? Py_True : Py_False) < 0) {
+        PyObject *nr = ns ? PyLong_FromSize_t(res->retried) : NULL;
+        if (nr == NULL || PyObject_SetAttrString(v, "num_succeeded", ns) < 0 ||
+            PyObject_SetAttrString(v, "checksum_failed", res->checksum_failed ? Py_True : Py_False) < 0 ||
+            PyObject_SetAttrString(v, "num_retried", nr) < 0) {
             Py_XDECREF(ns);
+            Py_XDECREF(nr);
             Py_XDECREF(t);
             Py_XDECREF(v);
             Py_XDECREF(tb);
             return;
         }
         Py_DECREF(ns);
+        Py_DECREF(nr);
     }
     PyErr_Restore(t, v, tb);
 }
@@ -547,7 +553,7 @@ PyDoc_STRVAR(batch_store_block_doc,
 "lengths, NUL in a path), BufferError (non-contiguous buffer) before any\n"
 "I/O. The batch stops at the first failing block: OSError with its errno,\n"
 "filename = its dest path, num_succeeded = its index, checksum_failed =\n"
-"False; its temp is removed, earlier blocks stay stored.");
+"False, num_retried = 0; its temp is removed, earlier blocks stay stored.");
 
 PyDoc_STRVAR(batch_load_block_doc,
 "batch_load_block($module, source_paths, buffers, /, use_o_direct=True,\n"
@@ -563,7 +569,10 @@ PyDoc_STRVAR(batch_load_block_doc,
 "verified (int). A second mismatch condemns the block.\n\n"
 "Raises TypeError / ValueError / BufferError (read-only or non-contiguous\n"
 "buffer) before any I/O. The batch stops at the first failing block:\n"
-"OSError with filename = its path, num_succeeded = its index and\n"
+"OSError with filename = its path, num_succeeded = its index,\n"
+"num_retried = blocks of this batch re-read after a first mismatch (int;\n"
+"the failing block included, e.g. 1 for a block condemned on its re-read),\n"
+"and\n"
 "  errno EBADMSG, checksum_failed=True: CRC mismatch or record length != 4\n"
 "    (file removed);\n"
 "  errno EIO: file size != buffer length (file removed);\n"
@@ -574,7 +583,9 @@ PyDoc_STRVAR(checksum_stats_doc,
 "checksum_stats($module, /)\n--\n\n"
 "Process-wide counters of batch_load_block since import, as a dict:\n"
 "checksum_retries (first mismatches, re-read once) and checksum_condemned\n"
-"(mismatched again: EBADMSG, file removed).");
+"(mismatched again: EBADMSG, file removed). A diagnostic summed over every\n"
+"caller; per-call counts are batch_load_block's return value and the\n"
+"OSError's num_retried / checksum_failed.");
 
 static PyObject *kvt_py_checksum_stats(PyObject *mod, PyObject *unused)
 {

@@ -45,8 +45,9 @@ def batch_store_block(
     checksum: bool = False,
     durable: bool = False,
 ) -> None:
-    """Raises OSError(errno, strerror, dest) with num_succeeded: int and
-    checksum_failed: bool attributes at the first failing block."""
+    """Raises OSError(errno, strerror, dest) with num_succeeded: int,
+    checksum_failed: bool and num_retried: int (0) attributes at the first
+    failing block."""
 
 def batch_load_block(
     source_paths: _PathList,
@@ -56,9 +57,13 @@ def batch_load_block(
     checksum: bool = False,
 ) -> int:
     """Returns the number of blocks re-read once after a first checksum
-    mismatch. Raises OSError with num_succeeded and checksum_failed."""
+    mismatch. Raises OSError with num_succeeded: int, checksum_failed: bool
+    and num_retried: int (blocks re-read before the batch stopped, the
+    failing block included: 1 for a block condemned on its re-read)."""
 
-def checksum_stats() -> dict[Literal["checksum_retries", "checksum_condemned"], int]: ...
+def checksum_stats() -> dict[Literal["checksum_retries", "checksum_condemned"], int]:
+    """Process-wide totals since import (diagnostic); per-call counts are
+    batch_load_block's return value and OSError.num_retried."""
 
 # ---------------------------------------------------------------- Intel DSA (csrc/dsa/)
 

@@ -131,10 +131,11 @@ def _try_direct(fd, mv):
     return True
 
 
-def _batch_error(err, path, index, checksum_failed):
+def _batch_error(err, path, index, checksum_failed, num_retried=0):
     exc = OSError(err, _os.strerror(err), path)  # the errno's subclass, e.g. FileNotFoundError
     exc.num_succeeded = index
     exc.checksum_failed = checksum_failed
+    exc.num_retried = num_retried  # loads: blocks re-read after a first mismatch, failing one included
     return exc
 
 
@@ -314,11 +315,12 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn):
     return want is not None and crc != want, False
 
 
-def _load_one(src, mv, use_o_direct, checksum, crc_fn):
+def _load_one(src, mv, use_o_direct, checksum, crc_fn, retried_out):
     """Returns (None, retried) or ((errno, checksum_failed), retried) after
     removing the file when the table in design.md says so. A first mismatch is
     retried once (page cache dropped); a second condemns the block. Other
-    OSErrors propagate (file kept)."""
+    OSErrors propagate (file kept). ``retried_out[0]`` is set True when the
+    block is re-read, so a caller sees it even when the re-read raises."""
     fd = _os.open(src, _os.O_RDONLY | _os.O_CLOEXEC)
     remove = False
     retried = False
@@ -336,7 +338,7 @@ def _load_one(src, mv, use_o_direct, checksum, crc_fn):
                 return None, retried
             if attempt == 0:
                 _count("checksum_retries")
-                retried = True
+                retried = retried_out[0] = True
                 _os.posix_fadvise(fd, 0, n, _os.POSIX_FADV_DONTNEED)  # re-read from the device
         _count("checksum_condemned")
         remove = True
@@ -360,7 +362,7 @@ def batch_lookup(paths, /):
 def batch_store_block(tmp_paths, dest_paths, buffers, /, use_o_direct=True, checksum=False, durable=False):
     """Pure-Python kvtier._C.batch_store_block: same arguments, protocol and
     errors (OSError with errno, filename = dest path, num_succeeded,
-    checksum_failed=False; the failing block's temp is removed). With
+    checksum_failed=False, num_retried=0; the failing block's temp is removed). With
     ``durable``: os.fdatasync of the temp before the rename, os.fsync of the
     directory after."""
     for obj, what in ((tmp_paths, "tmp_paths"), (dest_paths, "dest_paths"), (buffers, "buffers")):
@@ -385,7 +387,9 @@ def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False
     """Pure-Python kvtier._C.batch_load_block: same arguments, protocol,
     return value (blocks re-read once after a first mismatch, int) and errors
     (design.md table: EBADMSG + checksum_failed and EIO remove the file; any
-    other errno keeps it)."""
+    other errno keeps it). The OSError's ``num_retried`` (int) counts the
+    blocks of the batch re-read after a first mismatch, the failing block
+    included (1 for a block condemned on its re-read)."""
     _check_list(source_paths, "source_paths")
     _check_list(buffers, "buffers")
     if len(source_paths) != len(buffers):
@@ -395,11 +399,13 @@ def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False
     crc_fn = _block_crc_fn() if checksum else None
     retried_total = 0
     for i, (src, mv) in enumerate(zip(srcs, views)):
+        retried_out = [False]
         try:
-            failed, retried = _load_one(src, mv, bool(use_o_direct), bool(checksum), crc_fn)
+            failed, retried = _load_one(src, mv, bool(use_o_direct), bool(checksum), crc_fn, retried_out)
         except OSError as e:
-            raise _batch_error(e.errno or _errno.EIO, source_paths[i], i, False) from None
+            raise _batch_error(e.errno or _errno.EIO, source_paths[i], i, False,
+                               retried_total + retried_out[0]) from None
         retried_total += retried
         if failed is not None:
-            raise _batch_error(failed[0], source_paths[i], i, failed[1])
+            raise _batch_error(failed[0], source_paths[i], i, failed[1], retried_total)
     return retried_total

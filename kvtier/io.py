@@ -14,8 +14,9 @@ bytes. Each block becomes one file (on-disk contract: design.md):
 Errors. Bad arguments raise TypeError / ValueError / BufferError before any
 I/O. A batch stops at its first failing block and raises OSError (the errno's
 subclass, e.g. FileNotFoundError) with ``errno``, ``filename`` (that block's
-path), ``num_succeeded`` (its index: blocks before it are done) and
-``checksum_failed``:
+path), ``num_succeeded`` (its index: blocks before it are done),
+``checksum_failed`` and ``num_retried`` (int: blocks of this batch re-read
+after a first checksum mismatch, the failing block included; 0 for stores):
 
 =========================================  =========================  ========
 load outcome                               OSError                    file
@@ -27,8 +28,11 @@ EACCES, EOPNOTSUPP, EBADMSG from the FS)
 =========================================  =========================  ========
 
 A first checksum mismatch is retried once (page cache dropped, record and
-data re-read; a transient glitch then loads), a second condemns the block;
-both are counted (:func:`checksum_stats`).
+data re-read; a transient glitch then loads), a second condemns the block.
+Each call reports its own re-reads (the load's return value, or the OSError's
+``num_retried``; a condemned block is the OSError with ``checksum_failed``),
+which is what the tier manager counts per tier; :func:`checksum_stats` keeps
+process-wide totals as a diagnostic.
 
 Backend: the C core (``kvtier._C``, GIL released for the whole batch) or the
 pure-Python fallback (``kvtier.fallback``), same semantics and bytes.
@@ -176,7 +180,10 @@ class BlockIO:
         ``checksum`` verify the recorded CRC32C; a first mismatch is retried
         once (page cache dropped, record and data re-read), a second condemns
         the block. Returns the number of blocks that needed that re-read and
-        then verified. Errors and which files are removed: module docstring."""
+        then verified (int). On failure the OSError's ``num_retried`` (int)
+        counts the blocks re-read before it stopped, the failing block
+        included (a condemned block was re-read once). Errors and which files
+        are removed: module docstring."""
         paths, views = _check_blocks(paths, view, offsets, block_size, writable=True)
         return self.impl.batch_load_block(paths, views, bool(use_o_direct), bool(checksum))
 
@@ -185,9 +192,11 @@ class BlockIO:
         return self.impl.batch_lookup(_check_paths(paths))
 
     def checksum_stats(self) -> dict:
-        """This backend's process-wide load counters: ``checksum_retries``
-        (first mismatches, re-read once) and ``checksum_condemned``
-        (mismatched again: EBADMSG, removed)."""
+        """This backend's process-wide load counters (a diagnostic summed over
+        every caller in the process; per-call counts are the load's return
+        value / ``num_retried``): ``checksum_retries`` (first mismatches,
+        re-read once) and ``checksum_condemned`` (mismatched again: EBADMSG,
+        removed)."""
         return self.impl.checksum_stats()
 
 

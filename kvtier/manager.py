@@ -32,6 +32,7 @@ from typing import Any, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 from kvtier.file_mapper import FileMapper, Key
 from kvtier.metrics import TieringMetricsTracker, tier_label
+from kvtier.metrics import CHECKSUM_CONDEMNED, CHECKSUM_RETRIES  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,10 @@ class JobResult:
     failure).  ``transfer_time``: seconds from submission to completion (queueing + I/O).
     ``transfer_bytes``: ``len(successful_keys) * block_size``.  ``checksum_failed``: a
     block failed CRC32C verification (its file was removed).  ``error``: the OSError (or
-    other exception) that failed the job, None on success.
+    other exception) that failed the job, None on success.  ``checksum_retries``: blocks
+    of a load re-read once after a first CRC32C mismatch (transient corruption; the
+    condemned block included), from ``kvtier.io.batch_load_block``'s return value or
+    ``OSError.num_retried``.
     """
 
     job_id: Hashable
@@ -72,6 +76,7 @@ class JobResult:
     checksum_failed: bool = False
     is_promotion: bool = False
     error: Optional[BaseException] = field(default=None, compare=False)
+    checksum_retries: int = 0
 
 
 @dataclass
@@ -119,21 +124,6 @@ def _io():
     from kvtier import io as kio
 
     return kio
-
-
-# KVT-REL: CacheLib-style retry-once counters (process-wide, of the active I/O backend).
-CHECKSUM_RETRIES = "kvtier:kv_offload_tiering_checksum_retries"
-CHECKSUM_CONDEMNED = "kvtier:kv_offload_tiering_checksum_condemned"
-
-
-def _checksum_counter_source():
-    s = _io().checksum_stats()
-    return {
-        CHECKSUM_RETRIES: ("Blocks re-read once after a first CRC32C mismatch (transient corruption; "
-                           "process-wide).", s["checksum_retries"]),
-        CHECKSUM_CONDEMNED: ("Blocks condemned after a second CRC32C mismatch: EBADMSG, file removed "
-                             "(process-wide).", s["checksum_condemned"]),
-    }
 
 
 def _primary_view(primary: Any, block_size: Optional[int]) -> Tuple[memoryview, int, int]:
@@ -311,8 +301,6 @@ class FileSystemTierManager:
             )
         self.metrics = metrics if metrics is not None else TieringMetricsTracker(
             label, checksums=checksum_blocks, registry=registry)
-        if checksum_blocks:  # KVT-REL: retry-once counters of the load path, read at scrape time
-            self.metrics.add_counter_source(_checksum_counter_source)
 
         # ---- pool ----
         self._cond = threading.Condition(threading.Lock())
@@ -390,15 +378,19 @@ class FileSystemTierManager:
         err: Optional[BaseException] = None
         n_ok = len(job.keys)
         checksum_failed = False
+        retries = 0  # KVT-REL: this job's retry-once re-reads, counted per tier
         extra = {} if job.is_promotion or not self.durable else {"durable": True}  # KVT-REL
         try:
-            fn(job.paths, self._view, job.offsets, self.block_size,
-               use_o_direct=self.use_o_direct, checksum=self.checksum_blocks, **extra)
+            ret = fn(job.paths, self._view, job.offsets, self.block_size,
+                     use_o_direct=self.use_o_direct, checksum=self.checksum_blocks, **extra)
+            if job.is_promotion:
+                retries = int(ret or 0)
         except OSError as e:
             err = e
             n_ok = getattr(e, "num_succeeded", 0) or 0
             n_ok = max(0, min(int(n_ok), len(job.keys)))
             checksum_failed = bool(getattr(e, "checksum_failed", False))
+            retries = int(getattr(e, "num_retried", 0) or 0)
         except Exception as e:  # BufferError/ValueError from the I/O layer: nothing moved
             err = e
             n_ok = 0
@@ -408,12 +400,13 @@ class FileSystemTierManager:
                            "load" if job.is_promotion else "store", job.job_id, n_ok, len(job.keys), err)
         keys = job.keys if err is None else job.keys[:n_ok]
         return JobResult(job.job_id, err is None, tuple(keys), elapsed, len(keys) * self.block_size,
-                         checksum_failed, job.is_promotion, err)
+                         checksum_failed, job.is_promotion, err, retries)
 
     def _account(self, r: JobResult, n_keys: int) -> None:
         try:
             self.metrics.on_job_finished(r.is_promotion, r.success, n_keys, len(r.successful_keys),
-                                         self.block_size, r.transfer_time, r.checksum_failed)
+                                         self.block_size, r.transfer_time, r.checksum_failed,
+                                         r.checksum_retries)
         except Exception:  # metrics must never break the data path
             logger.exception("metrics accounting failed")
 

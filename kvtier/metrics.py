@@ -12,6 +12,13 @@ Counters (names and help text as vLLM's ``TieringOffloadingMetrics``; label ``ti
 ``vllm:kv_offload_tiering_cascade_job_failures``   failed cascade (store) jobs
 ``vllm:kv_offload_tiering_checksum_failures``      loads failed by a CRC32C mismatch; only
                                                    registered when checksums are on
+``kvtier:kv_offload_tiering_checksum_retries``     kvtier's own: blocks of this tier re-read
+                                                   once after a first CRC32C mismatch (the
+                                                   retry-once of kvtier.io), whether the re-read
+                                                   then verified or not; checksums on only
+``kvtier:kv_offload_tiering_checksum_condemned``   kvtier's own: blocks of this tier condemned
+                                                   (mismatched again: EBADMSG, file removed);
+                                                   checksums on only
 =================================================  ============================================
 
 prometheus_client exposes a Counter named ``X`` as the sample ``X_total`` (plus
@@ -47,6 +54,8 @@ WRITE_TIME = "vllm:kv_offload_tiering_write_time"
 PROMOTION_JOB_FAILURES = "vllm:kv_offload_tiering_promotion_job_failures"
 CASCADE_JOB_FAILURES = "vllm:kv_offload_tiering_cascade_job_failures"
 CHECKSUM_FAILURES = "vllm:kv_offload_tiering_checksum_failures"
+CHECKSUM_RETRIES = "kvtier:kv_offload_tiering_checksum_retries"
+CHECKSUM_CONDEMNED = "kvtier:kv_offload_tiering_checksum_condemned"
 
 LABELNAMES = ("tier",)
 
@@ -58,6 +67,8 @@ _DOCS = {
     PROMOTION_JOB_FAILURES: "Number of failed secondary-tier promotion jobs.",
     CASCADE_JOB_FAILURES: "Number of failed secondary-tier cascade jobs.",
     CHECKSUM_FAILURES: "Number of secondary-tier loads that failed CRC32C checksum verification.",
+    CHECKSUM_RETRIES: "Blocks re-read once after a first CRC32C mismatch (loaded if the re-read verified).",
+    CHECKSUM_CONDEMNED: "Blocks condemned after a second CRC32C mismatch (EBADMSG, file removed).",
 }
 
 
@@ -89,8 +100,9 @@ class TieringMetricsTracker:
 
     Args:
         tier: label value (default ``"1:fs"``, see :func:`tier_label`).
-        checksums: register ``vllm:kv_offload_tiering_checksum_failures`` (only when the
-            tier verifies checksums; absent otherwise).
+        checksums: register ``vllm:kv_offload_tiering_checksum_failures`` and kvtier's
+            ``..._checksum_retries`` / ``..._checksum_condemned`` (only when the tier
+            verifies checksums; absent otherwise).
         registry: a :class:`prometheus_client.CollectorRegistry`; default a fresh one
             (see module docstring).
 
@@ -107,7 +119,7 @@ class TieringMetricsTracker:
         self._lock = threading.Lock()
         names = [READ_BYTES, READ_TIME, WRITE_BYTES, WRITE_TIME, PROMOTION_JOB_FAILURES, CASCADE_JOB_FAILURES]
         if self.checksums:
-            names.append(CHECKSUM_FAILURES)
+            names += [CHECKSUM_FAILURES, CHECKSUM_RETRIES, CHECKSUM_CONDEMNED]
         self._parents = {n: Counter(n, _DOCS[n], labelnames=LABELNAMES, registry=self.registry) for n in names}
         self._counters = {n: c.labels(tier=tier) for n, c in self._parents.items()}
         self._sources: list = []
@@ -126,19 +138,27 @@ class TieringMetricsTracker:
 
     def on_job_finished(self, is_promotion: bool, success: bool, n_keys: int,
                         n_successful_keys: int, block_bytes: int,
-                        transfer_time: Optional[float], checksum_failed: bool = False) -> None:
+                        transfer_time: Optional[float], checksum_failed: bool = False,
+                        checksum_retries: int = 0) -> None:
         """Account one finished job.
 
         ``n_keys`` blocks were in the job, ``n_successful_keys`` of them transferred
         (partial keep); ``block_bytes`` is the size of one block in bytes;
-        ``transfer_time`` in seconds (None: not measured).
+        ``transfer_time`` in seconds (None: not measured).  ``checksum_failed``: the job
+        stopped at a condemned block (counted in checksum_failures and
+        checksum_condemned); ``checksum_retries``: blocks of the job re-read after a
+        first mismatch (the load's return value or ``OSError.num_retried``).  Both are
+        ignored when the tracker has no checksum counters.
         """
         with self._lock:
             count = n_keys
+            if checksum_retries and self.checksums:
+                self._counters[CHECKSUM_RETRIES].inc(checksum_retries)
             if not success:
                 self._counters[PROMOTION_JOB_FAILURES if is_promotion else CASCADE_JOB_FAILURES].inc()
                 if checksum_failed and self.checksums:
                     self._counters[CHECKSUM_FAILURES].inc()
+                    self._counters[CHECKSUM_CONDEMNED].inc()
                 if is_promotion and n_successful_keys:
                     count = n_successful_keys
                 else:

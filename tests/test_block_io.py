@@ -255,6 +255,7 @@ def test_corruption_detected_and_removed(io_backend, tmp_path, where):
     assert err.errno == errno.EBADMSG
     assert err.checksum_failed is True
     assert err.num_succeeded == 2
+    assert err.num_retried == 1  # this call's own count (per tier), not the process-wide one
     assert os.fsdecode(err.filename) == paths[2]
     assert not os.path.exists(paths[2])  # removed
     assert all(os.path.exists(p) for p in paths[:2] + paths[3:])  # the rest kept

@@ -98,6 +98,7 @@ def test_persistent_bit_flip_is_condemned(io_backend, ff, area, offset):
     before = stats(io_backend)
     err, out = load_error(io_backend, paths)
     assert (err.errno, err.checksum_failed, err.num_succeeded) == (errno.EBADMSG, True, 1)
+    assert err.num_retried == 1  # this call's own count: the condemned block was re-read once
     assert os.fsdecode(err.filename) == paths[1]
     assert ff.hits("flip") == 2  # the first read and exactly one re-read
     assert not os.path.exists(ff.backing_of(paths[1]))  # condemned: removed
@@ -152,7 +153,7 @@ def test_read_eio_keeps_the_file(io_backend, ff, area, checksum):
     ff.add("eio", rel(ff, paths[1]), count=-1)
     before = stats(io_backend)
     err, out = load_error(io_backend, paths, checksum=checksum)
-    assert (err.errno, err.checksum_failed, err.num_succeeded) == (errno.EIO, False, 1)
+    assert (err.errno, err.checksum_failed, err.num_succeeded, err.num_retried) == (errno.EIO, False, 1, 0)
     assert ff.hits("eio") >= 1
     assert os.path.exists(ff.backing_of(paths[1]))  # an I/O error is not proof of a bad block
     assert stats(io_backend) == before  # neither retried nor condemned
@@ -212,12 +213,27 @@ def test_setxattr_failure_fails_store_and_leaves_nothing(io_backend, ff, area, c
     with pytest.raises(OSError) as ei:
         store(io_backend, paths, view)
     e = ei.value
-    assert (e.errno, e.num_succeeded, e.checksum_failed) == (code, 1, False)
+    assert (e.errno, e.num_succeeded, e.checksum_failed, e.num_retried) == (code, 1, False, 0)
     assert os.fsdecode(e.filename) == paths[1]
     assert ff.hits("setxattr") == 1
     assert os.path.exists(ff.backing_of(paths[0]))
     assert not os.path.exists(ff.backing_of(paths[1]))
     assert glob.glob(os.path.join(ff.backing, "**", "*.tmp"), recursive=True) == []
+
+
+def test_num_retried_counts_every_reread_block_of_a_failed_batch(io_backend, ff, area):
+    """Block 0 flipped once (re-read, loads), block 1 flipped always (re-read,
+    condemned): the OSError carries this call's count, 2, from C and Python."""
+    view = view_of(3, 11)
+    paths = paths_in(area, 3)
+    store(io_backend, paths, view)
+    ff.add("flip", rel(ff, paths[0]), arg=3, count=1)
+    ff.add("flip", rel(ff, paths[1]), arg=9, count=-1)
+    err, out = load_error(io_backend, paths)
+    assert (err.errno, err.checksum_failed, err.num_succeeded, err.num_retried) == (errno.EBADMSG, True, 1, 2)
+    assert type(err.num_retried) is int
+    assert np.array_equal(out[:BS], view[:BS])
+    assert os.path.exists(ff.backing_of(paths[0])) and not os.path.exists(ff.backing_of(paths[1]))
 
 
 # ---------------------------------------------------------------- through the tier manager
@@ -255,15 +271,19 @@ def test_manager_counts_condemned_and_retried_blocks(ff, area):
         buf[:] = 0
         r = run(TransferJob("l1", keys, list(range(n))), load=True)
         assert not r.success and r.checksum_failed is False and r.successful_keys == ()
+        assert r.checksum_retries == 0
         assert metric("vllm:kv_offload_tiering_checksum_failures") == 0
+        assert metric("kvtier:kv_offload_tiering_checksum_retries") == 0
+        assert metric("kvtier:kv_offload_tiering_checksum_condemned") == 0
         ff.clear()
 
         # 2. transient flip on block 1: loads, one retry exported, nothing condemned
         ff.add("flip", "*/" + os.path.basename(paths[1]), arg=5, count=1)
         buf[:] = 0
         r = run(TransferJob("l2", keys, list(range(n))), load=True)
-        assert r.success and np.array_equal(buf, orig)
-        assert metric("kvtier:kv_offload_tiering_checksum_retries") >= 1
+        assert r.success and np.array_equal(buf, orig) and r.checksum_retries == 1
+        assert metric("kvtier:kv_offload_tiering_checksum_retries") == 1
+        assert metric("kvtier:kv_offload_tiering_checksum_condemned") == 0
         assert metric("vllm:kv_offload_tiering_checksum_failures") == 0
         ff.clear()
 
@@ -274,7 +294,67 @@ def test_manager_counts_condemned_and_retried_blocks(ff, area):
         assert not r.success and r.checksum_failed is True
         assert list(r.successful_keys) == keys[:2]
         assert np.array_equal(buf[:2], orig[:2])
+        assert r.checksum_retries == 1 and r.error.num_retried == 1  # re-read once, then condemned
         assert metric("vllm:kv_offload_tiering_checksum_failures") == 1
-        assert metric("kvtier:kv_offload_tiering_checksum_condemned") >= 1
+        assert metric("kvtier:kv_offload_tiering_checksum_retries") == 2
+        assert metric("kvtier:kv_offload_tiering_checksum_condemned") == 1
         assert not os.path.exists(ff.backing_of(paths[2]))
         assert m.lookup(keys) == [True, True, False, True]
+
+
+def test_checksum_counters_are_per_tier(ff, area):
+    """Two tiers in one process: a transient flip in tier "1:fs" and a persistent
+    one in tier "2:fs" are each counted by their own tier only (the process-wide
+    kvtier.io.checksum_stats() would give both tiers the same numbers)."""
+    from prometheus_client import CollectorRegistry
+
+    from kvtier.manager import FileSystemTierManager, TransferJob
+
+    bs = 64 * 1024
+    n = 3
+    keys = [(bytes([i]) * 16, 0) for i in range(n)]
+    tiers = {}
+    try:
+        for idx in (0, 1):
+            buf = np.random.default_rng(20 + idx).integers(0, 256, (n, bs), dtype=np.uint8)
+            reg = CollectorRegistry()
+            m = FileSystemTierManager(buf, os.path.join(area, f"t{idx}"), "test/model", n_read_threads=1,
+                                      n_write_threads=1, checksum_blocks=True, registry=reg, tier_idx=idx)
+            tiers[idx] = (m, buf, buf.copy(), reg)
+
+        def run(m, job, load):
+            (m.submit_load if load else m.submit_store)(job)
+            assert m.drain_jobs(timeout=30)
+            (r,) = m.get_finished_jobs()
+            return r
+
+        def metric(idx, name):
+            _, _, _, reg = tiers[idx]
+            return reg.get_sample_value(name + "_total", {"tier": f"{idx + 1}:fs"})
+
+        for idx, (m, buf, orig, _) in tiers.items():
+            assert run(m, TransferJob("s", keys, list(range(n))), load=False).success
+        m0, buf0, orig0, _ = tiers[0]
+        m1, buf1, orig1, _ = tiers[1]
+        ff.add("flip", rel(ff, m0.file_mapper.get_file_name(keys[1])), arg=7, count=1)  # tier 1:fs, transient
+        ff.add("flip", rel(ff, m1.file_mapper.get_file_name(keys[0])), arg=7, count=-1)  # tier 2:fs, persistent
+        buf0[:] = 0
+        buf1[:] = 0
+        r0 = run(m0, TransferJob("l", keys, list(range(n))), load=True)
+        r1 = run(m1, TransferJob("l", keys, list(range(n))), load=True)
+        assert r0.success and np.array_equal(buf0, orig0) and r0.checksum_retries == 1
+        assert not r1.success and r1.checksum_failed and r1.successful_keys == ()
+        retries = "kvtier:kv_offload_tiering_checksum_retries"
+        condemned = "kvtier:kv_offload_tiering_checksum_condemned"
+        assert (metric(0, retries), metric(0, condemned)) == (1.0, 0.0)
+        assert (metric(1, retries), metric(1, condemned)) == (1.0, 1.0)
+        assert metric(0, "vllm:kv_offload_tiering_checksum_failures") == 0.0
+        assert metric(1, "vllm:kv_offload_tiering_checksum_failures") == 1.0
+        # a second transient flip, in tier 1:fs only: tier 2:fs does not move
+        ff.clear()
+        ff.add("flip", rel(ff, m0.file_mapper.get_file_name(keys[2])), arg=1, count=1)
+        assert run(m0, TransferJob("l2", keys, list(range(n))), load=True).success
+        assert metric(0, retries) == 2.0 and metric(1, retries) == 1.0
+    finally:
+        for m, *_ in tiers.values():
+            m.shutdown()

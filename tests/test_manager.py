@@ -167,6 +167,10 @@ def test_checksum_failure_partial_keep(tier, bad):
     assert reg.get_sample_value("vllm:kv_offload_tiering_checksum_failures_total", {"tier": "1:fs"}) == 1
     assert reg.get_sample_value("vllm:kv_offload_tiering_promotion_job_failures_total", {"tier": "1:fs"}) == 1
     assert reg.get_sample_value("vllm:kv_offload_tiering_read_bytes_total", {"tier": "1:fs"}) == bad * BS
+    # this tier's own retry-once counts: the bad block was re-read once, then condemned
+    assert r.checksum_retries == 1
+    assert reg.get_sample_value("kvtier:kv_offload_tiering_checksum_retries_total", {"tier": "1:fs"}) == 1
+    assert reg.get_sample_value("kvtier:kv_offload_tiering_checksum_condemned_total", {"tier": "1:fs"}) == 1
     # a lookup now reports the removed block as a miss
     assert m.lookup(keys) == [i != bad for i in range(8)]
 
@@ -254,6 +258,8 @@ def test_checksum_metric_absent_when_off(tier):
     m, _ = tier(checksum_blocks=False, registry=reg)
     assert not m.metrics.has(M.CHECKSUM_FAILURES)
     assert reg.get_sample_value("vllm:kv_offload_tiering_checksum_failures_total", {"tier": "1:fs"}) is None
+    assert reg.get_sample_value("kvtier:kv_offload_tiering_checksum_retries_total", {"tier": "1:fs"}) is None
+    assert reg.get_sample_value("kvtier:kv_offload_tiering_checksum_condemned_total", {"tier": "1:fs"}) is None
     assert reg.get_sample_value("vllm:kv_offload_tiering_read_bytes_total", {"tier": "1:fs"}) == 0
 
 

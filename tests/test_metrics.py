@@ -38,7 +38,11 @@ def test_exposed_names_match_vllm_checksums_off():
 def test_checksum_metric_only_when_on():
     reg = CollectorRegistry()
     m.TieringMetricsTracker("1:fs", checksums=True, registry=reg)
-    assert sorted(n for n, _ in samples(reg)) == sorted(BASE + ["vllm:kv_offload_tiering_checksum_failures_total"])
+    assert sorted(n for n, _ in samples(reg)) == sorted(BASE + [
+        "vllm:kv_offload_tiering_checksum_failures_total",
+        "kvtier:kv_offload_tiering_checksum_retries_total",
+        "kvtier:kv_offload_tiering_checksum_condemned_total",
+    ])
 
 
 def test_counting_rules():
@@ -58,6 +62,26 @@ def test_counting_rules():
     assert s[("vllm:kv_offload_tiering_cascade_job_failures_total", "1:fs")] == 1
     assert s[("vllm:kv_offload_tiering_checksum_failures_total", "1:fs")] == 1
     assert t.value(m.CHECKSUM_FAILURES) == 1
+
+
+def test_checksum_retry_and_condemned_counters_per_tier():
+    """kvtier's retry-once counters are ordinary per-tier counters: two trackers
+    (two tiers) count only what their own jobs report."""
+    reg_a, reg_b = CollectorRegistry(), CollectorRegistry()
+    a = m.TieringMetricsTracker("1:fs", checksums=True, registry=reg_a)
+    b = m.TieringMetricsTracker("2:fs", checksums=True, registry=reg_b)
+    a.on_job_finished(True, True, 4, 4, 100, 0.1, checksum_retries=2)  # two transient re-reads, loaded
+    a.on_job_finished(True, False, 4, 1, 100, 0.1, checksum_failed=True, checksum_retries=1)  # condemned
+    b.on_job_finished(True, True, 4, 4, 100, 0.1)
+    sa, sb = samples(reg_a), samples(reg_b)
+    assert sa[("kvtier:kv_offload_tiering_checksum_retries_total", "1:fs")] == 3
+    assert sa[("kvtier:kv_offload_tiering_checksum_condemned_total", "1:fs")] == 1
+    assert sb[("kvtier:kv_offload_tiering_checksum_retries_total", "2:fs")] == 0
+    assert sb[("kvtier:kv_offload_tiering_checksum_condemned_total", "2:fs")] == 0
+    assert a.value(m.CHECKSUM_RETRIES) == 3 and b.value(m.CHECKSUM_RETRIES) == 0
+    off = m.TieringMetricsTracker("3:fs", checksums=False, registry=CollectorRegistry())
+    off.on_job_finished(True, True, 1, 1, 100, 0.1, checksum_retries=1)  # ignored: not registered
+    assert not off.has(m.CHECKSUM_RETRIES) and not off.has(m.CHECKSUM_CONDEMNED)
 
 
 def test_default_registry_is_private_and_labels():
