@@ -163,6 +163,49 @@ def counters(backend: Optional[str] = None) -> Dict[str, Any]:
     return c
 
 
+#: Prometheus counters exported by the tier (:func:`prometheus_counters`):
+#: metric name -> (key of :func:`counters`, scale, help). Exposed as ``<name>_total``.
+PROMETHEUS_COUNTERS = (
+    ("kvtier:dsa_descriptors_submitted", "descriptors_submitted", 1,
+     "DSA descriptors submitted (CRCGEN / COPY_CRC, one per chunk of at most max_transfer_size)."),
+    ("kvtier:dsa_completed_on_device", "completed_on_device", 1,
+     "DSA descriptors completed successfully on the device."),
+    ("kvtier:dsa_cpu_redo", "cpu_redo_total", 1,
+     "DSA descriptors whose CRC was redone on the CPU (any status but success or resumed page fault)."),
+    ("kvtier:dsa_page_fault_resumes", "page_fault_resumes", 1,
+     "DSA page faults (block_on_fault off) resumed from bytes_completed."),
+    ("kvtier:dsa_enqcmd_retries", "enqcmd_retries", 1,
+     "ENQCMD submissions retried because the shared WQ was full (ZF=1)."),
+    ("kvtier:dsa_wait_seconds", "wait_ns", 1e-9,
+     "Seconds spent waiting for DSA completion records."),
+    ("kvtier:dsa_bytes_on_device", "bytes_on_device", 1,
+     "Bytes whose CRC32C the DSA device computed."),
+    ("kvtier:dsa_below_min_size", "below_min_size", 1,
+     "CRCs computed on the CPU because the buffer was below the DSA min size."),
+    ("kvtier:dsa_submit_failures", "submit_failures", 1,
+     "DSA submissions that failed (CRC then computed on the CPU)."),
+)
+PROMETHEUS_CPU_REDO_BY_STATUS = "kvtier:dsa_cpu_redo_by_status"
+
+
+def prometheus_counters(backend: str) -> Dict[str, Any]:
+    """The engine's counters as a counter source for
+    :meth:`kvtier.metrics.TieringMetricsTracker.add_counter_source`.
+
+    ``{name: (help, value)}`` for each of :data:`PROMETHEUS_COUNTERS` (wait in seconds),
+    plus ``kvtier:dsa_cpu_redo_by_status: (help, {status: count}, "status")`` (status =
+    ``DSA_COMP_*`` name in lower case, linux/idxd.h). All zero (no by-status samples)
+    while ``backend`` ("dsa" or "dsa-model") has no engine, e.g. before its lazy enable
+    or in a fork()ed child. Never raises for a valid backend name.
+    """
+    c = counters(_check_backend(backend))
+    out: Dict[str, Any] = {name: (doc, c.get(key, 0) * scale) for name, key, scale, doc in PROMETHEUS_COUNTERS}
+    out[PROMETHEUS_CPU_REDO_BY_STATUS] = (
+        "DSA descriptors redone on the CPU, by completion status (DSA_COMP_* name in lower case).",
+        dict(c.get("cpu_redo_by_status") or {}), "status")
+    return out
+
+
 def reset_counters(backend: str) -> None:
     """Zero an engine's counters."""
     _need_c()
@@ -241,4 +284,5 @@ def describe() -> str:
 __all__ = [
     "BACKENDS", "COUNTER_NAMES", "discover", "enable", "enable_model", "disable", "inject",
     "configure", "status", "counters", "reset_counters", "copy_crc", "model_stats", "describe",
+    "PROMETHEUS_COUNTERS", "PROMETHEUS_CPU_REDO_BY_STATUS", "prometheus_counters",
 ]

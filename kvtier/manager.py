@@ -21,6 +21,7 @@ filesystem...) keeps the file.  See ``shared/design.md`` ("On-disk contract").
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 import logging
 import os
@@ -301,6 +302,7 @@ class FileSystemTierManager:
             )
         self.metrics = metrics if metrics is not None else TieringMetricsTracker(
             label, checksums=checksum_blocks, registry=registry)
+        self._export_dsa_counters()
 
         # ---- pool ----
         self._cond = threading.Condition(threading.Lock())
@@ -335,6 +337,22 @@ class FileSystemTierManager:
         if unknown:
             raise ValueError(f"unknown FileSystemTierManager config key(s) {unknown}; valid keys: {valid}")
         return cls(primary, **config)
+
+    def _export_dsa_counters(self) -> None:
+        """With checksums on and a DSA CRC backend active ("dsa" or "dsa-model",
+        ``kvtier.crc32c_backend``), export the engine's counters as ``kvtier:dsa_*``
+        (:func:`kvtier.dsa.prometheus_counters`) with label ``backend`` = that name, so
+        the model is never reported as "dsa".  The engine is per process: every such
+        tier of the process exports the same engine totals."""
+        import kvtier
+
+        backend = kvtier.crc32c_backend
+        if not self.checksum_blocks or backend not in ("dsa", "dsa-model"):
+            return
+        from kvtier import dsa
+
+        self.metrics.add_counter_source(functools.partial(dsa.prometheus_counters, backend),
+                                        labels={"backend": backend})
 
     def _check_writable(self) -> None:
         root = self.root_dir

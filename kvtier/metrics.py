@@ -37,12 +37,14 @@ bytes and its time; a failed cascade counts no bytes.  A checksum failure
 itself has ``checksum_failed=False`` and is not counted.
 
 Extra counters (e.g. the DSA engine's, from ``kvtier.dsa``) are exported with
-:meth:`TieringMetricsTracker.add_counter_source`.
+:meth:`TieringMetricsTracker.add_counter_source`, optionally with constant extra labels
+and one per-sample label (the DSA CPU redos by ``status``).
 """
 from __future__ import annotations
 
+import re
 import threading
-from typing import Callable, Iterable, Mapping, Optional, Tuple
+from typing import Callable, Iterable, Mapping, Optional, Tuple, Union
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily
@@ -81,17 +83,39 @@ def tier_label(tier_idx: int, tier_type: str = "fs") -> str:
     return f"{tier_idx + 1}:{tier_type}"
 
 
+SourceEntry = Union[Tuple[str, float], Tuple[str, Mapping[str, float], str]]
+"""An entry of a counter source: ``(help, value)``, or ``(help, {label_value: value},
+label_name)`` for one sample per value of ``label_name``."""
+
+_LABEL_RE = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
+
+
+def _check_label_name(name: object, what: str) -> str:
+    if not isinstance(name, str) or not _LABEL_RE.match(name) or name.startswith("__") or name in LABELNAMES:
+        raise ValueError(f"{what} {name!r} is not a valid Prometheus label name other than {LABELNAMES}")
+    return name
+
+
 class _SourceCollector:
     """Custom collector: calls ``fn()`` at scrape time, yields one counter family per entry."""
 
-    def __init__(self, fn: Callable[[], Mapping[str, Tuple[str, float]]], label: str) -> None:
+    def __init__(self, fn: Callable[[], Mapping[str, SourceEntry]], label: str,
+                 const_labels: Mapping[str, str]) -> None:
         self._fn = fn
-        self._label = label
+        self._names = list(LABELNAMES) + list(const_labels)
+        self._values = [label] + [str(v) for v in const_labels.values()]
 
     def collect(self) -> Iterable[CounterMetricFamily]:
-        for name, (doc, value) in sorted(self._fn().items()):
-            fam = CounterMetricFamily(name, doc, labels=list(LABELNAMES))
-            fam.add_metric([self._label], float(value))
+        for name, entry in sorted(self._fn().items()):
+            if len(entry) == 3:
+                doc, per_label, label_name = entry
+                fam = CounterMetricFamily(name, doc, labels=self._names + [_check_label_name(label_name, "label")])
+                for lv, value in sorted(per_label.items()):
+                    fam.add_metric(self._values + [str(lv)], float(value))
+            else:
+                doc, value = entry
+                fam = CounterMetricFamily(name, doc, labels=self._names)
+                fam.add_metric(self._values, float(value))
             yield fam
 
 
@@ -167,17 +191,25 @@ class TieringMetricsTracker:
             if transfer_time is not None:
                 self._counters[READ_TIME if is_promotion else WRITE_TIME].inc(transfer_time)
 
-    def add_counter_source(self, fn: Callable[[], Mapping[str, Tuple[str, float]]]) -> None:
+    def add_counter_source(self, fn: Callable[[], Mapping[str, SourceEntry]],
+                           labels: Optional[Mapping[str, str]] = None) -> None:
         """Export extra counters read at scrape time.
 
         ``fn()`` returns ``{metric_name: (help_text, value)}``; each becomes a counter with
-        this tracker's ``tier`` label (exposed as ``<metric_name>_total``).  Used for the DSA
-        engine's counters (``kvtier.dsa``): submitted / completed on the device / redone on
-        the CPU.  ``fn`` must be cheap and must not raise.
+        this tracker's ``tier`` label plus the constant ``labels`` (e.g.
+        ``{"backend": "dsa-model"}``), exposed as ``<metric_name>_total``.  An entry
+        ``(help_text, {label_value: value}, label_name)`` gives one sample per label value
+        (e.g. CPU redos by ``status``; no sample while the mapping is empty).  Used for the
+        DSA engine's counters (:func:`kvtier.dsa.prometheus_counters`).  ``fn`` must be cheap
+        and must not raise.  TypeError for a non-callable ``fn``; ValueError for an invalid
+        label name (or ``tier``).
         """
         if not callable(fn):
             raise TypeError("fn must be callable")
-        col = _SourceCollector(fn, self.tier)
+        const = dict(labels or {})
+        for k in const:
+            _check_label_name(k, "labels key")
+        col = _SourceCollector(fn, self.tier, const)
         self.registry.register(col)
         self._sources.append(col)
 

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import subprocess
+import sys
 import threading
 import time
 
@@ -490,3 +491,100 @@ def test_torch_tensor_buffer(tmp_path):
         t.zero_()
         assert run(m, TransferJob(2, k, [0, 1, 2, 3]), load=True).success
         assert torch.equal(t, orig)
+
+
+# ---------------------------------------------------------------- DSA counters (issue 5 item 5)
+DSA_SAMPLES = {
+    "kvtier:dsa_descriptors_submitted_total",
+    "kvtier:dsa_completed_on_device_total",
+    "kvtier:dsa_cpu_redo_total",
+    "kvtier:dsa_cpu_redo_by_status_total",
+    "kvtier:dsa_page_fault_resumes_total",
+    "kvtier:dsa_enqcmd_retries_total",
+    "kvtier:dsa_wait_seconds_total",
+    "kvtier:dsa_bytes_on_device_total",
+    "kvtier:dsa_below_min_size_total",
+    "kvtier:dsa_submit_failures_total",
+}
+
+_DSA_ROUND_TRIP = r"""
+import json, sys
+import numpy as np
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+import kvtier, kvtier.dsa as dsa
+from kvtier.manager import FileSystemTierManager, TransferJob
+
+bs, n = 64 * 1024, 4  # above the 16 KiB DSA min size: CRCs go to the engine
+buf = np.random.default_rng(7).integers(0, 256, (n, bs), dtype=np.uint8)
+orig = buf.copy()
+keys = [(bytes([i]) * 16, 0) for i in range(n)]
+out = {"backend": kvtier.crc32c_backend}
+with FileSystemTierManager(buf, sys.argv[1], "test/model", n_read_threads=1, n_write_threads=1,
+                           checksum_blocks=True) as m:
+    m.submit_store(TransferJob("s", keys, list(range(n))))
+    assert m.drain_jobs(30)
+    out["store_ok"] = [r.success for r in m.get_finished_jobs()]
+    dsa.inject("stale_reserved", count=1)  # one descriptor refused (NOZERO_RESERVE): redone on the CPU
+    buf[:] = 0
+    m.submit_load(TransferJob("l", keys, list(range(n))))
+    assert m.drain_jobs(30)
+    out["load_ok"] = [r.success for r in m.get_finished_jobs()]
+    out["bytes_equal"] = bool((buf == orig).all())
+    text = generate_latest(m.metrics.registry).decode()
+    c = dsa.counters()
+out["counters"] = c
+out["samples"] = [[s.name, s.labels, s.value] for fam in text_string_to_metric_families(text)
+                  for s in fam.samples if s.name.startswith("kvtier:dsa_")]
+print(json.dumps(out))
+"""
+
+
+def test_dsa_model_counters_exported_by_the_tier(tmp_path):
+    if kvtier._C is None:
+        pytest.skip("the DSA path needs the C core")
+    env = dict(os.environ, KVTIER_CRC32C_BACKEND="dsa-model")
+    env.pop("KVTIER_DSA", None)
+    p = subprocess.run([sys.executable, "-c", _DSA_ROUND_TRIP, str(tmp_path / "cache")], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["backend"] == "dsa-model"
+    assert out["store_ok"] == [True] and out["load_ok"] == [True] and out["bytes_equal"]
+    c = out["counters"]
+    samples = {}
+    for name, labels, value in out["samples"]:
+        samples.setdefault(name, []).append((labels, value))
+    assert set(samples) == DSA_SAMPLES
+    for name, rows in samples.items():  # the model is never reported as "dsa"
+        assert all(lb["backend"] == "dsa-model" and lb["tier"] == "1:fs" for lb, _ in rows), name
+
+    def one(name):
+        (row,) = samples[name]
+        assert set(row[0]) == {"backend", "tier"}
+        return row[1]
+
+    assert one("kvtier:dsa_completed_on_device_total") > 0
+    assert one("kvtier:dsa_completed_on_device_total") == c["completed_on_device"]
+    assert one("kvtier:dsa_descriptors_submitted_total") == c["descriptors_submitted"]
+    assert one("kvtier:dsa_cpu_redo_total") == c["cpu_redo_total"] == 1
+    assert one("kvtier:dsa_page_fault_resumes_total") == c["page_fault_resumes"]
+    assert one("kvtier:dsa_enqcmd_retries_total") == c["enqcmd_retries"]
+    assert one("kvtier:dsa_bytes_on_device_total") == c["bytes_on_device"] > 0
+    assert one("kvtier:dsa_wait_seconds_total") == pytest.approx(c["wait_ns"] / 1e9)
+    assert samples["kvtier:dsa_cpu_redo_by_status_total"] == [
+        ({"backend": "dsa-model", "tier": "1:fs", "status": "nozero_reserve"}, 1.0)]
+    assert c["cpu_redo_by_status"] == {"nozero_reserve": 1}
+
+
+def test_no_dsa_metrics_with_the_default_backend(tier):
+    if kvtier.crc32c_backend in ("dsa", "dsa-model"):
+        pytest.skip("this process runs a DSA CRC backend")
+    reg = CollectorRegistry()
+    m, _ = tier(checksum_blocks=True, registry=reg)
+    keys = keys_for(2)
+    assert run(m, TransferJob(1, keys, [0, 1]), load=False).success
+    assert run(m, TransferJob(2, keys, [0, 1]), load=True).success
+    names = {mf.name for mf in reg.collect()}
+    assert "vllm:kv_offload_tiering_read_bytes" in names  # the scrape itself works
+    assert not [n for n in names if n.startswith("kvtier:dsa_")]

@@ -108,3 +108,44 @@ def test_counter_source_hook_and_close():
     t.close()
     assert samples(reg) == {}
     m.TieringMetricsTracker("2:fs", registry=reg)  # names free again
+
+
+def test_counter_source_constant_and_per_sample_labels():
+    reg = CollectorRegistry()
+    t = m.TieringMetricsTracker("1:fs", registry=reg)
+    box = {"by": {}}
+    t.add_counter_source(lambda: {
+        "kvtier:dsa_cpu_redo": ("redos", 4),
+        "kvtier:dsa_cpu_redo_by_status": ("redos by status", dict(box["by"]), "status"),
+    }, labels={"backend": "dsa-model"})
+
+    def rows():
+        return sorted((s.name, tuple(sorted(s.labels.items())), s.value)
+                      for fam in text_string_to_metric_families(generate_latest(reg).decode())
+                      for s in fam.samples if s.name.startswith("kvtier:"))
+
+    base = (("backend", "dsa-model"), ("tier", "1:fs"))
+    assert rows() == [("kvtier:dsa_cpu_redo_total", base, 4.0)]  # no by-status sample yet
+    box["by"] = {"page_fault": 1, "invalid_flags": 3}
+    assert rows() == [
+        ("kvtier:dsa_cpu_redo_by_status_total", (("backend", "dsa-model"), ("status", "invalid_flags"), ("tier", "1:fs")), 3.0),
+        ("kvtier:dsa_cpu_redo_by_status_total", (("backend", "dsa-model"), ("status", "page_fault"), ("tier", "1:fs")), 1.0),
+        ("kvtier:dsa_cpu_redo_total", base, 4.0),
+    ]
+    for bad in ({"tier": "x"}, {"9x": "y"}, {"__a": "b"}, {"a-b": "c"}):
+        with pytest.raises(ValueError):
+            t.add_counter_source(lambda: {}, labels=bad)
+
+
+def test_dsa_prometheus_counters_shape():
+    dsa = pytest.importorskip("kvtier.dsa")
+    if dsa._C is None:
+        pytest.skip("needs the C core")
+    # no engine enabled in this process: every counter 0, no by-status sample, never raises
+    src = dsa.prometheus_counters("dsa")
+    names = {n for n, *_ in dsa.PROMETHEUS_COUNTERS}
+    assert set(src) == names | {dsa.PROMETHEUS_CPU_REDO_BY_STATUS}
+    assert all(src[n][1] == 0 for n in names)
+    assert src[dsa.PROMETHEUS_CPU_REDO_BY_STATUS][1:] == ({}, "status")
+    with pytest.raises(ValueError):
+        dsa.prometheus_counters("isal")
