@@ -1,6 +1,6 @@
 """FileSystemTierManager on real files in temp dirs (ext4 under /tmp here; tmpfs and ramfs
-mounts where a test needs them, skipped with a reason where mounting is not permitted)."""
-import contextlib
+mounts where a test needs them, from tests/mounts.py and the conftest fixtures, skipped with
+a reason where mounting is not permitted)."""
 import errno
 import json
 import logging
@@ -18,6 +18,7 @@ import kvtier
 import kvtier.io as kio
 from kvtier import metrics as M
 from kvtier.manager import FileSystemTierManager, JobResult, TransferJob, filesystem_type
+from mounts import mount_tmpfs
 
 BS = 16384  # bytes per block in these tests
 NB = 16
@@ -43,20 +44,6 @@ def run(mgr, job, load):
     res = mgr.get_finished_jobs()
     assert [r.job_id for r in res] == [job.job_id]
     return res[0]
-
-
-@contextlib.contextmanager
-def mounted(fstype, target, opts=None):
-    if os.geteuid() != 0:
-        pytest.skip("mounting needs root")
-    cmd = ["mount", "-t", fstype] + (["-o", opts] if opts else []) + [fstype, str(target)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"mount -t {fstype} not permitted here: {r.stderr.strip()}")
-    try:
-        yield str(target)
-    finally:
-        subprocess.run(["umount", "-l", str(target)], check=False)
 
 
 @pytest.fixture
@@ -427,24 +414,20 @@ def test_root_not_a_directory(tmp_path):
     assert ei.value.errno == errno.ENOTDIR and ei.value.filename == str(f / "sub")
 
 
-def test_read_only_root(tmp_path):
-    target = tmp_path / "ro"
-    target.mkdir()
-    with mounted("tmpfs", target, "ro,size=1m"):
+def test_read_only_root():
+    with mount_tmpfs(size="1m", options=["ro"]) as target:
         with pytest.raises(OSError) as ei:
             mk(rand_buf(), target)
         assert ei.value.errno == errno.EROFS and ei.value.filename == str(target)
         assert str(target) in str(ei.value)
 
 
-def test_xattr_less_root_with_checksums(tmp_path):
-    target = tmp_path / "ramfs"
-    target.mkdir()
-    with mounted("ramfs", target):
-        with pytest.raises(ValueError) as ei:
-            mk(rand_buf(), target, checksum_blocks=True)
-        msg = str(ei.value)
-        assert "extended attributes" in msg and str(target) in msg and "ramfs" in msg
+def test_xattr_less_root_with_checksums(ramfs_dir):
+    target = ramfs_dir
+    with pytest.raises(ValueError) as ei:
+        mk(rand_buf(), target, checksum_blocks=True)
+    msg = str(ei.value)
+    assert "extended attributes" in msg and str(target) in msg and "ramfs" in msg
 
 
 def test_xattr_probe_false_message_names_fs_type(tmp_path, monkeypatch):
@@ -455,25 +438,23 @@ def test_xattr_probe_false_message_names_fs_type(tmp_path, monkeypatch):
     assert "extended attributes" in str(ei.value) and fstype in str(ei.value) and str(tmp_path) in str(ei.value)
 
 
-def test_o_direct_refused_falls_back_with_warning(tmp_path, caplog):
+def test_o_direct_refused_falls_back_with_warning(ramfs_dir, caplog):
     # ramfs refuses O_DIRECT (tmpfs accepts it since Linux 6.6)
-    target = tmp_path / "ramfs"
-    target.mkdir()
-    with mounted("ramfs", target):
-        with caplog.at_level(logging.WARNING, logger="kvtier.manager"):
-            m = mk(rand_buf(), target)
-        try:
-            assert m.use_o_direct is False
-            assert any("O_DIRECT" in r.getMessage() for r in caplog.records)
-            buf = m._primary
-            orig = buf.copy()
-            k = keys_for(4)
-            assert run(m, TransferJob(1, k, [0, 1, 2, 3]), load=False).success
-            buf[:4] = 0
-            assert run(m, TransferJob(2, k, [0, 1, 2, 3]), load=True).success
-            assert np.array_equal(buf[:4], orig[:4])
-        finally:
-            m.shutdown()
+    target = ramfs_dir
+    with caplog.at_level(logging.WARNING, logger="kvtier.manager"):
+        m = mk(rand_buf(), target)
+    try:
+        assert m.use_o_direct is False
+        assert any("O_DIRECT" in r.getMessage() for r in caplog.records)
+        buf = m._primary
+        orig = buf.copy()
+        k = keys_for(4)
+        assert run(m, TransferJob(1, k, [0, 1, 2, 3]), load=False).success
+        buf[:4] = 0
+        assert run(m, TransferJob(2, k, [0, 1, 2, 3]), load=True).success
+        assert np.array_equal(buf[:4], orig[:4])
+    finally:
+        m.shutdown()
 
 
 def test_filesystem_type_of_proc():
