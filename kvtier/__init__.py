@@ -8,8 +8,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+import importlib as _importlib
+
 try:
-    from kvtier import _C
+    _C = _importlib.import_module("kvtier._C")
 except ImportError as _exc:  # C core missing: the fallback is explicit, never silent
     _C = None
     _C_IMPORT_ERROR: "ImportError | None" = _exc
@@ -21,8 +23,17 @@ if _C is not None:
     crc32c_combine = _C.crc32c_combine
     crc32c_backend: str = _C.active_backend()
 else:
+    import warnings as _warnings
+
     from kvtier import fallback as _fallback
 
+    _warnings.warn(
+        f"kvtier: the C core (kvtier._C) is not importable ({_C_IMPORT_ERROR}); using the "
+        "pure-Python fallback for CRC32C and block I/O (same results, slower; no DSA). "
+        "Rebuild with `pip install .` after scripts/bootstrap.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
     crc32c = _fallback.crc32c
     crc32c_combine = _fallback.crc32c_combine
     crc32c_backend = "numpy"

@@ -55,3 +55,26 @@ def test_info_names_the_model_as_model_never_dsa():
     assert "CRC32C active:  dsa-model" in out
     assert "enabled: dsa-model (software model, not hardware" in out
     assert "enabled: dsa (" not in out
+
+
+def test_without_c_core_import_warns_and_everything_uses_the_fallback(tmp_path):
+    """A tree whose C core is missing still imports, says so once, and computes right."""
+    import shutil as sh
+
+    pkg = tmp_path / "kvtier"
+    sh.copytree(os.path.dirname(kvtier.__file__), pkg, ignore=sh.ignore_patterns("_C*.so", "__pycache__"))
+    code = (
+        "import sys, warnings\n"
+        "sys.meta_path = [f for f in sys.meta_path if 'ditable' not in repr(f)]\n"  # hide the editable install
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import kvtier, kvtier.io\n"
+        "msgs = [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]\n"
+        "print(kvtier.__file__, kvtier._C, kvtier.crc32c_backend, kvtier.io.backend, hex(kvtier.crc32c(b'123456789')))\n"
+        "print(len(msgs), msgs[0])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    line1, line2 = r.stdout.splitlines()
+    assert line1 == f"{pkg / '__init__.py'} None numpy python 0xe3069283"
+    assert line2.startswith("1 kvtier: the C core (kvtier._C) is not importable (No module named 'kvtier._C')")

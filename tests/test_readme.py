@@ -1,0 +1,36 @@
+"""The README's quick start and example stay true."""
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def quick_start():
+    block = re.search(r"## Quick start\n\n```sh\n(.*?)```", README, re.S).group(1)
+    return [l for l in block.splitlines() if l and not l.startswith("#")]
+
+
+def test_quick_start_is_two_commands_and_ci_runs_the_test_one():
+    cmds = quick_start()
+    assert len(cmds) == 2
+    install_and_run, test = cmds
+    assert install_and_run.endswith("kvtier bench")
+    assert test.endswith("python -m pytest")
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert test in ci
+
+
+def test_python_example_runs(tmp_path):
+    code = re.search(r"```python\n(.*?)```", README, re.S).group(1)
+    assert '"/mnt/nvme/kv"' in code
+    code = code.replace('"/mnt/nvme/kv"', repr(str(tmp_path / "kv")))
+    printed = []
+    ns = {"print": lambda *a: printed.append(a)}
+    exec(compile(code, "README.md", "exec"), ns)
+    (stored,), (loaded,) = printed[0][0], printed[1][0]
+    assert stored.success and stored.transfer_bytes == 2 << 20
+    assert loaded.success and loaded.checksum_failed is False
+    assert loaded.successful_keys == stored.successful_keys
+    bins = list((tmp_path / "kv").rglob("00112233445566778899aabbccddeeff.bin"))
+    assert len(bins) == 1 and bins[0].stat().st_size == 2 << 20
