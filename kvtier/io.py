@@ -1,7 +1,8 @@
 """Batched, checksummed KV block I/O: the entry points the tier manager calls.
 
 A job's blocks live in one big CPU buffer (``view``: any C-contiguous buffer,
-e.g. a numpy array or bytearray) at byte ``offsets``, each ``block_size``
+e.g. a numpy array or bytearray, or a contiguous torch CPU tensor of any dtype,
+bf16 included, taken as its bytes) at byte ``offsets``, each ``block_size``
 bytes. Each block becomes one file (on-disk contract: design.md):
 
 - store: skip an existing destination; write ``<dest>_<random hex>.tmp``
@@ -49,6 +50,10 @@ import os
 import secrets
 import warnings
 from typing import Sequence, Union
+
+# torch CPU tensors are taken as their bytes, the same conversion as the C core
+# (module.c torch_bytes_view) and the numpy CRC fallback: one helper, imported.
+from kvtier._fallback_crc import _is_torch_tensor, torch_bytes_view
 
 PathT = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
 
@@ -101,7 +106,8 @@ def _check_blocks(paths, view, offsets, block_size, writable):
     block_size = operator.index(block_size)  # TypeError for non-integers
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0 bytes, got {block_size}")
-    mv = memoryview(view)  # TypeError for a non-buffer
+    # torch: BufferError if not contiguous; torch's TypeError for a non-CPU tensor
+    mv = memoryview(torch_bytes_view(view) if _is_torch_tensor(view) else view)  # TypeError for a non-buffer
     if not mv.c_contiguous:
         raise BufferError(f"view must be C-contiguous ({type(view).__name__} is not)")
     if writable and mv.readonly:
@@ -155,7 +161,8 @@ class BlockIO:
         durable: bool = False,
     ) -> None:
         """Store ``view[offsets[i] : offsets[i] + block_size]`` as file
-        ``paths[i]`` for each i (bytes; ``view`` any C-contiguous buffer).
+        ``paths[i]`` for each i (bytes; ``view`` any C-contiguous buffer or a
+        contiguous torch CPU tensor, as its bytes).
         Existing destinations are skipped. With ``checksum`` the CRC32C is
         recorded in xattr user.vllm.kv_crc32c. With ``durable`` each temp is
         fdatasync'ed before its rename and the directory fsync'ed after, so a
@@ -176,7 +183,8 @@ class BlockIO:
         checksum: bool = False,
     ) -> int:
         """Load file ``paths[i]`` into ``view[offsets[i] : offsets[i] +
-        block_size]`` for each i (``view`` writable, C-contiguous). With
+        block_size]`` for each i (``view`` writable, C-contiguous; a torch CPU
+        tensor is written through its bytes). With
         ``checksum`` verify the recorded CRC32C; a first mismatch is retried
         once (page cache dropped, record and data re-read), a second condemns
         the block. Returns the number of blocks that needed that re-read and

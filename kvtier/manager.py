@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Hashable, List, Mapping, Optional, Sequence, Tuple
 
+from kvtier._fallback_crc import _is_torch_tensor, torch_bytes_view
 from kvtier.file_mapper import FileMapper, Key
 from kvtier.metrics import TieringMetricsTracker, tier_label
 from kvtier.metrics import CHECKSUM_CONDEMNED, CHECKSUM_RETRIES  # noqa: F401  (re-exported)
@@ -130,16 +131,16 @@ def _io():
 def _primary_view(primary: Any, block_size: Optional[int]) -> Tuple[memoryview, int, int]:
     """Flat writable-or-not byte view of ``primary``, block size and number of blocks."""
     obj = primary
-    if type(primary).__module__.startswith("torch"):
-        # torch CPU tensors do not export the buffer protocol: view as uint8 numpy
+    if _is_torch_tensor(primary):
+        # torch CPU tensors do not export the buffer protocol: their bytes as uint8 numpy
+        # (the helper the C core's conversion mirrors), one row per block when >= 2-D
         if getattr(primary, "device", None) is not None and str(primary.device) != "cpu":
             raise ValueError(f"primary buffer must be on the CPU, got device {primary.device}")
-        if not primary.is_contiguous():
-            raise BufferError("primary buffer must be C-contiguous")
-        import torch
-
+        try:
+            flat = torch_bytes_view(primary)
+        except BufferError:
+            raise BufferError("primary buffer must be C-contiguous") from None
         rows = primary.shape[0] if primary.dim() >= 2 else None
-        flat = primary.reshape(-1).view(torch.uint8).numpy()
         obj = flat.reshape(rows, -1) if rows else flat
     try:
         m = memoryview(obj)

@@ -542,6 +542,47 @@ def test_bad_arguments_io_layer(io_backend, tmp_path):
     assert multi.tobytes() == view.tobytes()
 
 
+# ---------------------------------------------------------------- torch CPU tensors
+
+
+def test_torch_bf16_tensor_round_trip(io_backend, tmp_path):
+    """A bf16 CPU tensor (rows = blocks) is stored from and loaded into as its
+    bytes: same bytes back, record = CRC32C of the tensor block's bytes."""
+    torch = pytest.importorskip("torch")
+    n, elems = 4, 8192  # 16 KiB blocks of bf16
+    bs = elems * 2
+    src = torch.randn(n, elems, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(3))
+    src_bytes = src.view(torch.uint8).numpy().tobytes()
+    paths = block_paths(tmp_path, n)
+    io_backend.batch_store_block(paths, src, offsets_of(n, bs), bs, checksum=True)
+    for i, p in enumerate(paths):
+        assert os.getxattr(p, XATTR) == kvtier.crc32c(src[i]).to_bytes(4, "big")
+        with open(p, "rb") as f:
+            assert f.read() == src_bytes[i * bs:(i + 1) * bs]
+    dst = torch.zeros(n, elems, dtype=torch.bfloat16)
+    # load in reverse order through a 1-D view as well: offsets are in bytes of the tensor
+    assert io_backend.batch_load_block(paths[::-1], dst, offsets_of(n, bs)[::-1], bs, checksum=True) == 0
+    assert dst.view(torch.uint8).numpy().tobytes() == src_bytes
+    assert torch.equal(dst, src)
+    flat = torch.zeros(n * elems, dtype=torch.bfloat16)
+    io_backend.batch_load_block(paths, flat, offsets_of(n, bs), bs, checksum=True)
+    assert torch.equal(flat.view(n, elems), src)
+    assert kvtier.crc32c(flat) == kvtier.crc32c(src_bytes)
+
+
+def test_torch_non_contiguous_tensor_is_buffer_error(io_backend, tmp_path):
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(64, 128, dtype=torch.bfloat16)
+    paths = block_paths(tmp_path, 2)
+    for bad in (t.t(), t[:, ::2]):
+        assert not bad.is_contiguous()
+        with pytest.raises(BufferError):
+            io_backend.batch_store_block(paths, bad, [0, 4096], 4096, checksum=True)
+        with pytest.raises(BufferError):
+            io_backend.batch_load_block(paths, bad, [0, 4096], 4096, checksum=True)
+    assert not os.listdir(tmp_path)  # nothing written
+
+
 def test_bad_arguments_raw_layer(io_backend, tmp_path):
     impl = io_backend.impl
     p = [str(tmp_path / "a.bin")]

@@ -472,6 +472,15 @@ def test_torch_tensor_buffer(tmp_path):
         t.zero_()
         assert run(m, TransferJob(2, k, [0, 1, 2, 3]), load=True).success
         assert torch.equal(t, orig)
+    # same conversion as kvtier.io (kvtier._fallback_crc.torch_bytes_view): row stride = block
+    with pytest.raises(BufferError, match="C-contiguous"):
+        mk(torch.zeros(1024, 4, dtype=torch.bfloat16).t(), tmp_path / "nc")
+    with pytest.raises(ValueError, match="does not match"):
+        mk(torch.zeros(4, 1024, dtype=torch.bfloat16), tmp_path / "bs", block_size=4096)
+    with pytest.raises(ValueError, match="needs block_size"):
+        mk(torch.zeros(4096, dtype=torch.bfloat16), tmp_path / "1d")
+    with mk(torch.zeros(4096, dtype=torch.bfloat16), tmp_path / "1d", block_size=2048) as m:
+        assert (m.block_size, m.num_blocks) == (2048, 4)
 
 
 # ---------------------------------------------------------------- DSA counters (issue 5 item 5)
