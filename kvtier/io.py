@@ -48,7 +48,6 @@ import mmap
 import operator
 import os
 import secrets
-import warnings
 from typing import Sequence, Union
 
 # torch CPU tensors are taken as their bytes, the same conversion as the C core
@@ -232,14 +231,8 @@ def _choose_backend() -> str:
         if forced not in BACKENDS:
             raise ValueError(f"KVTIER_IO_BACKEND={forced!r} is not valid; valid values: {', '.join(BACKENDS)}")
         return forced
-    if _c_module() is not None:
-        return "c"
-    warnings.warn(
-        "kvtier: the C core is not importable; block I/O uses the slower pure-Python fallback",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-    return "python"
+    # Without the C core, `import kvtier` has already warned (RuntimeWarning).
+    return "c" if _c_module() is not None else "python"
 
 
 _default = for_backend(_choose_backend())
