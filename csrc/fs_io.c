@@ -766,6 +766,15 @@ int kvt_xattr_parse(const void *rec, long r, int err, uint32_t *crc)
     return KVT_REC_OK;
 }
 
+/* Remove `path` only if it is still the file open as `fd`: a peer that
+ * republished a good block under the same name meanwhile keeps it. */
+static void unlink_if_same(const char *path, int fd)
+{
+    struct stat a, b;
+    if (fstat(fd, &a) == 0 && stat(path, &b) == 0 && a.st_ino == b.st_ino && a.st_dev == b.st_dev)
+        unlink(path);
+}
+
 /* Load one block. Returns 0, or an errno value with *checksum_failed set for
  * a CRC mismatch / malformed record. A first mismatch is retried once (the
  * page cache dropped, record and data re-read) to tell a transient glitch
@@ -811,9 +820,9 @@ static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct,
     }
 
 out:
-    close(fd);
     if (remove)
-        unlink(src);
+        unlink_if_same(src, fd);
+    close(fd);
     return err;
 }
 

@@ -344,12 +344,22 @@ def _load_one(src, mv, use_o_direct, checksum, crc_fn, retried_out):
         remove = True
         return (_errno.EBADMSG, True), retried
     finally:
-        _os.close(fd)
-        if remove:
-            try:
-                _os.unlink(src)
-            except OSError:
-                pass
+        try:
+            if remove:
+                _unlink_if_same(src, fd)
+        finally:
+            _os.close(fd)
+
+
+def _unlink_if_same(path, fd):
+    """Remove ``path`` only if it is still the file open as ``fd``: a peer that
+    republished a good block under the same name meanwhile keeps it."""
+    try:
+        a, b = _os.fstat(fd), _os.stat(path)
+        if (a.st_ino, a.st_dev) == (b.st_ino, b.st_dev):
+            _os.unlink(path)
+    except OSError:
+        pass
 
 
 def batch_lookup(paths, /):

@@ -797,3 +797,38 @@ def test_type_stub_covers_the_c_module():
     fn = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     assert [a.arg for a in fn["batch_store_block"].args.posonlyargs] == ["tmp_paths", "dest_paths", "buffers"]
     assert [a.arg for a in fn["batch_load_block"].args.posonlyargs] == ["source_paths", "buffers"]
+
+
+def test_condemned_block_republished_meanwhile_is_kept(tmp_path, monkeypatch):
+    """A block condemned by one reader is removed only if the name still points to the
+    file it read: a good copy a peer renamed over it meanwhile stays (fallback; the C core
+    runs the same fstat/stat inode check, csrc/fs_io.c unlink_if_same)."""
+    from kvtier import fallback
+
+    bs = 8192
+    view = rand_blocks(2, bs, seed=9)
+    path = block_paths(tmp_path, 1)[0]
+    good = str(tmp_path / "good.bin")
+    fallback.batch_store_block([path + "_a.tmp"], [path], [view[:bs]], checksum=True)
+    fallback.batch_store_block([good + "_b.tmp"], [good], [view[:bs]], checksum=True)
+    flip_bit(path, 17)
+    real = fallback._read_verify
+    calls = []
+
+    def read_verify_then_republish(fd, *args):
+        r = real(fd, *args)
+        calls.append(r)
+        if len(calls) == 2:  # the condemning re-read: a peer republishes a good copy now
+            os.replace(good, path)
+        return r
+
+    monkeypatch.setattr(fallback, "_read_verify", read_verify_then_republish)
+    out = np.zeros(bs, dtype=np.uint8)
+    with pytest.raises(OSError) as ei:
+        fallback.batch_load_block([path], [out], checksum=True)
+    assert ei.value.errno == errno.EBADMSG and ei.value.checksum_failed is True
+    assert [c[0] for c in calls] == [True, True]  # mismatch twice: condemned
+    assert os.path.exists(path)  # ... but the republished good block was not removed
+    monkeypatch.setattr(fallback, "_read_verify", real)
+    fallback.batch_load_block([path], [out], checksum=True)
+    assert np.array_equal(out, view[:bs])
