@@ -49,6 +49,12 @@ def info_dict() -> dict:
         ]
         d["isal_version"] = c.isal_version()
     d["crc32c_backends"].append({"name": "numpy", "available": True, "uses": "pure Python + numpy fallback"})
+    try:
+        from kvtier import io as kio
+
+        d["io_backend"] = {"c": "c (kvtier._C)", "python": "python (pure-Python fallback)"}[kio.backend]
+    except ValueError as e:  # a bad KVTIER_IO_BACKEND: say so rather than crash
+        d["io_backend"] = f"error: {e}"
     if c is not None:
         from kvtier import dsa
 
@@ -66,6 +72,7 @@ def _print_info(d: dict) -> None:
         print("C core:         built (kvtier._C)")
     else:
         print(f"C core:         NOT built, using the pure-Python fallback ({d['c_core_error']})")
+    print(f"Block I/O:      {d['io_backend']}")
     print(f"CRC32C active:  {d['crc32c_backend']}")
     for b in d["crc32c_backends"]:
         state = "available" if b["available"] else "not available on this host"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import errno
 import inspect
 import logging
 import os
@@ -280,6 +281,15 @@ class FileSystemTierManager:
         # ---- startup checks that touch the filesystem ----
         kio = _io()
         self._check_writable()
+        # xattrs before anything is written into the root: a refused tier leaves no files
+        if checksum_blocks and not kio.probe_xattr(self.file_mapper.rank_path):
+            fstype, mnt = filesystem_type(self.root_dir)
+            raise ValueError(
+                f"checksum_blocks=True needs extended attributes (user xattr "
+                f"'user.vllm.kv_crc32c'), but the tier root {self.root_dir!r} is on a {fstype} "
+                f"filesystem (mounted at {mnt!r}) that does not support them; use another "
+                f"filesystem (ext4, xfs, btrfs, tmpfs) or set checksum_blocks=False"
+            )
         self.last_sweep = None  # KVT-REL: kvtier.sweep.SweepResult of the startup sweep, if any
         if sweep_stale_temps_after is not None:
             from kvtier.sweep import sweep_stale_temps
@@ -292,14 +302,6 @@ class FileSystemTierManager:
             logger.warning(
                 "O_DIRECT is not supported at %r (%s); using buffered I/O for the %s tier",
                 self.root_dir, fstype, label,
-            )
-        if checksum_blocks and not kio.probe_xattr(self.file_mapper.rank_path):
-            fstype, mnt = filesystem_type(self.root_dir)
-            raise ValueError(
-                f"checksum_blocks=True needs extended attributes (user xattr "
-                f"'user.vllm.kv_crc32c'), but the tier root {self.root_dir!r} is on a {fstype} "
-                f"filesystem (mounted at {mnt!r}) that does not support them; use another "
-                f"filesystem (ext4, xfs, btrfs, tmpfs) or set checksum_blocks=False"
             )
         self.metrics = metrics if metrics is not None else TieringMetricsTracker(
             label, checksums=checksum_blocks, registry=registry)
@@ -357,10 +359,10 @@ class FileSystemTierManager:
 
     def _check_writable(self) -> None:
         root = self.root_dir
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise NotADirectoryError(errno.ENOTDIR, f"tier root is not a directory: {os.strerror(errno.ENOTDIR)}", root)
         try:
             os.makedirs(root, exist_ok=True)
-            if not os.path.isdir(root):
-                raise NotADirectoryError(20, "Not a directory", root)
             os.makedirs(self.file_mapper.rank_path, exist_ok=True)
             fd, probe = tempfile.mkstemp(prefix=".kvtier_probe_", dir=self.file_mapper.rank_path)
             os.close(fd)

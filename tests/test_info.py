@@ -78,3 +78,11 @@ def test_without_c_core_import_warns_and_everything_uses_the_fallback(tmp_path):
     line1, line2 = r.stdout.splitlines()
     assert line1 == f"{pkg / '__init__.py'} None numpy python 0xe3069283"
     assert line2.startswith("1 kvtier: the C core (kvtier._C) is not importable (No module named 'kvtier._C')")
+
+
+def test_info_names_the_block_io_backend_and_a_bad_choice():
+    assert "Block I/O:      c (kvtier._C)" in run_info().stdout
+    assert json.loads(run_info("--json", env={"KVTIER_IO_BACKEND": "python"}).stdout)["io_backend"] == \
+        "python (pure-Python fallback)"
+    out = run_info(env={"KVTIER_IO_BACKEND": "bogus"}).stdout
+    assert "Block I/O:      error: KVTIER_IO_BACKEND='bogus' is not valid; valid values: c, python" in out

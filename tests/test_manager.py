@@ -428,6 +428,18 @@ def test_xattr_less_root_with_checksums(ramfs_dir):
         mk(rand_buf(), target, checksum_blocks=True)
     msg = str(ei.value)
     assert "extended attributes" in msg and str(target) in msg and "ramfs" in msg
+    # refused before anything was written into the root (no config.json, kvtier.json, probes)
+    files = [os.path.join(d, f) for d, _, fs in os.walk(target) for f in fs]
+    assert files == []
+
+
+def test_root_that_is_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_bytes(b"x")
+    with pytest.raises(NotADirectoryError) as ei:
+        mk(rand_buf(), f)
+    assert ei.value.errno == errno.ENOTDIR and ei.value.filename == str(f)
+    assert f.read_bytes() == b"x"
 
 
 def test_xattr_probe_false_message_names_fs_type(tmp_path, monkeypatch):
