@@ -104,7 +104,9 @@ def test_scrub_clean_cache(tmp_path, capsys):
     assert d["blocks"] == 7 and d["bytes"] == 7 * 8192
     assert d["counts"] == {"ok": 6, "corrupt": 0, "no_checksum": 1, "wrong_size": 0, "error": 0, "stray_temp": 0}
     assert [f["path"] for f in d["findings"]] == [paths[6]]
-    assert list(d["expected_block_bytes"].values()) == [8192]
+    assert d["retried"] == 0
+    assert list(d["expected_block_bytes"].values()) == [{"bytes": 8192, "source": "kvtier.json"}]
+    assert [k.rsplit("/", 1)[1] for k in d["expected_block_bytes"]] == ["g0"]
 
 
 def test_scrub_finds_corruption_and_remove_deletes_only_bad(tmp_path, capsys):
@@ -146,14 +148,20 @@ def test_scrub_size_without_block_info(tmp_path, capsys):
     assert len(info) == 1
     os.unlink(info[0])
     os.truncate(paths[3], 100)
-    # majority size (8192) is expected
+    # the most common size (8192) is only a guess: the truncated block is condemned by its
+    # CRC32C (corrupt), not by its size
     assert main(["scrub", str(tmp_path), "--json", "--no-progress"]) == 1
     d = json.loads(capsys.readouterr().out)
-    assert [f["path"] for f in d["findings"] if f["status"] == "wrong_size"] == [paths[3]]
-    # an explicit --block-size wins over the majority
+    assert list(d["expected_block_bytes"].values()) == [{"bytes": 8192, "source": "guess"}]
+    bad = [f for f in d["findings"] if f["status"] in ("corrupt", "wrong_size")]
+    assert [(f["path"], f["status"], f["size"], f["retried"]) for f in bad] == [(paths[3], "corrupt", 100, True)]
+    assert "most common size in this group is 8192" in bad[0]["detail"]
+    # an explicit --block-size is a known size: it wins over the guess, and judges sizes
     assert main(["scrub", str(tmp_path), "--json", "--no-progress", "--block-size", "100"]) == 1
     d = json.loads(capsys.readouterr().out)
-    assert d["counts"]["wrong_size"] == 6
+    assert d["counts"]["wrong_size"] == 6 and d["counts"]["ok"] == 0 and d["counts"]["corrupt"] == 1
+    assert list(d["expected_block_bytes"].values()) == [{"bytes": 100, "source": "--block-size"}]
+    assert all(os.path.exists(p) for p in paths)
 
 
 def test_scrub_symlink_is_error_and_kept(tmp_path, capsys):

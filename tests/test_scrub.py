@@ -1,0 +1,223 @@
+"""`kvtier scrub` size judgement per KV-cache group, re-read on a CRC32C mismatch, and
+inode-checked removal, on real block files written by kvtier.io (checksum on)."""
+import contextlib
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+
+import kvtier
+import kvtier.io as kio
+from kvtier import scrub as sc
+from kvtier.cli import main
+
+XATTR = "user.vllm.kv_crc32c"
+
+
+def block_path(root, h, group):
+    hx = h.hex()
+    return os.path.join(root, "m_0123456789ab_r0", hx[:3], f"{hx[3:5]}_g{group}", f"{hx}.bin")
+
+
+def store(paths, block_bytes, seed, checksum=True):
+    """Store len(paths) random blocks of block_bytes through kvtier.io; returns their bytes."""
+    data = np.random.default_rng(seed).integers(0, 256, len(paths) * block_bytes, dtype=np.uint8)
+    for p in paths:
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+    kio.batch_store_block(paths, data, [i * block_bytes for i in range(len(paths))], block_bytes,
+                          use_o_direct=False, checksum=checksum)
+    out = [data[i * block_bytes:(i + 1) * block_bytes].tobytes() for i in range(len(paths))]
+    for p, b in zip(paths, out):
+        with open(p, "rb") as f:
+            assert f.read() == b
+        if checksum:
+            assert os.getxattr(p, XATTR) == kvtier.crc32c(b).to_bytes(4, "big")
+    return out
+
+
+def run(root, *extra):
+    """(exit status, JSON report) of `kvtier scrub ROOT --json`."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["scrub", str(root), "--json", "--no-progress", *extra])
+    return rc, json.loads(out.getvalue())
+
+
+def flip(path, pos):
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def hybrid(root):
+    """Three 8 KiB blocks in group 0, one 4 KiB block in group 1, no kvtier.json."""
+    g0 = [block_path(root, bytes([i]) * 16, 0) for i in range(1, 4)]
+    g1 = [block_path(root, b"\x09" * 16, 1)]
+    store(g0, 8192, 1)
+    store(g1, 4096, 2)
+    return g0, g1
+
+
+def test_hybrid_groups_guess_size_per_group_and_remove_keeps_good_blocks(tmp_path):
+    g0, g1 = hybrid(str(tmp_path))
+    for extra in ((), ("--remove",)):
+        rc, d = run(tmp_path, *extra)
+        assert rc == 0
+        assert d["counts"] == {"ok": 4, "corrupt": 0, "no_checksum": 0, "wrong_size": 0, "error": 0, "stray_temp": 0}
+        assert d["expected_block_bytes"] == {
+            "m_0123456789ab_r0/g0": {"bytes": 8192, "source": "guess"},
+            "m_0123456789ab_r0/g1": {"bytes": 4096, "source": "guess"},
+        }
+        assert d["findings"] == [] and d["removed"] == [] and d["clean"] is True
+        assert all(os.path.getsize(p) == 8192 for p in g0) and os.path.getsize(g1[0]) == 4096
+
+
+def test_guessed_size_never_condemns_a_block_whose_crc_matches(tmp_path):
+    root = str(tmp_path)
+    big = [block_path(root, bytes([i]) * 16, 0) for i in range(1, 4)]
+    odd = block_path(root, b"\x0a" * 16, 0)
+    legacy = block_path(root, b"\x0b" * 16, 0)
+    store(big, 8192, 1)
+    store([odd], 4096, 2)
+    store([legacy], 2048, 3, checksum=False)
+    rc, d = run(tmp_path, "--remove")
+    assert rc == 0 and d["clean"] is True and d["removed"] == []
+    assert d["counts"]["ok"] == 4 and d["counts"]["no_checksum"] == 1 and d["counts"]["wrong_size"] == 0
+    by = {f["path"]: f for f in d["findings"]}
+    assert set(by) == {odd, legacy}
+    assert (by[odd]["status"], by[odd]["size"], by[odd]["expected_size"], by[odd]["size_source"]) == (
+        "ok", 4096, 8192, "guess")
+    assert "CRC32C matches: kept" in by[odd]["detail"]
+    assert by[legacy]["status"] == "no_checksum" and "most common size" in by[legacy]["detail"]
+    assert os.path.getsize(odd) == 4096 and os.path.getsize(legacy) == 2048
+
+    # the same odd block with a bad CRC32C is condemned (by its CRC32C) and removed
+    flip(odd, 100)
+    rc, d = run(tmp_path, "--remove")
+    assert rc == 1 and d["removed"] == [odd] and not os.path.exists(odd)
+    (f,) = [f for f in d["findings"] if f["path"] == odd]
+    assert f["status"] == "corrupt" and f["removed"] is True and f["retried"] is True
+    assert all(os.path.exists(p) for p in big + [legacy])
+
+
+def test_known_size_judges_every_group(tmp_path):
+    root = str(tmp_path)
+    g0, g1 = hybrid(root)
+    base = os.path.join(root, "m_0123456789ab")  # the rank directory's base (FileMapper.base_path)
+    os.makedirs(base)
+    with open(os.path.join(base, "kvtier.json"), "w") as f:
+        json.dump({"block_bytes": 8192}, f)
+    rc, d = run(tmp_path)
+    assert rc == 1
+    assert d["expected_block_bytes"]["m_0123456789ab_r0/g1"] == {"bytes": 8192, "source": "kvtier.json"}
+    assert [(f["path"], f["status"]) for f in d["findings"]] == [(g1[0], "wrong_size")]
+    rc, d = run(tmp_path, "--remove")
+    assert rc == 1 and d["removed"] == g1 and not os.path.exists(g1[0])
+    assert all(os.path.exists(p) for p in g0)
+
+
+@pytest.fixture
+def fadvise_calls(monkeypatch):
+    """Records os.posix_fadvise calls and runs an optional hook after the real call."""
+    real = os.posix_fadvise
+    calls, hooks = [], []
+
+    def fake(fd, offset, length, advice):
+        calls.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length, advice))
+        real(fd, offset, length, advice)
+        for h in hooks:
+            h()
+
+    monkeypatch.setattr(os, "posix_fadvise", fake)
+    return calls, hooks
+
+
+def test_first_mismatch_reread_ok_is_counted_retried(tmp_path, fadvise_calls):
+    calls, hooks = fadvise_calls
+    g0, _ = hybrid(str(tmp_path))
+    good = open(g0[1], "rb").read()
+    flip(g0[1], 5000)
+
+    def repair():  # the device copy is good; only the first read saw bad bytes
+        with open(g0[1], "r+b") as f:
+            f.write(good)
+
+    hooks.append(repair)
+    rc, d = run(tmp_path, "--remove")
+    assert rc == 0 and d["retried"] == 1 and d["removed"] == []
+    assert calls == [(g0[1], 0, 8192, os.POSIX_FADV_DONTNEED)]
+    (f,) = d["findings"]
+    assert (f["path"], f["status"], f["retried"], f["removed"]) == (g0[1], "ok", True, False)
+    assert "re-read after POSIX_FADV_DONTNEED matched" in f["detail"]
+    assert open(g0[1], "rb").read() == good
+
+
+def test_second_mismatch_condemns(tmp_path, fadvise_calls):
+    calls, _ = fadvise_calls
+    g0, g1 = hybrid(str(tmp_path))
+    flip(g1[0], 4095)
+    rc, d = run(tmp_path)
+    assert rc == 1 and d["retried"] == 0 and os.path.exists(g1[0])
+    assert calls == [(g1[0], 0, 4096, os.POSIX_FADV_DONTNEED)]
+    assert [(f["path"], f["status"], f["retried"]) for f in d["findings"]] == [(g1[0], "corrupt", True)]
+    rc, d = run(tmp_path, "--remove")
+    assert rc == 1 and d["removed"] == g1 and not os.path.exists(g1[0])
+    assert all(os.path.exists(p) for p in g0)
+
+
+def test_remove_keeps_a_block_republished_during_scrub(tmp_path, fadvise_calls):
+    _, hooks = fadvise_calls
+    g0, _ = hybrid(str(tmp_path))
+    p = g0[0]
+    good = open(p, "rb").read()
+    crc = os.getxattr(p, XATTR)
+    flip(p, 0)
+
+    def republish():  # a peer stores the block again: temp + rename over the name
+        tmp = p + "_00ff.tmp"
+        with open(tmp, "wb") as f:
+            f.write(good)
+        os.setxattr(tmp, XATTR, crc)
+        os.rename(tmp, p)
+
+    hooks.append(republish)
+    rc, d = run(tmp_path, "--remove")
+    assert rc == 1 and d["removed"] == []
+    (f,) = d["findings"]
+    assert (f["path"], f["status"], f["removed"]) == (p, "corrupt", False)
+    assert "republished during scrub" in f["detail"]
+    assert open(p, "rb").read() == good
+    hooks.clear()
+    rc, d = run(tmp_path, "--remove")
+    assert rc == 0 and d["counts"]["ok"] == 4 and d["removed"] == []
+
+
+def test_unlink_if_same(tmp_path):
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    a.write_bytes(b"old")
+    b.write_bytes(b"new")
+    fd = os.open(a, os.O_RDONLY)
+    try:
+        os.rename(b, a)
+        assert "another file" in sc._unlink_if_same(str(a), fd)
+        assert a.read_bytes() == b"new"
+    finally:
+        os.close(fd)
+    fd = os.open(a, os.O_RDONLY)
+    try:
+        assert sc._unlink_if_same(str(a), fd) == ""
+        assert not a.exists()
+    finally:
+        os.close(fd)
+
+
+def test_text_report_names_sources_and_retried(tmp_path, capsys):
+    hybrid(str(tmp_path))
+    assert main(["scrub", str(tmp_path), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "m_0123456789ab_r0/g1: expected block size 4096 (guess: most common size; judged by CRC32C only)" in out
+    assert "ok 4  corrupt 0  no_checksum 0  wrong_size 0  error 0  stray_temp 0  retried 0" in out
