@@ -80,6 +80,17 @@ DEFAULT_REPEAT = 3
 
 @dataclass
 class Row:
+    """One table cell pair: ``op`` over ``jobs`` jobs in flight, checksums ``checksum``.
+
+    ``blocks`` and ``bytes``: moved per pass.  Medians over ``--repeat`` passes:
+    ``wall_s`` (seconds, first submit to last job done), ``cpu_s`` (seconds of process CPU
+    time, user+sys of all threads, ``time.process_time``), ``gbps`` (``bytes / wall_s / 1e9``,
+    decimal GB/s).  ``p50_ms`` / ``p99_ms``: percentiles of job latency (submit to done,
+    milliseconds) over all passes.  Sums over all passes: ``failed_jobs`` (JobResult.success
+    false), ``checksum_failures`` (jobs with a condemned block), ``mismatched_bytes`` (loaded
+    bytes that differ from what was stored; loads only, 0 for stores).
+    """
+
     op: str  # "store" or "load"
     jobs: int
     checksum: bool
@@ -270,6 +281,10 @@ def _fmt_bytes(n: float) -> str:
 
 
 def format_table(d: dict) -> str:
+    """The text table for a :func:`run_bench` result ``d``: a setup header, then one line per
+    (op, jobs) with GB/s, p50/p99 job latency (ms) and CPU seconds, checksum off and on, and
+    the on/off ratios ("-" where a mode was not run).  Returns a str (no trailing newline).
+    """
     g = d["geometry"]
     lines = [
         f"kvtier bench: {d['model']} ({d['preset']}): {g['layers']} layers x {g['kv_heads']} KV heads x "
@@ -348,6 +363,8 @@ def plot(d: dict, path: str) -> None:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
+    """Add the ``bench`` subcommand (options, preset list in the epilog) to ``sub``, an
+    argparse subparsers object; returns the new parser (its ``func`` is :func:`cmd_bench`)."""
     p = sub.add_parser(
         "bench", help="store and load real-model KV blocks through the tier, checksum off vs on",
         description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -373,6 +390,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    """Run ``kvtier bench`` for parsed ``args``; prints the table (or JSON with ``--json``)
+    on stdout, messages on stderr, and draws ``--plot`` after the table.
+
+    Returns the exit status: 0 every byte verified and every job succeeded; 1 mismatched
+    bytes or failed jobs; 2 bad arguments (``--jobs`` not comma-separated ints, a
+    non-positive size, ``--plot`` without matplotlib or into a missing / read-only
+    directory) or an OSError setting up the cache (message names the errno text and path).
+    """
     try:
         jobs = tuple(int(x) for x in args.jobs.split(",") if x.strip())
     except ValueError:

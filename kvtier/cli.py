@@ -85,6 +85,8 @@ def _print_info(d: dict) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    """``kvtier info``: print :func:`info_dict` as text, or as JSON with ``args.json``.
+    Returns 0 (a missing C core or DSA is reported, not an error)."""
     d = info_dict()
     if args.json:
         print(json.dumps(d, indent=2))
@@ -94,6 +96,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``kvtier`` argument parser with its subcommands ``info``, ``bench`` and ``scrub``;
+    each sets ``func``, the handler that takes the parsed Namespace and returns an exit status."""
     p = argparse.ArgumentParser(prog="kvtier", description="Checksummed storage tier for LLM KV-cache blocks.")
     p.add_argument("--version", action="version", version=f"kvtier {kvtier.__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -111,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Entry point of the ``kvtier`` command.  ``argv``: list of str arguments without the
+    program name (None: ``sys.argv[1:]``).  Returns the subcommand's exit status (int: 0 ok,
+    1 check failed, 2 bad arguments).  argparse raises SystemExit (code 2) for an unknown
+    command or option and (code 0) for ``--help`` / ``--version``."""
     args = build_parser().parse_args(argv)
     return args.func(args)
 

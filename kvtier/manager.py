@@ -542,6 +542,8 @@ class FileSystemTierManager:
 
     @property
     def is_shut_down(self) -> bool:
+        """True once :meth:`shutdown` has been called (also via ``with``); submits then
+        raise RuntimeError.  Running jobs may still be finishing if ``wait=False``."""
         return self._stop
 
     def __enter__(self) -> "FileSystemTierManager":
