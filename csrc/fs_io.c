@@ -504,6 +504,60 @@ static int make_parents(const char *path)
 }
 
 /* ------------------------------------------------------------------ */
+/* EINTR-safe wrappers                                                 */
+/* ------------------------------------------------------------------ */
+
+/* A signal handler installed without SA_RESTART (Python installs its own that
+ * way) makes a slow call on NFS/FUSE fail with EINTR before it did anything:
+ * retry open, the xattr calls and rename. */
+static int open_r(const char *path, int flags, mode_t mode)
+{
+    int fd;
+    do
+        fd = open(path, flags, mode);
+    while (fd < 0 && errno == EINTR);
+    return fd;
+}
+
+static int fsetxattr_r(int fd, const char *name, const void *val, size_t n)
+{
+    int r;
+    do
+        r = fsetxattr(fd, name, val, n, 0);
+    while (r != 0 && errno == EINTR);
+    return r;
+}
+
+static ssize_t fgetxattr_r(int fd, const char *name, void *val, size_t n)
+{
+    ssize_t r;
+    do
+        r = fgetxattr(fd, name, val, n);
+    while (r < 0 && errno == EINTR);
+    return r;
+}
+
+static int rename_r(const char *from, const char *to)
+{
+    int r;
+    do
+        r = rename(from, to);
+    while (r != 0 && errno == EINTR);
+    return r;
+}
+
+/* close(2) is never retried: on Linux the descriptor is released even when
+ * close returns EINTR (close(2) NOTES), and a retry could close a descriptor
+ * another thread just got. EINTR therefore counts as success. Returns 0 or
+ * -1 with errno (EIO, ENOSPC, EDQUOT: deferred write errors of NFS/FUSE). */
+static int close_r(int fd)
+{
+    if (close(fd) == 0 || errno == EINTR)
+        return 0;
+    return -1;
+}
+
+/* ------------------------------------------------------------------ */
 /* Full-length I/O with EINTR / short transfers / O_DIRECT refusal     */
 /* ------------------------------------------------------------------ */
 
@@ -582,14 +636,17 @@ static int fsync_parent(const char *path)
         dir = strndup(path, (size_t)(slash - path));
     if (!dir)
         return ENOMEM;
-    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    int fd = open_r(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC, 0);
     free(dir);
     if (fd < 0)
         return errno;
-    int err = 0;
-    if (fsync(fd) != 0 && errno != EINVAL)
+    int err = 0, r;
+    do
+        r = fsync(fd);
+    while (r != 0 && errno == EINTR);
+    if (r != 0 && errno != EINVAL)
         err = errno;
-    close(fd);
+    close_r(fd);
     return err;
 }
 
@@ -600,11 +657,11 @@ static int store_one(const char *tmp, const char *dest, const uint8_t *buf, size
     if (stat(dest, &st) == 0)
         return 0; /* already stored (by us or a peer): nothing to do */
 
-    int fd = open(tmp, O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0644);
+    int fd = open_r(tmp, O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0644);
     if (fd < 0 && errno == ENOENT) {
         if (make_parents(tmp) != 0)
             return errno;
-        fd = open(tmp, O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0644);
+        fd = open_r(tmp, O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0644);
     }
     if (fd < 0)
         return errno;
@@ -641,21 +698,36 @@ static int store_one(const char *tmp, const char *dest, const uint8_t *buf, size
     if (!err && checksum) {
         uint8_t rec[KVT_XATTR_LEN];
         put_be32(rec, crc_finish(&crc));
-        if (fsetxattr(fd, KVT_XATTR_NAME, rec, sizeof rec, 0) != 0)
+        if (fsetxattr_r(fd, KVT_XATTR_NAME, rec, sizeof rec) != 0)
             err = errno;
     }
-    if (!err && durable && fdatasync(fd) != 0) /* KVT-REL: data before the name */
+    if (!err && durable) { /* KVT-REL: data before the name */
+        int r;
+        do
+            r = fdatasync(fd);
+        while (r != 0 && errno == EINTR);
+        if (r != 0)
+            err = errno;
+    }
+    /* The temp's identity, to tell our published file from a peer's later. */
+    struct stat mine = {0};
+    if (!err && durable && fstat(fd, &mine) != 0)
         err = errno;
-    if (close(fd) != 0 && !err)
+    if (close_r(fd) != 0 && !err)
         err = errno;
-    if (!err && rename(tmp, dest) != 0)
+    if (!err && rename_r(tmp, dest) != 0)
         err = errno;
     if (err) {
         unlink(tmp);
         return err;
     }
-    if (durable && (err = fsync_parent(dest)) != 0)
-        unlink(dest); /* published but not durable: a failed store leaves nothing */
+    if (durable && (err = fsync_parent(dest)) != 0) {
+        /* Published but not durable: a failed store leaves nothing. Only our
+         * own file, though: a peer that renamed its block onto dest after our
+         * rename (its stat(dest) ran before it) keeps its block. */
+        if (stat(dest, &st) == 0 && st.st_ino == mine.st_ino && st.st_dev == mine.st_dev)
+            unlink(dest);
+    }
     return err;
 }
 
@@ -704,7 +776,7 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int use_o_direct, size_
     uint32_t want = 0;
     if (checksum) {
         uint8_t rec[KVT_XATTR_BUF];
-        ssize_t r = fgetxattr(fd, KVT_XATTR_NAME, rec, sizeof rec);
+        ssize_t r = fgetxattr_r(fd, KVT_XATTR_NAME, rec, sizeof rec);
         int xerr = r < 0 ? errno : 0;
         switch (kvt_xattr_parse(rec, (long)r, xerr, &want)) {
         case KVT_REC_OK:
@@ -785,7 +857,7 @@ static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct,
 {
     *checksum_failed = 0;
     *retried = 0;
-    int fd = open(src, O_RDONLY | O_CLOEXEC);
+    int fd = open_r(src, O_RDONLY | O_CLOEXEC, 0);
     if (fd < 0)
         return errno;
 
@@ -822,7 +894,7 @@ static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct,
 out:
     if (remove)
         unlink_if_same(src, fd);
-    close(fd);
+    close_r(fd); /* read-only: nothing deferred to report */
     return err;
 }
 

@@ -51,7 +51,10 @@ typedef struct kvt_batch_result {
  * Any failure removes the temp. With `durable` (KVT-REL) the temp is
  * fdatasync'ed before the rename and the parent directory fsync'ed after it,
  * so a published block survives power loss; a failure there removes the
- * temp, or the just-renamed destination. Load: open, size must equal lens[i] (else EIO
+ * temp, or the just-renamed destination if it is still our file (same
+ * st_dev/st_ino as the temp: a peer's block renamed onto it meanwhile stays).
+ * open, the xattr calls, rename, fsync and every read/write retry EINTR;
+ * close returning EINTR counts as success (Linux releases the fd). Load: open, size must equal lens[i] (else EIO
  * and removed), read, with `checksum` verify (design.md table).
  * Both stop at the first failing block.
  * Returns 0 on success, -1 on failure with *res filled. */

@@ -467,31 +467,33 @@ static int gather_buffers(kvt_batch_args *a, PyObject *seq, int writable)
 /* OSError(errno, strerror, path) (the errno-specific subclass, e.g.
  * FileNotFoundError) with num_succeeded, checksum_failed and num_retried
  * (blocks of the batch re-read after a first checksum mismatch, the failing
- * one included; 0 for stores) set. */
+ * one included; 0 for stores) set.
+ * Built by calling OSError directly, not PyErr_SetFromErrno*: those run
+ * PyErr_CheckSignals() when errno is EINTR and could replace the error with
+ * KeyboardInterrupt, losing the errno and the attributes. If building or
+ * decorating the exception fails, that failure (MemoryError...) is raised. */
 static void raise_batch_error(const kvt_batch_result *res, PyObject *path)
 {
-    errno = res->err;
-    PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path);
-    PyObject *t, *v, *tb;
-    PyErr_Fetch(&t, &v, &tb);
-    PyErr_NormalizeException(&t, &v, &tb);
-    if (v != NULL) {
-        PyObject *ns = PyLong_FromSize_t(res->index);
-        PyObject *nr = ns ? PyLong_FromSize_t(res->retried) : NULL;
-        if (nr == NULL || PyObject_SetAttrString(v, "num_succeeded", ns) < 0 ||
-            PyObject_SetAttrString(v, "checksum_failed", res->checksum_failed ? Py_True : Py_False) < 0 ||
-            PyObject_SetAttrString(v, "num_retried", nr) < 0) {
-            Py_XDECREF(ns);
-            Py_XDECREF(nr);
-            Py_XDECREF(t);
-            Py_XDECREF(v);
-            Py_XDECREF(tb);
-            return;
-        }
-        Py_DECREF(ns);
-        Py_DECREF(nr);
+    int err = res->err;
+    PyObject *exc = PyObject_CallFunction(PyExc_OSError, "isO", err, strerror(err), path);
+    if (exc == NULL)
+        return; /* the constructor's error is set */
+    PyObject *ns = PyLong_FromSize_t(res->index);
+    PyObject *nr = ns ? PyLong_FromSize_t(res->retried) : NULL;
+    if (nr == NULL || PyObject_SetAttrString(exc, "num_succeeded", ns) < 0 ||
+        PyObject_SetAttrString(exc, "checksum_failed", res->checksum_failed ? Py_True : Py_False) < 0 ||
+        PyObject_SetAttrString(exc, "num_retried", nr) < 0) {
+        Py_XDECREF(ns);
+        Py_XDECREF(nr);
+        Py_DECREF(exc);
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        return; /* keep the new error: never return NULL without one */
     }
-    PyErr_Restore(t, v, tb);
+    Py_DECREF(ns);
+    Py_DECREF(nr);
+    PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+    Py_DECREF(exc);
 }
 
 PyDoc_STRVAR(batch_lookup_doc,

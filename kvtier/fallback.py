@@ -207,6 +207,27 @@ def _read_full(fd, mv, off, direct):
     return got, direct
 
 
+def _retry_eintr(fn, *args):
+    """fn(*args), retried on InterruptedError. CPython retries EINTR itself
+    (PEP 475) for os.open, os.pwrite, os.preadv, os.fsync, os.fdatasync, but
+    not for os.setxattr, os.getxattr or os.rename, which raise it."""
+    while True:
+        try:
+            return fn(*args)
+        except InterruptedError:
+            continue
+
+
+def _close(fd):
+    """os.close, with EINTR counted as success: Linux releases the descriptor
+    even then (close(2) NOTES), and CPython's os.close does not retry it
+    (a retry could close a descriptor another thread just got)."""
+    try:
+        _os.close(fd)
+    except InterruptedError:
+        pass
+
+
 def _fsync_dir(path):
     """KVT-REL: fsync the directory holding ``path`` (makes its rename
     durable); EINVAL (not supported by the filesystem) counts as done."""
@@ -218,7 +239,7 @@ def _fsync_dir(path):
         if e.errno != _errno.EINVAL:
             raise
     finally:
-        _os.close(fd)
+        _close(fd)
 
 
 def _store_one(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable=False):
@@ -242,12 +263,13 @@ def _store_one(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable=False):
                     crc = crc_fn(chunk, crc)
                 direct = _write_full(fd, chunk, off, direct)
             if checksum:
-                _os.setxattr(fd, XATTR_NAME, crc.to_bytes(XATTR_LEN, "big"))
+                _retry_eintr(_os.setxattr, fd, XATTR_NAME, crc.to_bytes(XATTR_LEN, "big"))
             if durable:  # KVT-REL: data before the name
                 _os.fdatasync(fd)
+                mine = _os.fstat(fd)  # to tell our published file from a peer's later
         finally:
-            _os.close(fd)
-        _os.rename(tmp, dest)
+            _close(fd)
+        _retry_eintr(_os.rename, tmp, dest)
     except BaseException:
         try:
             _os.unlink(tmp)
@@ -258,8 +280,13 @@ def _store_one(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable=False):
         try:
             _fsync_dir(dest)
         except BaseException:
+            # Published but not durable: a failed store leaves nothing. Only our
+            # own file, though: a peer that renamed its block onto dest after
+            # our rename (its exists() ran before it) keeps its block.
             try:
-                _os.unlink(dest)  # published but not durable: a failed store leaves nothing
+                now = _os.stat(dest)
+                if (now.st_ino, now.st_dev) == (mine.st_ino, mine.st_dev):
+                    _os.unlink(dest)
             except OSError:
                 pass
             raise
@@ -290,7 +317,7 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn):
     want = None
     if checksum:
         try:
-            rec = _os.getxattr(fd, XATTR_NAME)
+            rec = _retry_eintr(_os.getxattr, fd, XATTR_NAME)
         except OSError as e:
             if e.errno == _errno.ERANGE:
                 return True, False
@@ -348,7 +375,7 @@ def _load_one(src, mv, use_o_direct, checksum, crc_fn, retried_out):
             if remove:
                 _unlink_if_same(src, fd)
         finally:
-            _os.close(fd)
+            _close(fd)
 
 
 def _unlink_if_same(path, fd):

@@ -1,0 +1,365 @@
+/* LD_PRELOAD fault shim for tests/test_block_io.py: injects the I/O
+ * conditions a local filesystem rarely produces, into the C core and the
+ * Python fallback alike (both go through libc). Only files and directories
+ * whose path starts with $KVT_FAULT_DIR are affected (the interpreter's own
+ * imports are not). Controlled by environment variables:
+ *
+ *   KVT_FAULT_DIO_EINVAL=1   pread/pwrite/preadv/pwritev on an O_DIRECT fd fail
+ *                            with EINVAL: a filesystem that accepted O_DIRECT
+ *                            at fcntl(F_SETFL) but refuses it at the first I/O.
+ *   KVT_FAULT_EINTR=f1,f2..  the first call of each listed function per file
+ *                            fails with EINTR (nothing done). Names: open,
+ *                            pwrite, pread (pread + preadv), fsetxattr,
+ *                            fgetxattr, rename, fsync, close (close really
+ *                            closes, then reports EINTR, as Linux can).
+ *   KVT_FAULT_SHORT=N        pread/pwrite/preadv transfer at most N bytes.
+ *   KVT_FAULT_DIRSYNC_EIO=1  fsync of a directory fails with EIO; with
+ *                            KVT_FAULT_PEER_SRC and KVT_FAULT_PEER_DST set, the
+ *                            shim first renames SRC onto DST (a peer publishing
+ *                            its block right after our rename).
+ *   KVT_FAULT_LOG=path       one line per injected fault: "<func>\t<kind>\t<path>".
+ *
+ * glibc's headers may route pread/pwrite/open to their *64 names (and CPython's
+ * os.preadv to preadv64v2), so every name is defined. Build: cc -shared -fPIC -o io_fault.so io_fault.c -ldl
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+#include <sys/xattr.h>
+#include <unistd.h>
+
+#define REAL(name, type)                                                                                       \
+    static type real_##name;                                                                                   \
+    if (!real_##name)                                                                                          \
+        real_##name = (type)dlsym(RTLD_NEXT, #name);
+
+typedef int (*open_t)(const char *, int, ...);
+typedef ssize_t (*pio_t)(int, void *, size_t, off_t);
+typedef ssize_t (*pwo_t)(int, const void *, size_t, off_t);
+typedef ssize_t (*piov_t)(int, const struct iovec *, int, off_t);
+typedef int (*fsetx_t)(int, const char *, const void *, size_t, int);
+typedef ssize_t (*fgetx_t)(int, const char *, void *, size_t);
+typedef int (*rename_t)(const char *, const char *);
+typedef int (*renameat_t)(int, const char *, int, const char *);
+typedef int (*fdop_t)(int);
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+
+static int under_dir(const char *path)
+{
+    const char *d = getenv("KVT_FAULT_DIR");
+    return d && *d && path && strncmp(path, d, strlen(d)) == 0;
+}
+
+/* Path of an open fd (readlink of /proc/self/fd), "" if unknown. */
+static void fd_path(int fd, char *out, size_t n)
+{
+    char link[64];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t r = readlink(link, out, n - 1);
+    out[r > 0 ? r : 0] = '\0';
+}
+
+static void log_fault(const char *func, const char *kind, const char *path)
+{
+    const char *log = getenv("KVT_FAULT_LOG");
+    if (!log)
+        return;
+    REAL(open, open_t)
+    int saved = errno;
+    int fd = real_open(log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+        char line[4400];
+        int k = snprintf(line, sizeof line, "%s\t%s\t%s\n", func, kind, path);
+        if (k > 0)
+            (void)!write(fd, line, (size_t)k < sizeof line ? (size_t)k : sizeof line - 1);
+        REAL(close, fdop_t)
+        real_close(fd);
+    }
+    errno = saved;
+}
+
+/* 1 if `func` is listed in KVT_FAULT_EINTR and this is its first call for
+ * `path` (then remembered). */
+static int eintr_once(const char *func, const char *path)
+{
+    const char *list = getenv("KVT_FAULT_EINTR");
+    if (!list || !under_dir(path))
+        return 0;
+    size_t fl = strlen(func);
+    const char *p = list;
+    int listed = 0;
+    while (*p) {
+        const char *e = strchr(p, ',');
+        size_t l = e ? (size_t)(e - p) : strlen(p);
+        if (l == fl && strncmp(p, func, l) == 0)
+            listed = 1;
+        p += l + (e != NULL);
+    }
+    if (!listed)
+        return 0;
+    uint64_t h = 1469598103934665603ull; /* FNV-1a of func '\0' path */
+    for (const char *s = func; *s; s++)
+        h = (h ^ (uint8_t)*s) * 1099511628211ull;
+    h *= 1099511628211ull;
+    for (const char *s = path; *s; s++)
+        h = (h ^ (uint8_t)*s) * 1099511628211ull;
+    static uint64_t seen[4096];
+    static size_t nseen;
+    int first = 1;
+    pthread_mutex_lock(&mu);
+    for (size_t i = 0; i < nseen; i++)
+        if (seen[i] == h)
+            first = 0;
+    if (first && nseen < sizeof seen / sizeof seen[0])
+        seen[nseen++] = h;
+    else if (first)
+        first = 0; /* table full: stop injecting */
+    pthread_mutex_unlock(&mu);
+    if (first)
+        log_fault(func, "EINTR", path);
+    return first;
+}
+
+static size_t short_limit(void)
+{
+    const char *s = getenv("KVT_FAULT_SHORT");
+    return s ? (size_t)strtoull(s, NULL, 10) : 0;
+}
+
+/* Common pre-checks of a positional transfer on fd. Returns -1 (errno set)
+ * to fail the call, else 0 with *len possibly reduced. */
+static int rw_fault(const char *func, int fd, size_t *len)
+{
+    char path[4096];
+    fd_path(fd, path, sizeof path);
+    if (!under_dir(path))
+        return 0;
+    if (eintr_once(func, path)) {
+        errno = EINTR;
+        return -1;
+    }
+    const char *dio = getenv("KVT_FAULT_DIO_EINVAL");
+    if (dio && dio[0] == '1') {
+        int fl = fcntl(fd, F_GETFL);
+        if (fl >= 0 && (fl & O_DIRECT)) {
+            log_fault(func, "DIO_EINVAL", path);
+            errno = EINVAL;
+            return -1;
+        }
+    }
+    size_t lim = short_limit();
+    if (lim && *len > lim) {
+        *len = lim;
+        log_fault(func, "SHORT", path);
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- open */
+
+static int do_open(const char *name, const char *path, int flags, va_list ap)
+{
+    mode_t mode = 0;
+    if (flags & (O_CREAT | O_TMPFILE))
+        mode = (mode_t)va_arg(ap, int);
+    if (eintr_once("open", path)) {
+        errno = EINTR;
+        return -1;
+    }
+    open_t real = (open_t)dlsym(RTLD_NEXT, name);
+    return real(path, flags, mode);
+}
+
+int open(const char *path, int flags, ...)
+{
+    va_list ap;
+    va_start(ap, flags);
+    int r = do_open("open", path, flags, ap);
+    va_end(ap);
+    return r;
+}
+
+int open64(const char *path, int flags, ...)
+{
+    va_list ap;
+    va_start(ap, flags);
+    int r = do_open("open64", path, flags, ap);
+    va_end(ap);
+    return r;
+}
+
+/* ---------------------------------------------------------------- pwrite / pread */
+
+static ssize_t do_pwrite(const char *name, int fd, const void *buf, size_t len, off_t off)
+{
+    if (rw_fault("pwrite", fd, &len) != 0)
+        return -1;
+    pwo_t real = (pwo_t)dlsym(RTLD_NEXT, name);
+    return real(fd, buf, len, off);
+}
+
+static ssize_t do_pread(const char *name, int fd, void *buf, size_t len, off_t off)
+{
+    if (rw_fault("pread", fd, &len) != 0)
+        return -1;
+    pio_t real = (pio_t)dlsym(RTLD_NEXT, name);
+    return real(fd, buf, len, off);
+}
+
+ssize_t pwrite(int fd, const void *buf, size_t len, off_t off) { return do_pwrite("pwrite", fd, buf, len, off); }
+ssize_t pwrite64(int fd, const void *buf, size_t len, off_t off) { return do_pwrite("pwrite64", fd, buf, len, off); }
+ssize_t pread(int fd, void *buf, size_t len, off_t off) { return do_pread("pread", fd, buf, len, off); }
+ssize_t pread64(int fd, void *buf, size_t len, off_t off) { return do_pread("pread64", fd, buf, len, off); }
+
+/* Vectored forms (the Python fallback reads with os.preadv, which CPython
+ * built against glibc >= 2.26 issues as preadv64v2 with flags 0). */
+typedef ssize_t (*piov2_t)(int, const struct iovec *, int, off_t, int);
+static ssize_t do_iov2(const char *func, const char *name, int fd, const struct iovec *iov, int cnt, off_t off,
+                       int flags, int v2)
+{
+    size_t total = 0;
+    for (int i = 0; i < cnt; i++)
+        total += iov[i].iov_len;
+    size_t len = total;
+    if (rw_fault(func, fd, &len) != 0)
+        return -1;
+    void *real = dlsym(RTLD_NEXT, name);
+#define CALL(v, c) (v2 ? ((piov2_t)real)(fd, v, c, off, flags) : ((piov_t)real)(fd, v, c, off))
+    if (len == total)
+        return CALL(iov, cnt);
+    struct iovec cut[64];
+    int n = 0;
+    for (int i = 0; i < cnt && n < 64 && len > 0; i++, n++) {
+        cut[n].iov_base = iov[i].iov_base;
+        cut[n].iov_len = iov[i].iov_len < len ? iov[i].iov_len : len;
+        len -= cut[n].iov_len;
+    }
+    return CALL(cut, n);
+#undef CALL
+}
+
+static ssize_t do_iov(const char *func, const char *name, int fd, const struct iovec *iov, int cnt, off_t off)
+{
+    return do_iov2(func, name, fd, iov, cnt, off, 0, 0);
+}
+
+ssize_t preadv(int fd, const struct iovec *iov, int cnt, off_t off) { return do_iov("pread", "preadv", fd, iov, cnt, off); }
+ssize_t preadv64(int fd, const struct iovec *iov, int cnt, off_t off) { return do_iov("pread", "preadv64", fd, iov, cnt, off); }
+ssize_t pwritev(int fd, const struct iovec *iov, int cnt, off_t off) { return do_iov("pwrite", "pwritev", fd, iov, cnt, off); }
+ssize_t pwritev64(int fd, const struct iovec *iov, int cnt, off_t off) { return do_iov("pwrite", "pwritev64", fd, iov, cnt, off); }
+
+ssize_t preadv2(int fd, const struct iovec *iov, int cnt, off_t off, int flags)
+{
+    return do_iov2("pread", "preadv2", fd, iov, cnt, off, flags, 1);
+}
+ssize_t preadv64v2(int fd, const struct iovec *iov, int cnt, off_t off, int flags)
+{
+    return do_iov2("pread", "preadv64v2", fd, iov, cnt, off, flags, 1);
+}
+ssize_t pwritev2(int fd, const struct iovec *iov, int cnt, off_t off, int flags)
+{
+    return do_iov2("pwrite", "pwritev2", fd, iov, cnt, off, flags, 1);
+}
+ssize_t pwritev64v2(int fd, const struct iovec *iov, int cnt, off_t off, int flags)
+{
+    return do_iov2("pwrite", "pwritev64v2", fd, iov, cnt, off, flags, 1);
+}
+
+/* ---------------------------------------------------------------- xattr */
+
+int fsetxattr(int fd, const char *name, const void *val, size_t n, int flags)
+{
+    REAL(fsetxattr, fsetx_t)
+    char path[4096];
+    fd_path(fd, path, sizeof path);
+    if (eintr_once("fsetxattr", path)) {
+        errno = EINTR;
+        return -1;
+    }
+    return real_fsetxattr(fd, name, val, n, flags);
+}
+
+ssize_t fgetxattr(int fd, const char *name, void *val, size_t n)
+{
+    REAL(fgetxattr, fgetx_t)
+    char path[4096];
+    fd_path(fd, path, sizeof path);
+    if (eintr_once("fgetxattr", path)) {
+        errno = EINTR;
+        return -1;
+    }
+    return real_fgetxattr(fd, name, val, n);
+}
+
+/* ---------------------------------------------------------------- rename */
+
+int rename(const char *from, const char *to)
+{
+    REAL(rename, rename_t)
+    if (eintr_once("rename", from)) {
+        errno = EINTR;
+        return -1;
+    }
+    return real_rename(from, to);
+}
+
+int renameat(int fromfd, const char *from, int tofd, const char *to)
+{
+    REAL(renameat, renameat_t)
+    if (fromfd == AT_FDCWD && eintr_once("rename", from)) {
+        errno = EINTR;
+        return -1;
+    }
+    return real_renameat(fromfd, from, tofd, to);
+}
+
+/* ---------------------------------------------------------------- fsync / close */
+
+int fsync(int fd)
+{
+    REAL(fsync, fdop_t)
+    char path[4096];
+    fd_path(fd, path, sizeof path);
+    if (eintr_once("fsync", path)) {
+        errno = EINTR;
+        return -1;
+    }
+    const char *eio = getenv("KVT_FAULT_DIRSYNC_EIO");
+    struct stat st;
+    if (eio && eio[0] == '1' && under_dir(path) && fstat(fd, &st) == 0 && S_ISDIR(st.st_mode)) {
+        const char *src = getenv("KVT_FAULT_PEER_SRC"), *dst = getenv("KVT_FAULT_PEER_DST");
+        if (src && dst) {
+            REAL(rename, rename_t)
+            if (real_rename(src, dst) == 0)
+                log_fault("fsync", "PEER_PUBLISHED", dst);
+        }
+        log_fault("fsync", "EIO", path);
+        errno = EIO;
+        return -1;
+    }
+    return real_fsync(fd);
+}
+
+int close(int fd)
+{
+    REAL(close, fdop_t)
+    char path[4096];
+    fd_path(fd, path, sizeof path);
+    int r = real_close(fd);
+    if (r == 0 && eintr_once("close", path)) {
+        errno = EINTR; /* Linux: the fd is gone, yet close reports EINTR */
+        return -1;
+    }
+    return r;
+}
