@@ -857,7 +857,10 @@ static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct,
 {
     *checksum_failed = 0;
     *retried = 0;
-    int fd = open_r(src, O_RDONLY | O_CLOEXEC, 0);
+    /* O_NOFOLLOW: a block is never a symlink (ELOOP, kept: nothing outside the
+     * cache is read or removed). O_NONBLOCK: a FIFO or device at a block path
+     * must not block the batch; a regular file ignores it. */
+    int fd = open_r(src, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0);
     if (fd < 0)
         return errno;
 
@@ -865,6 +868,15 @@ static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct,
     int remove = 0;
     uint64_t size;
     size_t mem_align, off_align;
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        err = errno;
+        goto out;
+    }
+    if (!S_ISREG(st.st_mode)) { /* not ours to judge or remove: kept */
+        err = S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
+        goto out;
+    }
     if (file_info(fd, &size, &mem_align, &off_align) != 0) {
         err = errno;
         goto out;

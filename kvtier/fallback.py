@@ -56,6 +56,7 @@ import ctypes as _ctypes
 import errno as _errno
 import fcntl as _fcntl
 import os as _os
+import stat as _stat
 import struct as _struct
 
 XATTR_NAME = "user.vllm.kv_crc32c"
@@ -348,12 +349,18 @@ def _load_one(src, mv, use_o_direct, checksum, crc_fn, retried_out):
     retried once (page cache dropped); a second condemns the block. Other
     OSErrors propagate (file kept). ``retried_out[0]`` is set True when the
     block is re-read, so a caller sees it even when the re-read raises."""
-    fd = _os.open(src, _os.O_RDONLY | _os.O_CLOEXEC)
+    # O_NOFOLLOW: a block is never a symlink (ELOOP, kept). O_NONBLOCK: a FIFO or
+    # device at a block path must not block the batch; a regular file ignores it.
+    fd = _os.open(src, _os.O_RDONLY | _os.O_CLOEXEC | _os.O_NOFOLLOW | _os.O_NONBLOCK)
     remove = False
     retried = False
     try:
         n = len(mv)
-        if _os.fstat(fd).st_size != n:
+        st = _os.fstat(fd)
+        if not _stat.S_ISREG(st.st_mode):  # not ours to judge or remove: kept
+            e = _errno.EISDIR if _stat.S_ISDIR(st.st_mode) else _errno.EINVAL
+            raise OSError(e, _os.strerror(e), src)
+        if st.st_size != n:
             remove = True
             return (_errno.EIO, False), retried
         for attempt in range(2):

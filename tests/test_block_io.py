@@ -632,26 +632,45 @@ def test_c_signatures():
 
 
 @pytest.mark.timeout(60)
-def test_gil_released_while_blocked_in_batch(io_backend, tmp_path):
-    """The load opens a FIFO, which blocks until a writer opens it; the writer
-    is a Python thread, so the batch can only finish if the GIL is released.
-    (A FIFO has size 0 != block size: EIO, and it is removed.)"""
-    fifo = str(tmp_path / "fifo.bin")
+def test_fifo_or_directory_at_a_block_path_fails_fast_and_is_kept(io_backend, tmp_path):
+    """A FIFO at a block path must not block the batch (open would wait for a
+    writer forever) and is not ours to remove; a directory likewise."""
+    bs = 4096
+    view = rand_blocks(1, bs)
+    good = block_paths(tmp_path, 1)[0]
+    io_backend.batch_store_block([good], view, [0], bs, checksum=True)
+    fifo, d = str(tmp_path / "fifo.bin"), str(tmp_path / "dir.bin")
     os.mkfifo(fifo)
-    opened = threading.Event()
+    os.mkdir(d)
+    t0 = time.monotonic()
+    err, out = load_expect_error(io_backend, [good, fifo], bs)
+    assert time.monotonic() - t0 < 10
+    assert (err.errno, err.num_succeeded, err.checksum_failed) == (errno.EINVAL, 1, False)
+    assert os.fsdecode(err.filename) == fifo
+    assert np.array_equal(out[:bs], view[:bs])  # the block before it loaded
+    err, _ = load_expect_error(io_backend, [d], bs)
+    assert (err.errno, err.num_succeeded) == (errno.EISDIR, 0)
+    assert stat_mode_is(fifo, "S_ISFIFO") and os.path.isdir(d)  # both kept
 
-    def writer():
-        time.sleep(0.2)  # the batch is surely inside open(2) by now
-        fd = os.open(fifo, os.O_WRONLY)  # needs the GIL: runs only if the batch released it
-        opened.set()
-        os.close(fd)
 
-    th = threading.Thread(target=writer, daemon=True)
-    th.start()
-    err, _ = load_expect_error(io_backend, [fifo], 4096)
-    th.join(10)
-    assert opened.is_set()
-    assert (err.errno, err.num_succeeded) == (errno.EIO, 0)
+def stat_mode_is(path, fn):
+    import stat
+
+    return getattr(stat, fn)(os.lstat(path).st_mode)
+
+
+def test_symlink_at_a_block_path_is_eloop_and_neither_link_nor_target_is_touched(io_backend, tmp_path):
+    """Loads never follow a symlink at the block path: nothing outside the cache is read
+    as a block (a link to /etc/passwd would otherwise load as a legacy block)."""
+    bs = 4096
+    target = tmp_path / "outside"
+    target.write_bytes(b"secret" * 1000)  # not a multiple of bs: a followed load would remove the link
+    link = str(tmp_path / "blk.bin")
+    os.symlink(target, link)
+    err, out = load_expect_error(io_backend, [link], len(b"secret" * 1000))
+    assert (err.errno, err.checksum_failed) == (errno.ELOOP, False)
+    assert not out.any()  # nothing was read
+    assert os.path.islink(link) and target.read_bytes() == b"secret" * 1000
 
 
 @pytest.mark.timeout(120)
