@@ -180,6 +180,20 @@ static PyObject *kvt_py_crc32c(PyObject *mod, PyObject *const *args, Py_ssize_t 
     return run_crc(kvt_crc32c_active()->fn, args[0], nargs > 1 ? args[1] : NULL);
 }
 
+/* KVT-DSA: a DSA entry's available() may run discovery and the 1 MiB
+ * self-check (up to seconds) the first time: never with the GIL held. The
+ * enable path is serialized in C (pthread_once, a mutex). */
+static int backend_available(const kvt_crc32c_backend *b)
+{
+    if (strncmp(b->name, "dsa", 3) != 0)
+        return b->available();
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = b->available();
+    Py_END_ALLOW_THREADS
+    return r;
+}
+
 static PyObject *backend_names_list(int only_available)
 {
     size_t n;
@@ -188,7 +202,7 @@ static PyObject *backend_names_list(int only_available)
     if (!lst)
         return NULL;
     for (size_t i = 0; i < n; i++) {
-        if (only_available && !b[i].available())
+        if (only_available && !backend_available(&b[i]))
             continue;
         PyObject *s = PyUnicode_FromString(b[i].name);
         if (!s || PyList_Append(lst, s) < 0) {
@@ -204,12 +218,17 @@ static PyObject *backend_names_list(int only_available)
 static const kvt_crc32c_backend *lookup_backend(const char *name)
 {
     const kvt_crc32c_backend *b = kvt_crc32c_find(name);
-    if (b != NULL && b->available())
+    if (b != NULL && backend_available(b))
         return b;
     PyObject *valid = backend_names_list(1);
     if (valid) {
+        /* KVT-DSA: the model is never unavailable "on this host", only not enabled. */
+        const char *why = !b ? "unknown"
+                          : strcmp(b->name, "dsa-model") == 0
+                              ? "not enabled (explicit only: KVTIER_DSA=model or KVTIER_CRC32C_BACKEND=dsa-model)"
+                              : "not available on this host";
         PyErr_Format(PyExc_ValueError, "CRC32C backend '%s' is %s; available backends: %S",
-                     name, b ? "not available on this host" : "unknown", valid);
+                     name, why, valid);
         Py_DECREF(valid);
     }
     return NULL;
@@ -280,7 +299,7 @@ static PyObject *kvt_py_backends(PyObject *mod, PyObject *unused)
     if (!lst)
         return NULL;
     for (size_t i = 0; i < n; i++) {
-        PyObject *t = Py_BuildValue("(sOs)", b[i].name, b[i].available() ? Py_True : Py_False,
+        PyObject *t = Py_BuildValue("(sOs)", b[i].name, backend_available(&b[i]) ? Py_True : Py_False,
                                     b[i].features ? b[i].features : "");
         if (!t) {
             Py_DECREF(lst);
@@ -938,6 +957,7 @@ static PyObject *counters_dict(const kvt_dsa_counters *c)
     CNT(below_min_size);
     CNT(submit_failures);
     CNT(cpu_redo_total);
+    CNT(timeouts);
 #undef CNT
     for (int s = 0; s < 128; s++) {
         if (!c->cpu_redo_by_status[s])
@@ -977,7 +997,10 @@ PyDoc_STRVAR(dsa_status_doc,
 "enable was attempted), enabled, reason (outcome of the last enable, str),\n"
 "and when an engine exists: wq (dict as in dsa_discover), portal\n"
 "('movdir64b', 'enqcmd', 'write' or 'model'), min_size (bytes), wait,\n"
-"selfcheck (dict), counters (dict as dsa_counters).");
+"timeout (seconds per descriptor), selfcheck (dict), counters (dict as\n"
+"dsa_counters), engine_reason (str). After a descriptor timed out,\n"
+"enabled is False and reason starts '<backend> disabled: device stopped\n"
+"completing descriptors'.");
 
 static PyObject *kvt_py_dsa_status(PyObject *mod, PyObject *arg)
 {
@@ -1006,6 +1029,7 @@ static PyObject *kvt_py_dsa_status(PyObject *mod, PyObject *arg)
     const char *portal = kvt_dsa_engine_portal_kind(e);
     size_t min_size = kvt_dsa_engine_min_size(e);
     const char *wait = kvt_dsa_wait_name(kvt_dsa_engine_wait_mode(e));
+    double timeout_s = (double)kvt_dsa_engine_timeout(e) / 1e9;
     char ereason[400];
     snprintf(ereason, sizeof ereason, "%s", kvt_dsa_engine_reason(e));
     kvt_dsa_release(e);
@@ -1022,6 +1046,7 @@ static PyObject *kvt_py_dsa_status(PyObject *mod, PyObject *arg)
         dict_set(d, "portal", PyUnicode_FromString(portal)) < 0 ||
         dict_set(d, "min_size", PyLong_FromSize_t(min_size)) < 0 ||
         dict_set(d, "wait", PyUnicode_FromString(wait)) < 0 ||
+        dict_set(d, "timeout", PyFloat_FromDouble(timeout_s)) < 0 ||
         dict_set(d, "selfcheck", scd) < 0 ||
         dict_set(d, "counters", counters_dict(&c)) < 0)
         goto fail;
@@ -1036,7 +1061,8 @@ PyDoc_STRVAR(dsa_counters_doc,
 "Counters of the 'dsa' or 'dsa-model' engine, or None when it has none:\n"
 "descriptors_submitted, completed_on_device, page_fault_resumes,\n"
 "enqcmd_retries, wait_ns (ns), bytes_on_device (bytes), below_min_size\n"
-"(ops the size gate kept on the CPU), submit_failures, cpu_redo_total and\n"
+"(ops the size gate kept on the CPU), submit_failures, cpu_redo_total,\n"
+"timeouts (descriptors not completed within the timeout) and\n"
 "cpu_redo_by_status ({DSA_COMP_* name in lower case: count}).");
 
 static PyObject *kvt_py_dsa_counters(PyObject *mod, PyObject *arg)
@@ -1071,21 +1097,35 @@ static PyObject *kvt_py_dsa_reset_counters(PyObject *mod, PyObject *arg)
 
 PyDoc_STRVAR(dsa_configure_doc,
 "dsa_configure($module, backend, /, *, min_size=None, wait=None, sleep_ns=None,\n"
-"              cache_control=None)\n--\n\n"
+"              cache_control=None, timeout=None)\n--\n\n"
 "Tune an engine: min_size (bytes; below it the CPU computes, default 16 KiB\n"
 "or env KVTIER_DSA_MIN_SIZE), wait ('spin', 'yield' or 'sleep'; default\n"
 "'yield' or env KVTIER_DSA_WAIT), sleep_ns (nanosleep per poll in 'sleep'\n"
-"mode), cache_control (set CC on COPY_CRC when gen_cap allows). Raises\n"
-"LookupError when the engine does not exist, ValueError for bad values.");
+"mode), cache_control (set CC on COPY_CRC when gen_cap allows), timeout\n"
+"(seconds, > 0: how long to wait for one descriptor's completion record\n"
+"before quarantining it, redoing the CRC on the CPU and disabling the\n"
+"engine; default 1.0 or env KVTIER_DSA_TIMEOUT_MS). Raises LookupError\n"
+"when the engine does not exist, ValueError for bad values.");
 
 static PyObject *kvt_py_dsa_configure(PyObject *mod, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"backend", "min_size", "wait", "sleep_ns", "cache_control", NULL};
+    static char *kwlist[] = {"backend", "min_size", "wait", "sleep_ns", "cache_control", "timeout", NULL};
     const char *name, *wait = NULL;
-    PyObject *min_size = Py_None, *sleep_ns = Py_None, *cc = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|$OzOO:dsa_configure", kwlist, &name, &min_size,
-                                     &wait, &sleep_ns, &cc))
+    PyObject *min_size = Py_None, *sleep_ns = Py_None, *cc = Py_None, *timeout = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|$OzOOO:dsa_configure", kwlist, &name, &min_size,
+                                     &wait, &sleep_ns, &cc, &timeout))
         return NULL;
+    uint64_t timeout_ns = 0;
+    if (timeout != Py_None) {
+        double t = PyFloat_AsDouble(timeout);
+        if (t == -1.0 && PyErr_Occurred())
+            return NULL;
+        if (!(t >= 1e-6 && t <= 86400.0)) {
+            PyErr_SetString(PyExc_ValueError, "timeout must be in 1e-6..86400 seconds");
+            return NULL;
+        }
+        timeout_ns = (uint64_t)(t * 1e9);
+    }
     int w = dsa_which(name);
     if (w < 0)
         return NULL;
@@ -1128,6 +1168,8 @@ static PyObject *kvt_py_dsa_configure(PyObject *mod, PyObject *args, PyObject *k
         kvt_dsa_engine_set_wait(e, mode, sl);
     if (ccv >= 0)
         kvt_dsa_engine_set_cache_control(e, ccv);
+    if (timeout_ns)
+        kvt_dsa_engine_set_timeout(e, timeout_ns);
     kvt_dsa_release(e);
     Py_RETURN_NONE;
 }
@@ -1140,7 +1182,9 @@ PyDoc_STRVAR(dsa_model_inject_doc,
 "`count` descriptors arrive with BOF / CC / a nonzero reserved field),\n"
 "'xfer_erange' (device max transfer `param` bytes for `count` descriptors),\n"
 "'reject_all' (`count` descriptors complete with status `param`, 0 =\n"
-"INVALID_FLAGS). count=-1 means every descriptor. LookupError without a model.");
+"INVALID_FLAGS), 'hang' (`count` descriptors accepted and never completed;\n"
+"param > 0: their completion record is written `param` ns later, no data\n"
+"touched). count=-1 means every descriptor. LookupError without a model.");
 
 static PyObject *kvt_py_dsa_model_inject(PyObject *mod, PyObject *args, PyObject *kw)
 {
@@ -1176,7 +1220,9 @@ PyDoc_STRVAR(dsa_copy_crc_doc,
 "Copy src into dst (writable, same length in bytes) and return the CRC32C of\n"
 "src chained from value, with one fused COPY_CRC per transfer on the\n"
 "'dsa' or 'dsa-model' engine (CPU below the min size or when not enabled).\n"
-"ValueError for different lengths; BufferError for non-contiguous buffers.");
+"ValueError for different lengths or overlapping dst and src (memcpy is\n"
+"undefined there, the device answers OVERLAP_BUFFERS); BufferError for\n"
+"non-contiguous or read-only dst.");
 
 static PyObject *kvt_py_dsa_copy_crc(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1203,6 +1249,14 @@ static PyObject *kvt_py_dsa_copy_crc(PyObject *mod, PyObject *const *args, Py_ss
         PyBuffer_Release(&sv);
         return NULL;
     }
+    uintptr_t da = (uintptr_t)dv.buf, sa = (uintptr_t)sv.buf, n = (uintptr_t)sv.len;
+    if (n && da < sa + n && sa < da + n) {
+        PyErr_Format(PyExc_ValueError, "dst and src overlap (dst at src%s%zd, %zd bytes)",
+                     da >= sa ? "+" : "-", (Py_ssize_t)(da >= sa ? da - sa : sa - da), sv.len);
+        PyBuffer_Release(&dv);
+        PyBuffer_Release(&sv);
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS
     kvt_dsa_engine *e = kvt_dsa_acquire(w);
     if (e) {
@@ -1222,7 +1276,8 @@ PyDoc_STRVAR(dsa_model_stats_doc,
 "dsa_model_stats($module, /)\n--\n\n"
 "Device-side statistics of the 'dsa-model' device, or None without a model:\n"
 "executed, dropped (dedicated WQ overflow; must stay 0), enqcmd_rejected,\n"
-"faults_injected (page faults reported), faults_resolved (BOF).");
+"faults_injected (page faults reported), faults_resolved (BOF), hung\n"
+"(descriptors swallowed by the 'hang' fault); all counts of descriptors.");
 
 static PyObject *kvt_py_dsa_model_stats(PyObject *mod, PyObject *unused)
 {
@@ -1235,7 +1290,8 @@ static PyObject *kvt_py_dsa_model_stats(PyObject *mod, PyObject *unused)
     kvt_dsa_model_stats st;
     kvt_dsa_model_get_stats(m, &st);
     kvt_dsa_release(e);
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K}", "executed", (unsigned long long)st.executed,
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K}", "hung", (unsigned long long)st.hung,
+                         "executed", (unsigned long long)st.executed,
                          "dropped", (unsigned long long)st.dropped, "enqcmd_rejected",
                          (unsigned long long)st.enqcmd_rejected, "faults_injected",
                          (unsigned long long)st.faults_injected, "faults_resolved",

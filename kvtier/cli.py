@@ -75,7 +75,12 @@ def _print_info(d: dict) -> None:
     print(f"Block I/O:      {d['io_backend']}")
     print(f"CRC32C active:  {d['crc32c_backend']}")
     for b in d["crc32c_backends"]:
-        state = "available" if b["available"] else "not available on this host"
+        if b["available"]:
+            state = "available"
+        elif b["name"] == "dsa-model":  # KVT-DSA: the model is not enabled, the host has nothing to do with it
+            state = "not enabled (explicit only: KVTIER_DSA=model or KVTIER_CRC32C_BACKEND=dsa-model)"
+        else:
+            state = "not available on this host"
         print(f"  {b['name']:<10} {state:<28} {b['uses']}")
     isal = d["isal_version"]
     print(f"ISA-L:          {isal if isal else 'not built in (libisal not found at build time, or KVTIER_NO_ISAL=1)'}")

@@ -19,7 +19,20 @@ Two CRC32C backends come from it, neither ever auto-selected:
 Environment: ``KVTIER_DSA_SYSFS`` (sysfs root, default ``/sys``),
 ``KVTIER_DSA_DEV`` (device root, default ``/dev``), ``KVTIER_DSA_WQ`` (use
 this WQ, e.g. ``wq0.1``), ``KVTIER_DSA_MIN_SIZE`` (bytes), ``KVTIER_DSA_WAIT``
-(``spin`` | ``yield`` | ``sleep``), ``KVTIER_DSA=off`` (never probe a device).
+(``spin`` | ``yield`` | ``sleep``), ``KVTIER_DSA_TIMEOUT_MS`` (per-descriptor
+completion deadline in milliseconds, default 1000), ``KVTIER_DSA=off`` (never
+probe a device), ``KVTIER_DSA_MODEL_LATENCY_NS`` (per-descriptor delay of the
+model when enabled through the environment, nanoseconds, < 10**9).
+
+Timeouts: every wait for a completion record has a deadline. When the device
+does not complete a descriptor in time (a WQ the admin disabled, a hung
+device), the record, which is engine-owned memory, is quarantined (never
+freed or reused: the device may still write it), the CRC is redone on the
+CPU, counter ``timeouts`` grows and the engine disables itself;
+``status(b)["reason"]`` then starts ``"<b> disabled: device stopped
+completing descriptors"`` and every later CRC runs on the CPU. The caller's
+buffers stay the caller's: a late device may still read the source, and for
+COPY_CRC write the destination with the bytes the CPU already copied there.
 """
 from __future__ import annotations
 
@@ -43,6 +56,7 @@ COUNTER_NAMES = (
     "below_min_size",
     "submit_failures",
     "cpu_redo_total",
+    "timeouts",
 )
 
 
@@ -109,7 +123,9 @@ def inject(kind: str, count: int = 1, param: int = 0) -> None:
 
     kind: ``enqcmd_retry``, ``page_fault`` (param = byte offset),
     ``bof_flag``, ``cc_flag``, ``stale_reserved``, ``xfer_erange`` (param =
-    device max transfer in bytes), ``reject_all`` (param = status);
+    device max transfer in bytes), ``reject_all`` (param = status), ``hang``
+    (accepted, never completed; param > 0 = nanoseconds after which the
+    model writes the completion record anyway, touching no data);
     count = -1 for every descriptor.
     """
     _need_c()
@@ -117,15 +133,26 @@ def inject(kind: str, count: int = 1, param: int = 0) -> None:
 
 
 def configure(backend: str, *, min_size: Optional[int] = None, wait: Optional[str] = None,
-              sleep_ns: Optional[int] = None, cache_control: Optional[bool] = None) -> None:
-    """Tune an engine: min_size (bytes, CPU below it), wait (spin|yield|sleep)."""
+              sleep_ns: Optional[int] = None, cache_control: Optional[bool] = None,
+              timeout: Optional[float] = None) -> None:
+    """Tune an engine: min_size (bytes, CPU below it), wait (spin|yield|sleep),
+    sleep_ns (nanoseconds per poll in ``sleep`` mode), cache_control (CC flag on
+    COPY_CRC), timeout (seconds to wait for one descriptor's completion record,
+    1e-6..86400; default 1.0 or ``KVTIER_DSA_TIMEOUT_MS``). LookupError when the
+    engine does not exist; ValueError / TypeError for bad values."""
     _need_c()
     _C.dsa_configure(_check_backend(backend), min_size=min_size, wait=wait,
-                     sleep_ns=sleep_ns, cache_control=cache_control)
+                     sleep_ns=sleep_ns, cache_control=cache_control, timeout=timeout)
 
 
 def status(backend: str) -> Dict[str, Any]:
-    """State of one engine (see ``kvtier._C.dsa_status``)."""
+    """State of one engine (see ``kvtier._C.dsa_status``).
+
+    Keys: backend, tried, enabled, reason (str); with an engine also wq, portal,
+    min_size (bytes), wait, timeout (seconds per descriptor), selfcheck,
+    engine_reason and counters, whose ``wait_ns`` is in nanoseconds and
+    ``bytes_on_device`` in bytes (the others are counts of descriptors or ops).
+    """
     _need_c()
     return _C.dsa_status(_check_backend(backend))
 
@@ -224,7 +251,10 @@ def copy_crc(dst, src, value: int = 0, backend: Optional[str] = None) -> int:
 
 
 def model_stats() -> Optional[Dict[str, int]]:
-    """Device-side statistics of the model (executed, dropped, ...), or None."""
+    """Device-side statistics of the model, or None without one: executed,
+    dropped (dedicated WQ overflow, must stay 0), enqcmd_rejected,
+    faults_injected, faults_resolved, hung; all counts of descriptors (the
+    model keeps no times: waits are in :func:`counters`' ``wait_ns``, ns)."""
     _need_c()
     return _C.dsa_model_stats()
 
@@ -235,6 +265,7 @@ def _fmt_counters(c: Dict[str, Any]) -> str:
     return (f"descriptors={c['descriptors_submitted']} on_device={c['completed_on_device']} "
             f"page_fault_resumes={c['page_fault_resumes']} enqcmd_retries={c['enqcmd_retries']} "
             f"cpu_redo={c['cpu_redo_total']}" + (f" ({redo_s})" if redo_s else "")
+            + f" timeouts={c['timeouts']}"
             + f" below_min_size={c['below_min_size']} submit_failures={c['submit_failures']}"
             f" wait={c['wait_ns'] / 1e6:.3f} ms")
 

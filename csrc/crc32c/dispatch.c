@@ -14,7 +14,10 @@ static int isal_available(void) { return 1; }
 /* KVT-DSA (owned by the dsa helper; see csrc/dsa/dsa.h): "dsa" (a real WQ
  * enabled and self-checked) and "dsa-model" (the software model, enabled
  * only explicitly). Weak references so a build of csrc/crc32c alone (e.g.
- * tests/c/Makefile) links without csrc/dsa; the entries are then unavailable. */
+ * tests/c/Makefile) links without csrc/dsa; the entries are then unavailable.
+ * Their available() may run discovery and the 1 MiB self-check the first
+ * time (seconds on a slow WQ): a caller holding the Python GIL releases it
+ * first (module.c backend_available). */
 uint32_t kvt_crc32c_dsa(uint32_t crc, const void *buf, size_t len) __attribute__((weak));
 uint32_t kvt_crc32c_dsa_model(uint32_t crc, const void *buf, size_t len) __attribute__((weak));
 int kvt_dsa_backend_available(void) __attribute__((weak));
@@ -29,8 +32,9 @@ static int dsa_model_available(void)
 /* Order = auto-selection preference, measured (docs/crc32c.md,
  * `python benchmarks/crc32c_bench.py`): isal (ISA-L picks its own
  * AVX-512/PCLMUL folding kernel at run time) ran ~2x sse42 from 4 KiB to
- * 16 MiB, warm and cold; sse42 ~2.9x a serial crc32q loop; table (slicing-
- * by-16) ~7.4x a byte-at-a-time table. */
+ * 16 MiB, warm and cold; sse42 ~2.9x a serial crc32q loop with a warm
+ * cache (cold, memory-bound: ~2x); table (slicing-by-16) ~7.4x a
+ * byte-at-a-time table. */
 static const kvt_crc32c_backend BACKENDS[] = {
 #ifdef KVTIER_HAVE_ISAL
     {"isal", kvt_crc32c_isal, isal_available, "ISA-L crc32_iscsi"},

@@ -145,6 +145,11 @@ enum kvt_dsa_fault {
                                        device max transfer size of `param` bytes */
     KVT_DSA_FAULT_REJECT_ALL,       /* next `count` descriptors complete with status
                                        `param` (0 -> DSA_COMP_INVALID_FLAGS), no work */
+    KVT_DSA_FAULT_HANG,             /* next `count` descriptors are accepted and never
+                                       executed (a WQ the admin disabled, a hung
+                                       device); param > 0: `param` ns later the model
+                                       writes their completion record anyway (status
+                                       success, no data touched): a late device */
 };
 
 typedef struct kvt_dsa_model_stats {
@@ -153,6 +158,7 @@ typedef struct kvt_dsa_model_stats {
     uint64_t enqcmd_rejected;   /* ENQCMD answered ZF=1 */
     uint64_t faults_injected;   /* page faults reported to software */
     uint64_t faults_resolved;   /* page faults resolved by the device (BOF) */
+    uint64_t hung;              /* descriptors swallowed by the "hang" fault */
 } kvt_dsa_model_stats;
 
 kvt_dsa_model *kvt_dsa_model_create(const kvt_dsa_model_config *cfg); /* NULL + errno */
@@ -182,6 +188,8 @@ typedef struct kvt_dsa_counters {
     uint64_t below_min_size;       /* ops the gate kept on the CPU */
     uint64_t submit_failures;      /* portal error / retries exhausted -> CPU */
     uint64_t cpu_redo_total;       /* descriptors redone on the CPU (any status) */
+    uint64_t timeouts;             /* descriptors not completed within the timeout
+                                      (record quarantined, CPU redo, engine disabled) */
     uint64_t cpu_redo_by_status[128]; /* indexed by status & 0x7f */
 } kvt_dsa_counters;
 
@@ -216,19 +224,30 @@ size_t kvt_dsa_engine_min_size(const kvt_dsa_engine *e);
 void kvt_dsa_engine_set_wait(kvt_dsa_engine *e, int mode, long sleep_ns);
 int kvt_dsa_engine_wait_mode(const kvt_dsa_engine *e);
 void kvt_dsa_engine_set_cache_control(kvt_dsa_engine *e, int on);
+/* Per-descriptor completion deadline in ns (> 0), counted from the start of
+ * the wait for that descriptor. Default 1 s, env KVTIER_DSA_TIMEOUT_MS. */
+void kvt_dsa_engine_set_timeout(kvt_dsa_engine *e, uint64_t timeout_ns);
+uint64_t kvt_dsa_engine_timeout(const kvt_dsa_engine *e);
 void kvt_dsa_engine_get_counters(const kvt_dsa_engine *e, kvt_dsa_counters *out);
 void kvt_dsa_engine_reset_counters(kvt_dsa_engine *e);
 const char *kvt_dsa_status_name(int status); /* "success", "invalid_flags", ... */
 const char *kvt_dsa_wait_name(int mode);
 int kvt_dsa_wait_from_name(const char *name); /* -1 if unknown */
 
-/* One operation. Its memory (this struct, and the buffers) must stay valid
- * and untouched until kvt_dsa_wait() returns: the device writes the
- * completion record inside it. Descriptor 64-B and completion record 32-B
- * aligned, as the device requires. */
+/* One operation. The struct itself may live on the caller's stack: the
+ * device only reads the descriptor at submission (MOVDIR64B / ENQCMD copy
+ * it) and writes the completion record, which is engine-owned heap memory
+ * (`comp`, 32-B aligned, from a per-engine pool). kvt_dsa_wait() returns
+ * within the engine's timeout per descriptor; when the device has not
+ * answered by then, the completion record is quarantined (never freed, never
+ * reused, because the device may still write it), the rest of the CRC is
+ * redone on the CPU, counter `timeouts` grows and the engine is disabled
+ * ("device stopped completing descriptors"). The caller's buffers stay the
+ * caller's: after a timeout a late device may still read src (CRCGEN) and,
+ * for COPY_CRC, write dst with the same bytes the CPU copied there. */
 typedef struct kvt_dsa_op {
     _Alignas(64) struct dsa_hw_desc desc;
-    _Alignas(32) struct dsa_completion_record comp;
+    struct dsa_completion_record *comp; /* engine-owned, NULL when none held */
     kvt_dsa_engine *e;
     const uint8_t *src;
     uint8_t *dst;              /* COPY_CRC only */
@@ -249,7 +268,10 @@ void kvt_dsa_crc_submit(kvt_dsa_engine *e, kvt_dsa_op *op, const void *buf, size
 void kvt_dsa_copy_crc_submit(kvt_dsa_engine *e, kvt_dsa_op *op, void *dst, const void *src,
                              size_t len, uint32_t seed);
 /* Waits for every descriptor of the op (resuming page faults, splitting at
- * max_transfer_size, redoing failures on the CPU); returns the standard CRC32C. */
+ * max_transfer_size, redoing failures and timeouts on the CPU); returns the
+ * standard CRC32C. Bounded: at most the engine timeout per descriptor.
+ * COPY_CRC with overlapping dst/src is done on the CPU (CRC of src first,
+ * then memmove); the Python binding rejects overlap with ValueError. */
 uint32_t kvt_dsa_wait(kvt_dsa_op *op);
 /* Synchronous helpers. */
 uint32_t kvt_dsa_crc(kvt_dsa_engine *e, uint32_t seed, const void *buf, size_t len);
@@ -266,7 +288,9 @@ enum { KVT_DSA_DEVICE = 0, KVT_DSA_MODEL = 1 };
  * Returns 1 when enabled. The outcome and reason stay readable through
  * kvt_dsa_global_reason(KVT_DSA_DEVICE). */
 int kvt_dsa_enable_device(const char *sysfs_root, const char *dev_root, const char *want);
-/* Enable the software model (cfg NULL: defaults) with optional faults
+/* Enable the software model (cfg NULL: defaults; the implicit enable via
+ * KVTIER_DSA=model / KVTIER_CRC32C_BACKEND=dsa-model takes its per-descriptor
+ * latency from env KVTIER_DSA_MODEL_LATENCY_NS, < 1e9) with optional faults
  * injected before the self-check (reject_status != 0 -> REJECT_ALL with it).
  * Returns 1 when the self-check passed. */
 int kvt_dsa_enable_model(const kvt_dsa_model_config *cfg, int reject_status);
@@ -280,7 +304,8 @@ kvt_dsa_engine *kvt_dsa_acquire_active(void);
 void kvt_dsa_release(kvt_dsa_engine *e);
 kvt_dsa_model *kvt_dsa_global_model(void); /* under kvt_dsa_acquire(KVT_DSA_MODEL) */
 int kvt_dsa_global_tried(int which);
-/* Last enable outcome / reason (copied into buf). */
+/* Last enable outcome / reason (copied into buf), or "<name> disabled:
+ * device stopped completing descriptors (...)" once a descriptor timed out. */
 void kvt_dsa_global_reason(int which, char *buf, size_t n);
 
 /* CRC backends for the dispatch table (crc32c/dispatch.c). Synchronous;

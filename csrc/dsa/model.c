@@ -21,6 +21,8 @@
  *    (| DSA_COMP_STATUS_WRITE for a fault on the destination)
  *  - dedicated WQ: a descriptor arriving at a full WQ is lost (counted);
  *    shared WQ: ENQCMD is refused (ZF=1)
+ *  - injected "hang": descriptors accepted and never completed (a WQ the
+ *    admin disabled, a hung device), or completed late
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -48,6 +50,7 @@ struct kvt_dsa_model {
     uint64_t f_xfer_count, f_xfer_max;
     uint64_t f_reject_count;
     int f_reject_status;
+    uint64_t f_hang_count, f_hang_late_ns;
     kvt_dsa_model_stats st;
 };
 
@@ -71,6 +74,8 @@ typedef struct {
     uint64_t xfer_max;
     int reject;
     int reject_status;
+    int hang;
+    uint64_t hang_late_ns;
 } taken_faults;
 
 static void complete(struct dsa_completion_record *c, int status, uint32_t bytes,
@@ -99,6 +104,18 @@ static void execute(kvt_dsa_model *m, struct dsa_hw_desc *d, const taken_faults 
     if (!(d->flags & IDXD_OP_FLAG_CRAV) || d->completion_addr == 0)
         return; /* no completion record requested: nothing observable */
     struct dsa_completion_record *c = (struct dsa_completion_record *)(uintptr_t)d->completion_addr;
+    if (f->hang) {
+        __atomic_fetch_add(&m->st.hung, 1, __ATOMIC_RELAXED);
+        if (f->hang_late_ns == 0)
+            return; /* swallowed: never completed */
+        /* A device coming back late writes the record software gave up on
+         * (no data touched: the caller's buffers may be gone by now). */
+        struct timespec ts = {(time_t)(f->hang_late_ns / 1000000000ull),
+                              (long)(f->hang_late_ns % 1000000000ull)};
+        nanosleep(&ts, NULL);
+        complete(c, DSA_COMP_SUCCESS, d->xfer_size, 0, 0xDEADBEEFu, 0);
+        return;
+    }
     if (d->completion_addr & 31) {
         complete(c, DSA_COMP_CRA_ALIGN, 0, 0, 0, 0);
         return;
@@ -216,9 +233,12 @@ static void *model_thread(void *arg)
         m->head = (m->head + 1) % m->cfg.size;
         m->count--;
         taken_faults f = {0};
-        f.reject = take(&m->f_reject_count);
+        f.hang = take(&m->f_hang_count);
+        f.hang_late_ns = m->f_hang_late_ns;
+        if (!f.hang)
+            f.reject = take(&m->f_reject_count);
         f.reject_status = m->f_reject_status;
-        if (d.opcode != DSA_OPCODE_NOOP && !f.reject) {
+        if (d.opcode != DSA_OPCODE_NOOP && !f.reject && !f.hang) {
             /* A page fault needs a transfer long enough to reach the byte. */
             if (m->f_pf_count && m->f_pf_offset < d.xfer_size) {
                 f.pf = take(&m->f_pf_count);
@@ -358,6 +378,7 @@ int kvt_dsa_model_inject(kvt_dsa_model *m, int kind, uint64_t count, uint64_t pa
         m->f_reject_count = count;
         m->f_reject_status = param ? (int)(param & 0x7f) : DSA_COMP_INVALID_FLAGS;
         break;
+    case KVT_DSA_FAULT_HANG: m->f_hang_count = count; m->f_hang_late_ns = param; break;
     default: rc = -1; errno = EINVAL; break;
     }
     pthread_mutex_unlock(&m->mu);
@@ -368,7 +389,7 @@ void kvt_dsa_model_clear_faults(kvt_dsa_model *m)
 {
     pthread_mutex_lock(&m->mu);
     m->f_enqcmd = m->f_pf_count = m->f_bof = m->f_cc = m->f_stale = 0;
-    m->f_xfer_count = m->f_reject_count = 0;
+    m->f_xfer_count = m->f_reject_count = m->f_hang_count = 0;
     pthread_mutex_unlock(&m->mu);
 }
 
@@ -378,6 +399,7 @@ void kvt_dsa_model_get_stats(kvt_dsa_model *m, kvt_dsa_model_stats *out)
     *out = m->st;
     out->faults_injected = __atomic_load_n(&m->st.faults_injected, __ATOMIC_RELAXED);
     out->faults_resolved = __atomic_load_n(&m->st.faults_resolved, __ATOMIC_RELAXED);
+    out->hung = __atomic_load_n(&m->st.hung, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&m->mu);
 }
 
@@ -389,6 +411,7 @@ static const char *const FAULT_NAMES[] = {
     [KVT_DSA_FAULT_STALE_RESERVED] = "stale_reserved",
     [KVT_DSA_FAULT_XFER_ERANGE] = "xfer_erange",
     [KVT_DSA_FAULT_REJECT_ALL] = "reject_all",
+    [KVT_DSA_FAULT_HANG] = "hang",
 };
 
 const char *kvt_dsa_fault_name(int kind)

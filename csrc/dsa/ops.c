@@ -11,8 +11,11 @@
  *    crc_seed = crc_val from bytes_completed, anything else -> CPU redo
  *  - crc_seed = previous standard CRC32C (0 to start) gives the standard value
  *  - transfers above max_transfer_size are split, chaining the seed
- *  - an op's memory is never released before the device is done with it:
- *    kvt_dsa_wait() only returns once no descriptor of the op is in flight
+ *  - the completion record is engine-owned (pooled, 32-B aligned); every
+ *    wait has a deadline (engine timeout, default 1 s): a descriptor the
+ *    device never completes gets its record quarantined (never reused, the
+ *    device may still write it), its work redone on the CPU, and the engine
+ *    disabled with the reason "device stopped completing descriptors"
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -41,7 +44,6 @@ _Static_assert(offsetof(struct dsa_completion_record, bytes_completed) == 4, "by
 _Static_assert(offsetof(struct dsa_completion_record, fault_addr) == 8, "fault_addr at 8");
 _Static_assert(offsetof(struct dsa_completion_record, crc_val) == 16, "crc_val at 16");
 _Static_assert(offsetof(kvt_dsa_op, desc) % 64 == 0, "descriptor 64-B aligned in the op");
-_Static_assert(offsetof(kvt_dsa_op, comp) % 32 == 0, "completion record 32-B aligned in the op");
 _Static_assert(_Alignof(kvt_dsa_op) >= 64, "op aligned for the descriptor");
 
 #ifndef MADV_POPULATE_WRITE
@@ -57,11 +59,42 @@ struct kvt_dsa_engine {
     int wait_mode;
     long sleep_ns;
     int cache_control;
-    int enabled;
+    int enabled;          /* atomic */
     char reason[400];
     kvt_dsa_selfcheck sc;
+    uint64_t timeout_ns;  /* per-descriptor completion deadline */
+    int dead;             /* atomic: a descriptor timed out (claimed by CAS 0->1) */
+    int dead_ready;       /* atomic: dead_reason written (release) */
+    char dead_reason[300];
+    pthread_mutex_t pool_mu;
+    struct comp_slot *pool; /* free completion records */
     kvt_dsa_counters c;   /* updated with __atomic builtins */
 };
+
+/* A completion record with its free-list link; 32-B aligned as the device
+ * requires (DSA spec: completion record address alignment). */
+struct comp_slot {
+    _Alignas(32) struct dsa_completion_record rec;
+    struct comp_slot *next;
+};
+_Static_assert(offsetof(struct comp_slot, rec) == 0, "record first in its slot");
+
+/* Records (and self-check buffers) a device never completed: reachable,
+ * never freed, never reused. */
+static pthread_mutex_t g_abandoned_mu = PTHREAD_MUTEX_INITIALIZER;
+static void **g_abandoned;
+
+static void quarantine(void *p)
+{
+    void **slot = malloc(2 * sizeof(void *));
+    pthread_mutex_lock(&g_abandoned_mu);
+    if (slot) {
+        slot[0] = p;
+        slot[1] = g_abandoned;
+        g_abandoned = slot;
+    }
+    pthread_mutex_unlock(&g_abandoned_mu);
+}
 
 #define CADD(e, field, v) __atomic_fetch_add(&(e)->c.field, (uint64_t)(v), __ATOMIC_RELAXED)
 
@@ -157,7 +190,16 @@ kvt_dsa_engine *kvt_dsa_engine_create(const char *name, kvt_dsa_portal *portal,
     e->wait_mode = KVT_DSA_WAIT_YIELD;
     e->sleep_ns = 2000;
     e->cache_control = 1;
-    const char *s = getenv("KVTIER_DSA_MIN_SIZE");
+    e->timeout_ns = 1000000000ull;
+    pthread_mutex_init(&e->pool_mu, NULL);
+    const char *s = getenv("KVTIER_DSA_TIMEOUT_MS");
+    if (s && *s) {
+        char *end;
+        unsigned long long v = strtoull(s, &end, 10);
+        if (*end == '\0' && v > 0 && v < UINT64_MAX / 1000000ull)
+            e->timeout_ns = v * 1000000ull;
+    }
+    s = getenv("KVTIER_DSA_MIN_SIZE");
     if (s && *s) {
         char *end;
         unsigned long long v = strtoull(s, &end, 0);
@@ -175,15 +217,78 @@ void kvt_dsa_engine_destroy(kvt_dsa_engine *e)
 {
     if (!e)
         return;
-    /* Every op waits for its descriptors, so nothing is in flight here. */
+    /* Every op waits for its descriptors or quarantines their records, so
+     * no pooled record is in flight here. */
     if (e->portal)
         e->portal->ops->close(e->portal);
+    for (struct comp_slot *c = e->pool, *n; c; c = n) {
+        n = c->next;
+        free(c);
+    }
+    pthread_mutex_destroy(&e->pool_mu);
     free(e);
 }
 
-int kvt_dsa_engine_enabled(const kvt_dsa_engine *e) { return e && e->enabled; }
+int kvt_dsa_engine_enabled(const kvt_dsa_engine *e)
+{
+    return e && __atomic_load_n(&e->enabled, __ATOMIC_ACQUIRE);
+}
 const char *kvt_dsa_engine_name(const kvt_dsa_engine *e) { return e->name; }
-const char *kvt_dsa_engine_reason(const kvt_dsa_engine *e) { return e->reason; }
+const char *kvt_dsa_engine_reason(const kvt_dsa_engine *e)
+{
+    return __atomic_load_n(&e->dead_ready, __ATOMIC_ACQUIRE) ? e->dead_reason : e->reason;
+}
+void kvt_dsa_engine_set_timeout(kvt_dsa_engine *e, uint64_t timeout_ns)
+{
+    if (timeout_ns > 0)
+        __atomic_store_n(&e->timeout_ns, timeout_ns, __ATOMIC_RELAXED);
+}
+uint64_t kvt_dsa_engine_timeout(const kvt_dsa_engine *e)
+{
+    return __atomic_load_n(&e->timeout_ns, __ATOMIC_RELAXED);
+}
+
+static struct dsa_completion_record *comp_get(kvt_dsa_engine *e)
+{
+    pthread_mutex_lock(&e->pool_mu);
+    struct comp_slot *c = e->pool;
+    if (c)
+        e->pool = c->next;
+    pthread_mutex_unlock(&e->pool_mu);
+    if (!c)
+        c = aligned_alloc(64, sizeof(struct comp_slot) < 64 ? 64 : sizeof(struct comp_slot));
+    return c ? &c->rec : NULL;
+}
+
+/* Back to the pool: only once the device has written the record's status
+ * (or it was never submitted). */
+static void comp_put(kvt_dsa_op *op)
+{
+    if (!op->comp)
+        return;
+    struct comp_slot *c = (struct comp_slot *)op->comp;
+    op->comp = NULL;
+    kvt_dsa_engine *e = op->e;
+    pthread_mutex_lock(&e->pool_mu);
+    c->next = e->pool;
+    e->pool = c;
+    pthread_mutex_unlock(&e->pool_mu);
+}
+
+/* The device did not complete a descriptor in time: disable the engine
+ * (later ops go to the CPU) and say why, once. */
+static void mark_dead(kvt_dsa_engine *e, const char *what)
+{
+    int zero = 0;
+    __atomic_store_n(&e->enabled, 0, __ATOMIC_RELEASE);
+    if (!__atomic_compare_exchange_n(&e->dead, &zero, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+        return;
+    snprintf(e->dead_reason, sizeof e->dead_reason,
+             "device stopped completing descriptors (%s within %llu ms; completion record "
+             "quarantined, CRC redone on the CPU); engine disabled, the CPU computes",
+             what, (unsigned long long)(kvt_dsa_engine_timeout(e) / 1000000ull));
+    __atomic_store_n(&e->dead_ready, 1, __ATOMIC_RELEASE);
+}
 const char *kvt_dsa_engine_portal_kind(const kvt_dsa_engine *e) { return e->portal->kind; }
 void kvt_dsa_engine_wq(const kvt_dsa_engine *e, kvt_dsa_wq_info *out) { *out = e->wq; }
 void kvt_dsa_engine_get_selfcheck(const kvt_dsa_engine *e, kvt_dsa_selfcheck *out) { *out = e->sc; }
@@ -230,6 +335,7 @@ static void cpu_rest(kvt_dsa_op *op)
     }
     op->done = op->len;
     op->state = 0;
+    comp_put(op); /* status written by the device, or never submitted */
 }
 
 static void wait_backoff(const kvt_dsa_engine *e, unsigned *spins)
@@ -260,12 +366,18 @@ static void wait_backoff(const kvt_dsa_engine *e, unsigned *spins)
 static int submit_chunk(kvt_dsa_op *op)
 {
     kvt_dsa_engine *e = op->e;
+    if (__atomic_load_n(&e->dead, __ATOMIC_ACQUIRE))
+        return -1; /* a descriptor timed out: the device is not trusted any more */
+    if (!op->comp && !(op->comp = comp_get(e))) {
+        CADD(e, submit_failures, 1);
+        return -1;
+    }
     size_t rem = op->len - op->done;
     size_t chunk = rem < e->wq.max_transfer_size ? rem : (size_t)e->wq.max_transfer_size;
     op->chunk = chunk;
 
     memset(&op->desc, 0, sizeof op->desc);
-    memset(&op->comp, 0, sizeof op->comp); /* status = 0 before submit */
+    memset(op->comp, 0, sizeof *op->comp); /* status = 0 before submit */
     uint32_t flags = IDXD_OP_FLAG_CRAV | IDXD_OP_FLAG_RCR;
     if (e->wq.block_on_fault)
         flags |= IDXD_OP_FLAG_BOF;
@@ -274,7 +386,7 @@ static int submit_chunk(kvt_dsa_op *op)
         flags |= IDXD_OP_FLAG_CC;
     op->desc.opcode = (uint32_t)op->opcode;
     op->desc.flags = flags;
-    op->desc.completion_addr = (uint64_t)(uintptr_t)&op->comp;
+    op->desc.completion_addr = (uint64_t)(uintptr_t)op->comp;
     op->desc.src_addr = (uint64_t)(uintptr_t)(op->src + op->done);
     if (op->opcode == DSA_OPCODE_COPY_CRC)
         op->desc.dst_addr = (uint64_t)(uintptr_t)(op->dst + op->done);
@@ -285,6 +397,7 @@ static int submit_chunk(kvt_dsa_op *op)
      * have more than `size` in flight. */
     unsigned spins = 0;
     if (e->wq.dedicated) {
+        uint64_t deadline = 0;
         for (;;) {
             unsigned cur = __atomic_load_n(&e->in_flight, __ATOMIC_RELAXED);
             if (cur < e->wq.size &&
@@ -292,6 +405,18 @@ static int submit_chunk(kvt_dsa_op *op)
                                             __ATOMIC_RELAXED))
                 break;
             wait_backoff(e, &spins);
+            if ((spins & 63) == 0) {
+                /* Slots held by descriptors that never complete: bounded too. */
+                if (__atomic_load_n(&e->dead, __ATOMIC_ACQUIRE))
+                    return -1;
+                if (deadline == 0)
+                    deadline = now_ns() + kvt_dsa_engine_timeout(e);
+                else if (now_ns() > deadline) {
+                    mark_dead(e, "no free dedicated WQ slot");
+                    CADD(e, timeouts, 1);
+                    return -1;
+                }
+            }
         }
     } else {
         __atomic_fetch_add(&e->in_flight, 1, __ATOMIC_ACQ_REL);
@@ -326,6 +451,7 @@ static void start(kvt_dsa_engine *e, kvt_dsa_op *op, int opcode, void *dst, cons
                   size_t len, uint32_t seed, int force)
 {
     op->e = e;
+    op->comp = NULL;
     op->opcode = opcode;
     op->src = (const uint8_t *)src;
     op->dst = (uint8_t *)dst;
@@ -337,7 +463,15 @@ static void start(kvt_dsa_engine *e, kvt_dsa_op *op, int opcode, void *dst, cons
     op->on_device = 0;
     op->last_status = 0;
     op->pf_no_progress = 0;
-    if (!e || len == 0 || (!force && !e->enabled)) {
+    if (dst && len && (uintptr_t)dst < (uintptr_t)src + len && (uintptr_t)src < (uintptr_t)dst + len) {
+        /* Overlap: undefined for memcpy, OVERLAP_BUFFERS on the device. CRC
+         * of the source as it is, then a memmove, all on the CPU. */
+        op->crc = kvt_crc32c_best_cpu()->fn(op->crc, src, len);
+        memmove(dst, src, len);
+        op->done = len;
+        return;
+    }
+    if (!e || len == 0 || (!force && !kvt_dsa_engine_enabled(e))) {
         cpu_rest(op);
         return;
     }
@@ -374,22 +508,32 @@ static void touch_fault(kvt_dsa_op *op, uint64_t addr, int write)
         (void)*(volatile const uint8_t *)a;
 }
 
-/* Wait for the op; deadline 0 = forever. Returns 0, or -1 when the deadline
- * passed with a descriptor still in flight (the op then stays in flight: its
- * memory must be leaked, never reused). */
-static int wait_until(kvt_dsa_op *op, uint64_t deadline)
+/* Wait for the op, at most `timeout` ns per descriptor (from the start of
+ * the wait for it). Returns 0, or -1 when a descriptor timed out: its
+ * completion record is then quarantined (the device may still write it),
+ * the rest of the op is redone on the CPU (op->crc is right either way),
+ * counter `timeouts` grows and, with mark, the engine is disabled. */
+static int wait_until(kvt_dsa_op *op, uint64_t timeout, int mark)
 {
     if (op->state == 0)
         return 0;
     kvt_dsa_engine *e = op->e;
     uint64_t t0 = now_ns();
-    const uint8_t *status_p = (const uint8_t *)&op->comp;
     while (op->state == 1) {
+        const uint8_t *status_p = (const uint8_t *)op->comp;
+        uint64_t deadline = now_ns() + timeout;
         unsigned spins = 0;
         uint8_t s;
         while ((s = __atomic_load_n(status_p, __ATOMIC_ACQUIRE)) == 0) {
             wait_backoff(e, &spins);
-            if (deadline && (spins & 63) == 0 && now_ns() > deadline) {
+            if ((spins & 63) == 0 && now_ns() > deadline) {
+                quarantine(op->comp); /* in_flight keeps counting it: it is */
+                op->comp = NULL;
+                CADD(e, timeouts, 1);
+                CADD(e, cpu_redo_total, 1);
+                if (mark)
+                    mark_dead(e, "no completion record");
+                cpu_rest(op);
                 CADD(e, wait_ns, now_ns() - t0);
                 return -1;
             }
@@ -401,17 +545,17 @@ static int wait_until(kvt_dsa_op *op, uint64_t deadline)
         if (st == DSA_COMP_SUCCESS) {
             CADD(e, completed_on_device, 1);
             CADD(e, bytes_on_device, op->chunk);
-            op->crc = (uint32_t)op->comp.crc_val;
+            op->crc = (uint32_t)op->comp->crc_val;
             op->done += op->chunk;
             op->pf_no_progress = 0;
             if (op->done < op->len && submit_chunk(op) < 0)
                 cpu_rest(op);
             continue;
         }
-        if (st == DSA_COMP_PAGE_FAULT_NOBOF && op->comp.bytes_completed <= op->chunk) {
-            uint32_t bc = op->comp.bytes_completed;
+        if (st == DSA_COMP_PAGE_FAULT_NOBOF && op->comp->bytes_completed <= op->chunk) {
+            uint32_t bc = op->comp->bytes_completed;
             if (bc) {
-                op->crc = (uint32_t)op->comp.crc_val;
+                op->crc = (uint32_t)op->comp->crc_val;
                 op->done += bc;
                 op->pf_no_progress = 0;
                 CADD(e, bytes_on_device, bc);
@@ -420,7 +564,7 @@ static int wait_until(kvt_dsa_op *op, uint64_t deadline)
             }
             if (op->pf_no_progress <= 4) {
                 CADD(e, page_fault_resumes, 1);
-                touch_fault(op, op->comp.fault_addr, (s & DSA_COMP_STATUS_WRITE) != 0);
+                touch_fault(op, op->comp->fault_addr, (s & DSA_COMP_STATUS_WRITE) != 0);
                 if (op->done < op->len && submit_chunk(op) < 0)
                     cpu_rest(op);
                 continue;
@@ -432,13 +576,15 @@ static int wait_until(kvt_dsa_op *op, uint64_t deadline)
         CADD(e, cpu_redo_total, 1);
         cpu_rest(op);
     }
+    comp_put(op);
     CADD(e, wait_ns, now_ns() - t0);
     return 0;
 }
 
 uint32_t kvt_dsa_wait(kvt_dsa_op *op)
 {
-    wait_until(op, 0);
+    if (op->state)
+        wait_until(op, kvt_dsa_engine_timeout(op->e), 1);
     return op->crc;
 }
 
@@ -480,9 +626,6 @@ static const char *sname(int st)
     return n ? n : "unknown";
 }
 
-static pthread_mutex_t g_abandoned_mu = PTHREAD_MUTEX_INITIALIZER;
-static void **g_abandoned; /* list of ops a device never completed */
-
 static uint64_t selfcheck_timeout_ns(void)
 {
     const char *s = getenv("KVTIER_DSA_SELFCHECK_TIMEOUT_MS");
@@ -508,17 +651,16 @@ int kvt_dsa_engine_selfcheck(kvt_dsa_engine *e)
     memset(&e->sc, 0, sizeof e->sc);
     e->enabled = 0;
     uint8_t *src = populated(n), *dst = populated(n);
-    /* The op lives on the heap: if the device never answers, op and buffers
-     * are leaked rather than handed back while the device may still write. */
-    kvt_dsa_op *op = aligned_alloc(64, sizeof *op);
-    if (!src || !dst || !op) {
+    /* The completion record is engine-owned (quarantined on a timeout); the
+     * buffers are leaked rather than unmapped if the device never answers. */
+    kvt_dsa_op opv, *op = &opv;
+    if (!src || !dst) {
         snprintf(e->reason, sizeof e->reason, "self-check: cannot allocate 2 x 1 MiB: %s",
                  strerror(errno));
         if (src)
             munmap(src, n);
         if (dst)
             munmap(dst, n);
-        free(op);
         return 0;
     }
     uint64_t x = 0x9E3779B97F4A7C15ull;
@@ -536,30 +678,29 @@ int kvt_dsa_engine_selfcheck(kvt_dsa_engine *e)
     snprintf(e->reason, sizeof e->reason, "self-check failed:");
 
     start(e, op, DSA_OPCODE_CRCGEN, NULL, src, n, 0, 1);
-    if (wait_until(op, now_ns() + timeout) < 0)
+    if (wait_until(op, timeout, 0) < 0)
         goto timeout;
     uint32_t c1 = op->crc;
     e->sc.crcgen_on_device = op->on_device;
     e->sc.crcgen_status = op->last_status;
     /* also the standard check value through a single small descriptor */
     start(e, op, DSA_OPCODE_CRCGEN, NULL, check, 9, 0, 1);
-    if (wait_until(op, now_ns() + timeout) < 0)
+    if (wait_until(op, timeout, 0) < 0)
         goto timeout;
     e->sc.crcgen_on_device &= op->on_device;
     e->sc.crcgen_match = c1 == ref && op->crc == 0xE3069283u;
 
     start(e, op, DSA_OPCODE_COPY_CRC, dst, src, n, 0, 1);
-    if (wait_until(op, now_ns() + timeout) < 0)
+    if (wait_until(op, timeout, 0) < 0)
         goto timeout;
     e->sc.copy_on_device = op->on_device;
     e->sc.copy_status = op->last_status;
     e->sc.copy_match = op->crc == ref && memcmp(src, dst, n) == 0;
     munmap(src, n);
     munmap(dst, n);
-    free(op);
 
     if (e->sc.crcgen_on_device && e->sc.crcgen_match && e->sc.copy_on_device && e->sc.copy_match) {
-        e->enabled = 1;
+        __atomic_store_n(&e->enabled, 1, __ATOMIC_RELEASE);
         snprintf(e->reason, sizeof e->reason, "self-check passed (CRCGEN and COPY_CRC on 1 MiB)");
         return 1;
     }
@@ -576,17 +717,11 @@ int kvt_dsa_engine_selfcheck(kvt_dsa_engine *e)
     return 0;
 
 timeout:
-    /* Keep the abandoned op reachable (it is deliberately never freed). */
-    pthread_mutex_lock(&g_abandoned_mu);
-    op->e = NULL;
-    void **slot = malloc(2 * sizeof(void *));
-    if (slot) {
-        slot[0] = op;
-        slot[1] = g_abandoned;
-        g_abandoned = slot;
-    }
-    pthread_mutex_unlock(&g_abandoned_mu);
-    APPEND(" no completion within %llu ms (op memory leaked, never reused);",
+    /* The record is quarantined by wait_until; the buffers stay mapped
+     * (reachable, never reused) since the device may still use them. */
+    quarantine(src);
+    quarantine(dst);
+    APPEND(" no completion within %llu ms (completion record and buffers leaked, never reused);",
            (unsigned long long)(timeout / 1000000ull));
     e->sc.crcgen_on_device = e->sc.copy_on_device = 0;
     return 0;
@@ -765,7 +900,7 @@ kvt_dsa_engine *kvt_dsa_acquire_active(void)
     else
         return NULL;
     kvt_dsa_engine *e = kvt_dsa_acquire(which);
-    if (e && !e->enabled) {
+    if (e && !kvt_dsa_engine_enabled(e)) {
         kvt_dsa_release(e);
         return NULL;
     }
@@ -791,7 +926,11 @@ int kvt_dsa_global_tried(int which)
 void kvt_dsa_global_reason(int which, char *buf, size_t n)
 {
     pthread_rwlock_rdlock(&g_lock);
-    snprintf(buf, n, "%s", g_reason[which]);
+    kvt_dsa_engine *e = g_eng[which];
+    if (e && __atomic_load_n(&e->dead_ready, __ATOMIC_ACQUIRE))
+        snprintf(buf, n, "%s disabled: %s", e->name, e->dead_reason);
+    else
+        snprintf(buf, n, "%s", g_reason[which]);
     pthread_rwlock_unlock(&g_lock);
 }
 
@@ -818,7 +957,7 @@ uint32_t kvt_crc32c_dsa_model(uint32_t crc, const void *buf, size_t len)
 static int engine_enabled(int which)
 {
     pthread_rwlock_rdlock(&g_lock);
-    int r = g_eng[which] && g_eng[which]->enabled;
+    int r = kvt_dsa_engine_enabled(g_eng[which]);
     pthread_rwlock_unlock(&g_lock);
     return r;
 }
@@ -846,8 +985,22 @@ static void try_model_once(void)
 {
     /* The model is only ever enabled explicitly. */
     if ((env_is("KVTIER_DSA", "model") || env_is("KVTIER_CRC32C_BACKEND", "dsa-model")) &&
-        !kvt_dsa_global_tried(KVT_DSA_MODEL))
+        !kvt_dsa_global_tried(KVT_DSA_MODEL)) {
+        const char *lat = getenv("KVTIER_DSA_MODEL_LATENCY_NS");
+        if (lat && *lat) {
+            char *end;
+            unsigned long long v = strtoull(lat, &end, 10);
+            if (*end == '\0' && v < 1000000000ull) {
+                kvt_dsa_model_config cfg = {.size = 32, .max_transfer_size = 2u << 20,
+                                            .gen_cap = KVT_DSA_GENCAP_CACHE_CONTROL |
+                                                       KVT_DSA_GENCAP_BLOCK_ON_FAULT,
+                                            .latency_ns = (unsigned)v};
+                kvt_dsa_enable_model(&cfg, 0);
+                return;
+            }
+        }
         kvt_dsa_enable_model(NULL, 0);
+    }
 }
 
 int kvt_dsa_backend_available(void)
