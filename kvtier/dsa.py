@@ -211,6 +211,8 @@ PROMETHEUS_COUNTERS = (
      "CRCs computed on the CPU because the buffer was below the DSA min size."),
     ("kvtier:dsa_submit_failures", "submit_failures", 1,
      "DSA submissions that failed (CRC then computed on the CPU)."),
+    ("kvtier:dsa_timeouts", "timeouts", 1,
+     "DSA descriptors that did not complete within the timeout (CRC redone on the CPU, engine disabled)."),
 )
 PROMETHEUS_CPU_REDO_BY_STATUS = "kvtier:dsa_cpu_redo_by_status"
 

@@ -507,6 +507,7 @@ DSA_SAMPLES = {
     "kvtier:dsa_bytes_on_device_total",
     "kvtier:dsa_below_min_size_total",
     "kvtier:dsa_submit_failures_total",
+    "kvtier:dsa_timeouts_total",
 }
 
 _DSA_ROUND_TRIP = r"""
@@ -570,6 +571,7 @@ def test_dsa_model_counters_exported_by_the_tier(tmp_path):
     assert one("kvtier:dsa_completed_on_device_total") == c["completed_on_device"]
     assert one("kvtier:dsa_descriptors_submitted_total") == c["descriptors_submitted"]
     assert one("kvtier:dsa_cpu_redo_total") == c["cpu_redo_total"] == 1
+    assert one("kvtier:dsa_timeouts_total") == c["timeouts"] == 0  # no stalled descriptor here
     assert one("kvtier:dsa_page_fault_resumes_total") == c["page_fault_resumes"]
     assert one("kvtier:dsa_enqcmd_retries_total") == c["enqcmd_retries"]
     assert one("kvtier:dsa_bytes_on_device_total") == c["bytes_on_device"] > 0
