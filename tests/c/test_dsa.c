@@ -523,11 +523,12 @@ static void fake_wq(const char *root, const char *name, const char *state, const
     }
 }
 
+/* A fresh fake sysfs+dev tree; the caller frees the returned path (and removes the tree). */
 static char *make_tree(void)
 {
-    static char tmpl[64];
+    char tmpl[64];
     strcpy(tmpl, "/tmp/kvt-dsa-sysfs-XXXXXX");
-    char *root = mkdtemp(tmpl);
+    char *root = strdup(mkdtemp(tmpl));
     char d[600];
     snprintf(d, sizeof d, "%s/sys", root); mkdir(d, 0755);
     snprintf(d, sizeof d, "%s/sys/bus", root); mkdir(d, 0755);
@@ -640,6 +641,10 @@ static void test_discovery(void)
     char cmd[300];
     snprintf(cmd, sizeof cmd, "rm -rf '%s' '%s' '%s'", root, root2, root3);
     CHECK_EQ(system(cmd), 0);
+    CHECK(access(root, F_OK) != 0 && access(root2, F_OK) != 0 && access(root3, F_OK) != 0);
+    free(root);
+    free(root2);
+    free(root3);
 }
 
 static void test_global_model(void)
