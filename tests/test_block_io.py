@@ -73,6 +73,13 @@ def store_one(io_backend, path, data: bytes, checksum=True, use_o_direct=True):
     io_backend.batch_store_block([path], buf, [0], len(data), use_o_direct=use_o_direct, checksum=checksum)
 
 
+def preload(shim: str) -> str:
+    """LD_PRELOAD for a child with our shim: after what is already preloaded (under
+    scripts/sanitize the ASan/UBSan runtimes, which must come first)."""
+    have = os.environ.get("LD_PRELOAD", "")
+    return f"{have}:{shim}" if have else shim
+
+
 def load_expect_error(io_backend, paths, block_size, checksum=True, use_o_direct=True):
     out = np.zeros(len(paths) * block_size, dtype=np.uint8)
     with pytest.raises(OSError) as ei:
@@ -218,7 +225,7 @@ def test_xattr_set_before_rename(io_backend, tmp_path, rename_spy, checksum):
         paths = [{str(d)!r} + f"/x/{{i}}.bin" for i in range(2)]
         io.batch_store_block(paths, v, [0, 512 * 1024], 512 * 1024, checksum={checksum})
     """)
-    env = dict(os.environ, LD_PRELOAD=rename_spy, KVT_RENAME_SPY_LOG=str(log), KVTIER_IO_BACKEND=io_backend.backend)
+    env = dict(os.environ, LD_PRELOAD=preload(rename_spy), KVT_RENAME_SPY_LOG=str(log), KVTIER_IO_BACKEND=io_backend.backend)
     subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=str(ROOT))
     lines = [ln.split("\t") for ln in log.read_text().splitlines()]
     assert len(lines) == 2
@@ -897,7 +904,7 @@ def _run_under_faults(io_backend, io_fault, tmp_path, odirect=True, durable=Fals
     if odirect and not kio.probe_o_direct(str(d)):
         pytest.skip(f"{d} does not accept O_DIRECT")
     log, loaded = tmp_path / "fault.log", tmp_path / "loaded.bin"
-    env = dict(os.environ, LD_PRELOAD=io_fault, KVT_FAULT_DIR=str(d), KVT_FAULT_LOG=str(log),
+    env = dict(os.environ, LD_PRELOAD=preload(io_fault), KVT_FAULT_DIR=str(d), KVT_FAULT_LOG=str(log),
                KVTIER_IO_BACKEND=io_backend.backend, **faults)
     r = subprocess.run([sys.executable, "-c", _FAULT_SCRIPT, str(d), str(int(odirect)), str(int(durable)),
                         str(loaded), io_backend.backend], env=env, cwd=str(ROOT), capture_output=True, text=True)
@@ -1021,7 +1028,7 @@ def test_durable_dir_fsync_failure_keeps_a_peers_block(io_backend, io_fault, tmp
         else:
             raise SystemExit("store succeeded")
     """)
-    base = dict(os.environ, LD_PRELOAD=io_fault, KVT_FAULT_DIR=str(d), KVT_FAULT_DIRSYNC_EIO="1",
+    base = dict(os.environ, LD_PRELOAD=preload(io_fault), KVT_FAULT_DIR=str(d), KVT_FAULT_DIRSYNC_EIO="1",
                 KVT_FAULT_LOG=str(tmp_path / "log"), KVTIER_IO_BACKEND=io_backend.backend)
     r = subprocess.run([sys.executable, "-c", script], cwd=str(ROOT), capture_output=True, text=True,
                        env=dict(base, KVT_FAULT_PEER_SRC=str(peer), KVT_FAULT_PEER_DST=str(dest)))
