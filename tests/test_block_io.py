@@ -23,6 +23,7 @@ import pytest
 
 import kvtier
 from kvtier import io as kio
+from corrupt import flip_bit
 from mounts import mount_tmpfs
 
 XATTR = "user.vllm.kv_crc32c"
@@ -53,13 +54,6 @@ def expected_record(data) -> bytes:
 def temps_under(d):
     return glob.glob(os.path.join(str(d), "**", "*.tmp"), recursive=True)
 
-
-def flip_bit(path, pos):
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x01]))
 
 
 def aligned_buffer(nbytes):
@@ -669,9 +663,8 @@ def stat_mode_is(path, fn):
 def test_symlink_at_a_block_path_is_eloop_and_neither_link_nor_target_is_touched(io_backend, tmp_path):
     """Loads never follow a symlink at the block path: nothing outside the cache is read
     as a block (a link to /etc/passwd would otherwise load as a legacy block)."""
-    bs = 4096
     target = tmp_path / "outside"
-    target.write_bytes(b"secret" * 1000)  # not a multiple of bs: a followed load would remove the link
+    target.write_bytes(b"secret" * 1000)  # the right size: a followed load would accept it (no xattr)
     link = str(tmp_path / "blk.bin")
     os.symlink(target, link)
     err, out = load_expect_error(io_backend, [link], len(b"secret" * 1000))

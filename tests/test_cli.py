@@ -11,6 +11,7 @@ import kvtier.io as kio
 from kvtier import bench
 from kvtier.cli import main
 from kvtier.manager import FileSystemTierManager, TransferJob
+from corrupt import flip_bit as flip
 
 TINY_BLOCK = 2 * 2 * 2 * 64 * 2 * 16  # K,V x layers x KV heads x head_dim x fp16 bytes x tokens
 
@@ -88,13 +89,6 @@ def make_cache(root):
         assert m.get_finished_jobs()[0].success
     return paths
 
-
-def flip(path, pos):
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x80]))
 
 
 def test_scrub_clean_cache(tmp_path, capsys):

@@ -27,6 +27,7 @@ import pytest
 import kvtier
 from kvtier import io as kio
 from mounts import mount_loop, mount_ramfs, mount_tmpfs
+from corrupt import flip_bit
 
 pytestmark = pytest.mark.mount
 
@@ -83,13 +84,6 @@ def paths_in(d, n):
 def leftovers(d):
     return glob.glob(os.path.join(d, "**", "*.tmp"), recursive=True)
 
-
-def flip_bit(path, pos):
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x10]))
 
 
 # ---------------------------------------------------------------- probes

@@ -12,6 +12,7 @@ import kvtier
 import kvtier.io as kio
 from kvtier import scrub as sc
 from kvtier.cli import main
+from corrupt import flip_bit as flip
 
 XATTR = "user.vllm.kv_crc32c"
 
@@ -44,13 +45,6 @@ def run(root, *extra):
         rc = main(["scrub", str(root), "--json", "--no-progress", *extra])
     return rc, json.loads(out.getvalue())
 
-
-def flip(path, pos):
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x01]))
 
 
 def hybrid(root):
