@@ -410,6 +410,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except ImportError:
             print("kvtier bench: --plot needs matplotlib: pip install 'kvtier[plot]'", file=sys.stderr)
             return 2
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        ext = os.path.splitext(args.plot)[1].lower().lstrip(".")
+        kinds = FigureCanvasAgg.get_supported_filetypes()
+        if ext not in kinds or os.path.isdir(args.plot):
+            print(f"kvtier bench: --plot {args.plot!r}: name a file ending in one of "
+                  f"{', '.join('.' + k for k in sorted(kinds))}", file=sys.stderr)
+            return 2
         d_plot = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(d_plot) or not os.access(d_plot, os.W_OK):
             print(f"kvtier bench: --plot: directory {d_plot!r} does not exist or is not writable", file=sys.stderr)

@@ -28,7 +28,9 @@ beside ``config.json`` (written by :class:`kvtier.manager.FileSystemTierManager`
 tokens per block, dtype, layer names) do not give the bytes per block, because head count
 and head dimension are not among them.
 
-``--remove`` deletes ``corrupt`` and ``wrong_size`` blocks only, and only if the name still
+``--remove`` deletes ``corrupt`` blocks and ``wrong_size`` blocks without a matching CRC32C
+(a block of an unexpected size whose bytes verify is reported and kept: a hybrid cache with
+one size per KV-cache group, or a wrong ``--block-size``, is not corruption), and only if the name still
 points to the file that was read (same st_dev and st_ino: a block republished meanwhile
 stays).  Exit status: 0 clean, 1 if any corrupt or wrong-size block was found (also with
 ``--remove``), 2 for usage errors.
@@ -198,54 +200,65 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
         odd = expected is not None and size != expected
         guess_note = (f"{size} bytes, the most common size in this group is {expected} "
                       "(a guess: no kvtier.json or --block-size)") if odd and not known else ""
-        if odd and known:
-            f.status, f.detail = "wrong_size", f"{size} bytes, expected {expected} ({source})"
-        else:
-            try:
-                rec = os.getxattr(fd, XATTR_NAME)
-            except OSError as e:
-                if e.errno in (errno.ENODATA, errno.EOPNOTSUPP):
-                    f.status = "no_checksum"
-                    f.detail = "; ".join(filter(None, ["no xattr: unverified", guess_note]))
-                else:
-                    f.detail = f"getxattr: {e.strerror} (errno {e.errno})"
-                return f
-            if len(rec) != 4:
-                f.status, f.detail = "corrupt", f"xattr record is {len(rec)} bytes, not 4"
+        size_note = f"{size} bytes, expected {expected} ({source})" if odd and known else ""
+        # The CRC32C is checked whatever the size: a block whose bytes verify is never removed
+        # for its size alone (a hybrid cache or a wrong --block-size is not corruption).
+        try:
+            rec = os.getxattr(fd, XATTR_NAME)
+        except OSError as e:
+            if e.errno in (errno.ENODATA, errno.EOPNOTSUPP):
+                f.status = "no_checksum"
+                f.detail = "; ".join(filter(None, ["no xattr: unverified", guess_note]))
+                if size_note:  # unverifiable and of the wrong size: a load would fail (EIO)
+                    f.status, f.detail = "wrong_size", size_note + "; no xattr"
+                    if remove:
+                        why = _unlink_if_same(path, fd)
+                        f.removed = not why
+                        if why:
+                            f.detail += "; " + why
             else:
-                want = int.from_bytes(rec, "big")
-                for attempt in range(2):
-                    try:
-                        crc, n = _crc_of(fd, buf)
-                    except OSError as e:
-                        f.detail = f"read: {e.strerror} (errno {e.errno})"
-                        return f
-                    if n != size:
-                        f.detail = f"read {n} bytes of {size}: file changed during scrub"
-                        return f
-                    if crc == want:
-                        break
-                    if attempt == 0:  # maybe a stale page-cache copy: re-read from the device
-                        f.retried = True
-                        try:
-                            os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
-                        except OSError:
-                            pass  # advice only: the re-read still happens
-                if crc == want:
-                    f.status = "ok"
-                    notes = []
-                    if f.retried:
-                        notes.append("first read did not match the xattr; re-read after "
-                                     "POSIX_FADV_DONTNEED matched")
-                    if guess_note:
-                        notes.append(guess_note + "; CRC32C matches: kept")
-                    f.detail = "; ".join(notes)
+                f.detail = f"getxattr: {e.strerror} (errno {e.errno})"
+            return f
+        if len(rec) != 4:
+            f.status, f.detail = "corrupt", f"xattr record is {len(rec)} bytes, not 4"
+        else:
+            want = int.from_bytes(rec, "big")
+            for attempt in range(2):
+                try:
+                    crc, n = _crc_of(fd, buf)
+                except OSError as e:
+                    f.detail = f"read: {e.strerror} (errno {e.errno})"
                     return f
-                f.status = "corrupt"
-                f.detail = "; ".join(filter(None, [
-                    f"CRC32C 0x{crc:08x}, recorded 0x{want:08x}"
-                    + (" (twice: re-read after POSIX_FADV_DONTNEED)" if f.retried else ""),
-                    guess_note]))
+                if n != size:
+                    f.detail = f"read {n} bytes of {size}: file changed during scrub"
+                    return f
+                if crc == want:
+                    break
+                if attempt == 0:  # maybe a stale page-cache copy: re-read from the device
+                    f.retried = True
+                    try:
+                        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
+                    except OSError:
+                        pass  # advice only: the re-read still happens
+            if crc == want and size_note:
+                f.status = "wrong_size"
+                f.detail = size_note + "; CRC32C matches: kept (a layout or --block-size mismatch, not corruption)"
+                return f
+            if crc == want:
+                f.status = "ok"
+                notes = []
+                if f.retried:
+                    notes.append("first read did not match the xattr; re-read after "
+                                 "POSIX_FADV_DONTNEED matched")
+                if guess_note:
+                    notes.append(guess_note + "; CRC32C matches: kept")
+                f.detail = "; ".join(notes)
+                return f
+            f.status = "wrong_size" if size_note else "corrupt"  # both removable
+            f.detail = "; ".join(filter(None, [
+                f"CRC32C 0x{crc:08x}, recorded 0x{want:08x}"
+                + (" (twice: re-read after POSIX_FADV_DONTNEED)" if f.retried else ""),
+                guess_note, size_note]))
         if remove:
             why = _unlink_if_same(path, fd)
             f.removed = not why

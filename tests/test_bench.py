@@ -36,3 +36,11 @@ def test_bench_prints_the_table_then_writes_the_plot(tmp_path, capsys):
     assert rc == 0 and "0 mismatched, 0 failed jobs: OK" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"plot written to {png}" in err
+
+
+def test_bench_plot_name_without_a_known_image_type_fails_before_running(tmp_path, capsys):
+    for bad in (tmp_path / "x.xyz", tmp_path / "noext", tmp_path):
+        rc = main(["bench", "--preset", "tiny", "--blocks", "4", "--root", str(tmp_path), "--no-progress",
+                   "--plot", str(bad)])
+        assert rc == 2 and ".png" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing was run or written

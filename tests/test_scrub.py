@@ -109,7 +109,22 @@ def test_known_size_judges_every_group(tmp_path):
     assert rc == 1
     assert d["expected_block_bytes"]["m_0123456789ab_r0/g1"] == {"bytes": 8192, "source": "kvtier.json"}
     assert [(f["path"], f["status"]) for f in d["findings"]] == [(g1[0], "wrong_size")]
+    # its CRC32C matches: reported, but --remove keeps it (a size rule is not corruption)
     rc, d = run(tmp_path, "--remove")
+    assert rc == 1 and d["removed"] == [] and all(os.path.exists(p) for p in g0 + g1)
+    assert "CRC32C matches: kept" in d["findings"][0]["detail"]
+    # the same block corrupted, or stripped of its record, is removed
+    flip(g1[0], 5)
+    rc, d = run(tmp_path, "--remove")
+    assert rc == 1 and d["removed"] == g1 and not os.path.exists(g1[0])
+    assert all(os.path.exists(p) for p in g0)
+
+
+def test_known_size_removes_an_unverifiable_block_of_the_wrong_size(tmp_path):
+    root = str(tmp_path)
+    g0, g1 = hybrid(root)
+    os.removexattr(g1[0], "user.vllm.kv_crc32c")
+    rc, d = run(tmp_path, "--block-size", "8192", "--remove")
     assert rc == 1 and d["removed"] == g1 and not os.path.exists(g1[0])
     assert all(os.path.exists(p) for p in g0)
 

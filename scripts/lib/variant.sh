@@ -1,7 +1,8 @@
 # Shared by scripts/sanitize and scripts/test-no-isal: copy the work tree to a
 # temp dir and build the C core there with the given build switches, so the
 # normal in-place build is untouched. Source it, then:
-#   variant_setup NAME            sets $work (removed at exit unless KVTIER_VARIANT_KEEP=1)
+#   variant_setup NAME            sets $work (removed at exit unless KVTIER_VARIANT_KEEP=1;
+#                                 so run the tests, do not exec them)
 #   variant_build VAR=VALUE ...   builds kvtier._C in $work with those settings
 #   variant_env                   PYTHONPATH=$work, cd $work (the copy is imported first)
 variant_setup() {
