@@ -561,6 +561,22 @@ static int close_r(int fd)
 /* Full-length I/O with EINTR / short transfers / O_DIRECT refusal     */
 /* ------------------------------------------------------------------ */
 
+/* After a failed pread/pwrite (errno set): 1 to retry it, 0 to fail. EINTR is
+ * retried; EINVAL under O_DIRECT drops O_DIRECT for the rest of the file (a
+ * filesystem refusing it at the first I/O) and retries buffered. */
+static int retry_io(int fd, int *direct)
+{
+    if (errno == EINTR)
+        return 1;
+    if (errno == EINVAL && *direct) {
+        if (set_direct(fd, 0) != 0)
+            return 0;
+        *direct = 0;
+        return 1;
+    }
+    return 0;
+}
+
 /* pwrite `len` bytes at offset `off`. On EINVAL with O_DIRECT (filesystem
  * refusing O_DIRECT at the first I/O, or a short write leaving an unaligned
  * offset) drop O_DIRECT for the rest of the file and retry buffered.
@@ -570,14 +586,8 @@ static int write_full(int fd, const uint8_t *p, size_t len, uint64_t off, int *d
     while (len > 0) {
         ssize_t w = pwrite(fd, p, len, (off_t)off);
         if (w < 0) {
-            if (errno == EINTR)
+            if (retry_io(fd, direct))
                 continue;
-            if (errno == EINVAL && *direct) {
-                if (set_direct(fd, 0) != 0)
-                    return -1;
-                *direct = 0;
-                continue;
-            }
             return -1;
         }
         if (w == 0) {
@@ -599,14 +609,8 @@ static ssize_t read_full(int fd, uint8_t *p, size_t len, uint64_t off, int *dire
     while (got < len) {
         ssize_t r = pread(fd, p + got, len - got, (off_t)(off + got));
         if (r < 0) {
-            if (errno == EINTR)
+            if (retry_io(fd, direct))
                 continue;
-            if (errno == EINVAL && *direct) {
-                if (set_direct(fd, 0) != 0)
-                    return -1;
-                *direct = 0;
-                continue;
-            }
             return -1;
         }
         if (r == 0)
