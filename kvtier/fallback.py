@@ -169,20 +169,32 @@ def _views(buffers, writable):
     return out
 
 
+def _retry_io(op, fd, mv, off, direct):
+    """op(fd, mv, off) -> bytes moved, with the retry rule of fs_io.c retry_io:
+    EINTR is retried by Python itself (PEP 475); EINVAL under O_DIRECT (the
+    filesystem refusing it, or an unaligned offset after a short I/O) drops
+    O_DIRECT for the rest of the file and retries buffered. Returns
+    (bytes moved, direct)."""
+    while True:
+        try:
+            return op(fd, mv, off), direct
+        except OSError as e:
+            if e.errno != _errno.EINVAL or not direct:
+                raise
+            _set_direct(fd, False)
+            direct = False
+
+
+def _preadv_into(fd, mv, off):
+    return _os.preadv(fd, [mv], off)
+
+
 def _write_full(fd, mv, off, direct):
-    """pwrite all of mv at file offset off; EINTR is retried by Python (PEP 475);
-    EINVAL under O_DIRECT drops O_DIRECT and retries buffered. Returns direct."""
+    """pwrite all of mv at file offset off (_retry_io). Returns direct."""
     done = 0
     n = len(mv)
     while done < n:
-        try:
-            w = _os.pwrite(fd, mv[done:], off + done)
-        except OSError as e:
-            if e.errno == _errno.EINVAL and direct:
-                _set_direct(fd, False)
-                direct = False
-                continue
-            raise
+        w, direct = _retry_io(_os.pwrite, fd, mv[done:], off + done, direct)
         if w == 0:
             raise OSError(_errno.EIO, _os.strerror(_errno.EIO))
         done += w
@@ -190,18 +202,12 @@ def _write_full(fd, mv, off, direct):
 
 
 def _read_full(fd, mv, off, direct):
-    """preadv into mv at file offset off until full or EOF. Returns (got, direct)."""
+    """preadv into mv at file offset off until full or EOF (_retry_io).
+    Returns (got, direct)."""
     got = 0
     n = len(mv)
     while got < n:
-        try:
-            r = _os.preadv(fd, [mv[got:]], off + got)
-        except OSError as e:
-            if e.errno == _errno.EINVAL and direct:
-                _set_direct(fd, False)
-                direct = False
-                continue
-            raise
+        r, direct = _retry_io(_preadv_into, fd, mv[got:], off + got, direct)
         if r == 0:
             break
         got += r
