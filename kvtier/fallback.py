@@ -58,6 +58,9 @@ import fcntl as _fcntl
 import os as _os
 import stat as _stat
 import struct as _struct
+import threading as _threading
+
+import numpy as _np  # already loaded by kvtier._fallback_crc
 
 XATTR_NAME = "user.vllm.kv_crc32c"
 """xattr holding a block's CRC32C (4 bytes big-endian); vLLM FS tier name."""
@@ -105,9 +108,7 @@ def _dio_align(fd):
 
 
 def _buffer_address(mv):
-    import numpy as np
-
-    return np.frombuffer(mv, dtype=np.uint8).__array_interface__["data"][0] if len(mv) else 0
+    return _np.frombuffer(mv, dtype=_np.uint8).__array_interface__["data"][0] if len(mv) else 0
 
 
 def _dio_usable(fd, mv):
@@ -298,8 +299,6 @@ def _store_one(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable=False):
                 pass
             raise
 
-
-import threading as _threading
 
 _stats_lock = _threading.Lock()
 _stats = {"checksum_retries": 0, "checksum_condemned": 0}
