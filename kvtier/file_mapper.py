@@ -264,7 +264,10 @@ class FileMapper:
 
     def get_file_name(self, key: Key) -> str:
         """Path of the block file for ``key``: ``<base>_r<rank>/<hhh>/<hh>_g<group>/<hash>.bin``."""
-        h, g = self.check_key(key)
+        return self._file_name(*self.check_key(key))
+
+    def _file_name(self, h: bytes, g: int) -> str:
+        """:meth:`get_file_name` of a key already through :meth:`check_key`."""
         hx = h.hex()
         return f"{self.rank_path}/{hx[:3]}/{hx[3:5]}_g{g}/{hx}.bin"
 

@@ -458,11 +458,11 @@ class FileSystemTierManager:
             if not 0 <= c < self.num_blocks:
                 raise ValueError(f"job {job.job_id!r}: chunk_id {c} out of range [0, {self.num_blocks})")
             offsets.append(c * self.block_size)
-        paths = self.file_mapper.get_file_names(keys)
+        keys = tuple(FileMapper.check_key(k) for k in keys)  # once per key: paths reuse it
+        paths = [self.file_mapper._file_name(h, g) for h, g in keys]
         if is_promotion and self._view.readonly:
             raise BufferError("primary buffer is read-only; loads need a writable buffer")
-        return _Job(job.job_id, tuple(FileMapper.check_key(k) for k in keys), paths, offsets,
-                    is_promotion, 0.0)
+        return _Job(job.job_id, keys, paths, offsets, is_promotion, 0.0)
 
     def _submit(self, job: TransferJob, is_promotion: bool) -> None:
         j = self._prepare(job, is_promotion)
