@@ -38,7 +38,7 @@
 #include <unistd.h>
 
 #include "crc32c.h"
-#include "dsa.h" /* KVT-DSA: third CRC engine (csrc/dsa) */
+#include "dsa.h" /* third CRC engine (csrc/dsa) */
 
 /* ------------------------------------------------------------------ */
 /* CRC hook: inline, or overlapped on a helper thread                  */
@@ -84,7 +84,7 @@ typedef struct kvt_crc_ctx {
     uint32_t crc;
     int helper;    /* 1 when the helper engine owns this block */
     unsigned gen;
-    /* KVT-DSA: DSA engine when the active CRC backend is "dsa" / "dsa-model"
+    /* DSA engine when the active CRC backend is "dsa" / "dsa-model"
      * (read-locked from crc_begin to crc_finish/crc_cancel). Each crc_ready()
      * collects the previous range's descriptor and submits the new range
      * chained from it, so the device checksums chunk k while the caller
@@ -235,7 +235,7 @@ static void crc_begin(kvt_crc_ctx *c, const void *buf, size_t len)
     c->pos = 0;
     c->crc = 0;
     c->helper = 0;
-    c->dsa = kvt_dsa_acquire_active(); /* KVT-DSA: NULL unless the backend is dsa/dsa-model */
+    c->dsa = kvt_dsa_acquire_active(); /* NULL unless the backend is dsa/dsa-model */
     c->dsa_pos = 0;
     c->dsa_inflight = 0;
     if (c->dsa)
@@ -259,7 +259,7 @@ static void crc_begin(kvt_crc_ctx *c, const void *buf, size_t len)
     c->gen = gen;
 }
 
-/* KVT-DSA: collect the in-flight range (its CRC seeds the next one). */
+/* DSA: collect the in-flight range (its CRC seeds the next one). */
 static void dsa_collect(kvt_crc_ctx *c)
 {
     if (c->dsa_inflight) {
@@ -270,7 +270,7 @@ static void dsa_collect(kvt_crc_ctx *c)
 
 static inline void crc_ready(kvt_crc_ctx *c, size_t upto)
 {
-    if (c->dsa) { /* KVT-DSA */
+    if (c->dsa) {
         if (upto > c->dsa_pos) {
             dsa_collect(c);
             kvt_dsa_crc_submit(c->dsa, &c->dsa_op, c->base + c->dsa_pos, upto - c->dsa_pos, c->crc);
@@ -353,7 +353,7 @@ static uint32_t crc_settle(kvt_crc_ctx *c, int compute)
 
 static uint32_t crc_finish(kvt_crc_ctx *c)
 {
-    if (c->dsa) { /* KVT-DSA */
+    if (c->dsa) {
         if (c->dsa_pos < c->len)
             crc_ready(c, c->len);
         dsa_collect(c);
@@ -368,7 +368,7 @@ static uint32_t crc_finish(kvt_crc_ctx *c)
 
 static void crc_cancel(kvt_crc_ctx *c)
 {
-    if (c->dsa) { /* KVT-DSA: the device may still read buf: wait for it */
+    if (c->dsa) { /* the device may still read buf: wait for it */
         dsa_collect(c);
         kvt_dsa_release(c->dsa);
         c->dsa = NULL;
@@ -624,8 +624,7 @@ static ssize_t read_full(int fd, uint8_t *p, size_t len, uint64_t off, int *dire
 /* Store                                                               */
 /* ------------------------------------------------------------------ */
 
-/* Store one block. Returns 0, or an errno value (the temp is removed). */
-/* KVT-REL: fsync the directory holding `path` (makes a rename durable).
+/* fsync the directory holding `path` (makes a rename durable).
  * Returns 0 or an errno value; EINVAL (directory fsync not supported, e.g.
  * some FUSE filesystems) counts as done. */
 static int fsync_parent(const char *path)
@@ -654,6 +653,7 @@ static int fsync_parent(const char *path)
     return err;
 }
 
+/* Store one block. Returns 0, or an errno value (the temp is removed). */
 static int store_one(const char *tmp, const char *dest, const uint8_t *buf, size_t len, int use_o_direct,
                      int checksum, int durable)
 {
@@ -705,7 +705,7 @@ static int store_one(const char *tmp, const char *dest, const uint8_t *buf, size
         if (fsetxattr_r(fd, KVT_XATTR_NAME, rec, sizeof rec) != 0)
             err = errno;
     }
-    if (!err && durable) { /* KVT-REL: data before the name */
+    if (!err && durable) { /* data before the name */
         int r;
         do
             r = fdatasync(fd);
@@ -826,7 +826,7 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int use_o_direct, size_
     return 0;
 }
 
-/* KVT-REL: see fs_io.h. */
+/* See fs_io.h. */
 int kvt_xattr_parse(const void *rec, long r, int err, uint32_t *crc)
 {
     if (r < 0) {

@@ -48,7 +48,7 @@ typedef struct kvt_batch_result {
  * (O_CREAT|O_EXCL, parents created), write lens[i] bytes of bufs[i] (O_DIRECT
  * when use_o_direct and the buffer/length meet the filesystem's alignment),
  * with `checksum` set the xattr on the open fd, close, rename onto dest.
- * Any failure removes the temp. With `durable` (KVT-REL) the temp is
+ * Any failure removes the temp. With `durable` the temp is
  * fdatasync'ed before the rename and the parent directory fsync'ed after it,
  * so a published block survives power loss; a failure there removes the
  * temp, or the just-renamed destination if it is still our file (same
@@ -68,7 +68,7 @@ int kvt_batch_load(const char *const *src_paths, void *const *bufs,
  * once) and blocks condemned (mismatch again: EBADMSG, removed). */
 void kvt_checksum_stats(uint64_t *retries, uint64_t *condemned);
 
-/* KVT-REL: the xattr record parser of the load path, a pure function
+/* The xattr record parser of the load path, a pure function
  * (fuzzed by tests/fuzz/fuzz_xattr_record.c). `r` is what
  * fgetxattr(fd, KVT_XATTR_NAME, rec, KVT_XATTR_BUF) returned and `err` the
  * errno when r < 0. Returns KVT_REC_OK with *crc = the big-endian 4-byte

@@ -180,7 +180,7 @@ static PyObject *kvt_py_crc32c(PyObject *mod, PyObject *const *args, Py_ssize_t 
     return run_crc(kvt_crc32c_active()->fn, args[0], nargs > 1 ? args[1] : NULL);
 }
 
-/* KVT-DSA: a DSA entry's available() may run discovery and the 1 MiB
+/* A DSA entry's available() may run discovery and the 1 MiB
  * self-check (up to seconds) the first time: never with the GIL held. The
  * enable path is serialized in C (pthread_once, a mutex). */
 static int backend_available(const kvt_crc32c_backend *b)
@@ -222,7 +222,7 @@ static const kvt_crc32c_backend *lookup_backend(const char *name)
         return b;
     PyObject *valid = backend_names_list(1);
     if (valid) {
-        /* KVT-DSA: the model is never unavailable "on this host", only not enabled. */
+        /* The model is never unavailable "on this host", only not enabled. */
         const char *why = !b ? "unknown"
                           : strcmp(b->name, "dsa-model") == 0
                               ? "not enabled (explicit only: KVTIER_DSA=model or KVTIER_CRC32C_BACKEND=dsa-model)"
@@ -331,7 +331,7 @@ static PyObject *kvt_py_isal_version(PyObject *mod, PyObject *unused)
     return PyUnicode_FromString(v);
 }
 
-/* KVT-SECTION CRC peers (crc helper): benchmark peers, not backends. They
+/* CRC peers: benchmark peers, not backends. They
  * are the baselines of the speed claims in docs/crc32c.md ("sse42" vs one
  * serial crc32q chain, "table" vs a byte-at-a-time table) and are called by
  * benchmarks/crc32c_bench.py and tests/test_crc32c.py only. */
@@ -366,14 +366,10 @@ static PyObject *kvt_py_crc32c_bytewise(PyObject *mod, PyObject *const *args, Py
     }
     return run_crc(kvt_crc32c_bytewise, args[0], nargs > 1 ? args[1] : NULL);
 }
-/* KVT-SECTION CRC peers end */
 
 /* ------------------------------------------------------------------ */
 /* Block I/O (fs_io.c)                                                 */
 /* ------------------------------------------------------------------ */
-
-/* KVT-SECTION: block I/O bindings go here (batch_lookup, batch_store_block,
- * batch_load_block). */
 
 /* Arguments gathered with the GIL held; the batch then runs without it. */
 typedef struct {
@@ -616,7 +612,7 @@ static PyObject *kvt_py_checksum_stats(PyObject *mod, PyObject *unused)
                          (unsigned long long)c);
 }
 
-/* durable == NULL: the call has no `durable` flag (loads). KVT-REL added it. */
+/* durable == NULL: the call has no `durable` flag (loads). */
 static int parse_io_flags(PyObject *kwnames, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t npos,
                           const char *fname, int *use_o_direct, int *checksum, int *durable)
 {
@@ -753,8 +749,6 @@ done:
 /* DSA (dsa/)                                                          */
 /* ------------------------------------------------------------------ */
 
-/* KVT-SECTION: DSA bindings go here. */
-/* --- DSA bindings (dsa helper) --- */
 #include "dsa.h"
 
 static int dsa_which(const char *name)
@@ -1327,8 +1321,6 @@ static PyMethodDef kvt_methods[] = {
     {"batch_store_block", (PyCFunction)(void (*)(void))kvt_py_batch_store_block, METH_FASTCALL | METH_KEYWORDS, batch_store_block_doc},
     {"batch_load_block", (PyCFunction)(void (*)(void))kvt_py_batch_load_block, METH_FASTCALL | METH_KEYWORDS, batch_load_block_doc},
     {"checksum_stats", kvt_py_checksum_stats, METH_NOARGS, checksum_stats_doc},
-    /* KVT-METHODS: block I/O and DSA entries go here. */
-    /* KVT-METHODS DSA: */
     {"dsa_discover", (PyCFunction)(void (*)(void))kvt_py_dsa_discover, METH_VARARGS | METH_KEYWORDS, dsa_discover_doc},
     {"dsa_enable", (PyCFunction)(void (*)(void))kvt_py_dsa_enable, METH_VARARGS | METH_KEYWORDS, dsa_enable_doc},
     {"dsa_model_enable", (PyCFunction)(void (*)(void))kvt_py_dsa_model_enable, METH_VARARGS | METH_KEYWORDS, dsa_model_enable_doc},

@@ -77,7 +77,7 @@ def _print_info(d: dict) -> None:
     for b in d["crc32c_backends"]:
         if b["available"]:
             state = "available"
-        elif b["name"] == "dsa-model":  # KVT-DSA: the model is not enabled, the host has nothing to do with it
+        elif b["name"] == "dsa-model":  # the model is not enabled, the host has nothing to do with it
             state = "not enabled (explicit only: KVTIER_DSA=model or KVTIER_CRC32C_BACKEND=dsa-model)"
         else:
             state = "not available on this host"

@@ -1,8 +1,8 @@
 """kvtier pure-Python fallback: the same contracts as the C core (kvtier._C).
 
 CRC32C (numpy) and batched checksummed block I/O, used when the C core is not
-built or when forced (KVTIER_IO_BACKEND=python). Sections are owned by
-different parts of the package; each starts with a "# --- name ---" line.
+built or when forced (KVTIER_IO_BACKEND=python). Two sections, each
+starting with a "# --- name ---" line: CRC32C, block I/O.
 """
 from __future__ import annotations
 
@@ -237,7 +237,7 @@ def _close(fd):
 
 
 def _fsync_dir(path):
-    """KVT-REL: fsync the directory holding ``path`` (makes its rename
+    """fsync the directory holding ``path`` (makes its rename
     durable); EINVAL (not supported by the filesystem) counts as done."""
     d = _os.path.dirname(path) or (b"." if isinstance(path, bytes) else ".")
     fd = _os.open(d, _os.O_RDONLY | _os.O_DIRECTORY | _os.O_CLOEXEC)
@@ -272,7 +272,7 @@ def _store_one(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable=False):
                 direct = _write_full(fd, chunk, off, direct)
             if checksum:
                 _retry_eintr(_os.setxattr, fd, XATTR_NAME, crc.to_bytes(XATTR_LEN, "big"))
-            if durable:  # KVT-REL: data before the name
+            if durable:  # data before the name
                 _os.fdatasync(fd)
                 mine = _os.fstat(fd)  # to tell our published file from a peer's later
         finally:

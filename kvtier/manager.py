@@ -242,8 +242,8 @@ class FileSystemTierManager:
         tier_type: str = "fs",
         metrics: Optional[TieringMetricsTracker] = None,
         registry: Any = None,
-        sweep_stale_temps_after: Optional[float] = None,  # KVT-REL: stale-temp sweep (kvtier/sweep.py)
-        durable: bool = False,  # KVT-REL: fdatasync temp + fsync dir on store
+        sweep_stale_temps_after: Optional[float] = None,  # stale-temp sweep (kvtier/sweep.py)
+        durable: bool = False,  # fdatasync temp + fsync dir on store
     ) -> None:
         # ---- configuration checks: no I/O until all of them pass ----
         for name, v in (("n_read_threads", n_read_threads), ("n_write_threads", n_write_threads)):
@@ -255,7 +255,7 @@ class FileSystemTierManager:
                         ("durable", durable)):
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
-        if sweep_stale_temps_after is not None:  # KVT-REL: validate before any I/O
+        if sweep_stale_temps_after is not None:  # validate before any I/O
             from kvtier.sweep import check_older_than
             check_older_than(sweep_stale_temps_after)
         label = tier_label(tier_idx, tier_type)
@@ -274,7 +274,7 @@ class FileSystemTierManager:
         )
         self.root_dir = self.file_mapper.root_dir
         self.checksum_blocks = checksum_blocks
-        self.durable = durable  # KVT-REL
+        self.durable = durable
         self.n_read_threads = n_read_threads
         self.n_write_threads = n_write_threads
 
@@ -290,7 +290,7 @@ class FileSystemTierManager:
                 f"filesystem (mounted at {mnt!r}) that does not support them; use another "
                 f"filesystem (ext4, xfs, btrfs, tmpfs) or set checksum_blocks=False"
             )
-        self.last_sweep = None  # KVT-REL: kvtier.sweep.SweepResult of the startup sweep, if any
+        self.last_sweep = None  # kvtier.sweep.SweepResult of the startup sweep, if any
         if sweep_stale_temps_after is not None:
             from kvtier.sweep import sweep_stale_temps
             self.last_sweep = sweep_stale_temps(self.file_mapper.rank_path, sweep_stale_temps_after)
@@ -399,8 +399,8 @@ class FileSystemTierManager:
         err: Optional[BaseException] = None
         n_ok = len(job.keys)
         checksum_failed = False
-        retries = 0  # KVT-REL: this job's retry-once re-reads, counted per tier
-        extra = {} if job.is_promotion or not self.durable else {"durable": True}  # KVT-REL
+        retries = 0  # this job's retry-once re-reads, counted per tier
+        extra = {} if job.is_promotion or not self.durable else {"durable": True}
         try:
             ret = fn(job.paths, self._view, job.offsets, self.block_size,
                      use_o_direct=self.use_o_direct, checksum=self.checksum_blocks, **extra)

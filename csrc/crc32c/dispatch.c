@@ -11,7 +11,7 @@ static int always(void) { return 1; }
 static int isal_available(void) { return 1; }
 #endif
 
-/* KVT-DSA (owned by the dsa helper; see csrc/dsa/dsa.h): "dsa" (a real WQ
+/* DSA (csrc/dsa/dsa.h): "dsa" (a real WQ
  * enabled and self-checked) and "dsa-model" (the software model, enabled
  * only explicitly). Weak references so a build of csrc/crc32c alone (e.g.
  * tests/c/Makefile) links without csrc/dsa; the entries are then unavailable.
@@ -27,7 +27,6 @@ static int dsa_model_available(void)
 {
     return kvt_dsa_model_backend_available ? kvt_dsa_model_backend_available() : 0;
 }
-/* KVT-DSA end */
 
 /* Order = auto-selection preference, measured (docs/crc32c.md,
  * `python benchmarks/crc32c_bench.py`): isal (ISA-L picks its own
@@ -46,13 +45,13 @@ static const kvt_crc32c_backend BACKENDS[] = {
     {"armv8", kvt_crc32c_armv8, kvt_crc32c_armv8_available, "armv8 crc32c"},
 #endif
     {"table", kvt_crc32c_table, always, "slicing-by-16 table"},
-    /* KVT-DSA: after "table" (always available), so the best-first scan for a
+    /* After "table" (always available), so the best-first scan for a
      * CPU backend never reaches them: neither is ever auto-selected. */
     {"dsa", kvt_crc32c_dsa, dsa_available, "Intel DSA CRCGEN (work queue)"},
     {"dsa-model", kvt_crc32c_dsa_model, dsa_model_available, "software model of Intel DSA (not hardware)"},
 };
 #define N_BACKENDS (sizeof(BACKENDS) / sizeof(BACKENDS[0]))
-#define TABLE_INDEX (N_BACKENDS - 3) /* KVT-DSA: "table" is last before the two DSA entries */
+#define TABLE_INDEX (N_BACKENDS - 3) /* "table" is last before the two DSA entries */
 
 static const kvt_crc32c_backend *active = &BACKENDS[TABLE_INDEX];
 static kvt_crc32c_fn active_fn = kvt_crc32c_table;
