@@ -761,6 +761,17 @@ static int dsa_which(const char *name)
     return -1;
 }
 
+/* A backend argument: str "dsa" or "dsa-model"; TypeError / ValueError. */
+static int parse_which_arg(PyObject *arg)
+{
+    if (!PyUnicode_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "backend must be str");
+        return -1;
+    }
+    const char *name = PyUnicode_AsUTF8(arg);
+    return name ? dsa_which(name) : -1;
+}
+
 static int dict_set(PyObject *d, const char *k, PyObject *v)
 {
     if (!v)
@@ -921,13 +932,7 @@ PyDoc_STRVAR(dsa_disable_doc,
 
 static PyObject *kvt_py_dsa_disable(PyObject *mod, PyObject *arg)
 {
-    const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
-    if (!name) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "backend must be str");
-        return NULL;
-    }
-    int w = dsa_which(name);
+    int w = parse_which_arg(arg);
     if (w < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
@@ -973,16 +978,6 @@ fail:
     Py_XDECREF(d);
     Py_XDECREF(by);
     return NULL;
-}
-
-static int parse_which_arg(PyObject *arg)
-{
-    if (!PyUnicode_Check(arg)) {
-        PyErr_SetString(PyExc_TypeError, "backend must be str");
-        return -1;
-    }
-    const char *name = PyUnicode_AsUTF8(arg);
-    return name ? dsa_which(name) : -1;
 }
 
 PyDoc_STRVAR(dsa_status_doc,
