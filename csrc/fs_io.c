@@ -382,11 +382,6 @@ static void crc_cancel(kvt_crc_ctx *c)
 /* Small helpers                                                       */
 /* ------------------------------------------------------------------ */
 
-static size_t chunk_size(void)
-{
-    return KVT_IO_CHUNK;
-}
-
 static void put_be32(uint8_t out[4], uint32_t v)
 {
     out[0] = (uint8_t)(v >> 24);
@@ -441,14 +436,14 @@ static int file_info(int fd, uint64_t *size, size_t *mem_align, size_t *off_alig
 }
 
 /* 1 if an O_DIRECT transfer of `len` bytes at `buf` (file offset 0) meets the
- * alignment; every chunk we issue starts at a multiple of chunk_size(), which
+ * alignment; every chunk we issue starts at a multiple of KVT_IO_CHUNK, which
  * is a multiple of any realistic alignment (checked here too). */
 static int dio_usable(const void *buf, size_t len, size_t mem_align, size_t off_align)
 {
     if (mem_align == 0 || off_align == 0)
         return 0;
     size_t a = mem_align > off_align ? mem_align : off_align;
-    if (chunk_size() % a != 0)
+    if (KVT_IO_CHUNK % a != 0)
         return 0;
     return ((uintptr_t)buf % mem_align) == 0 && (len % off_align) == 0 && len > 0;
 }
@@ -685,7 +680,7 @@ static int store_one(const char *tmp, const char *dest, const uint8_t *buf, size
     kvt_crc_ctx crc;
     if (checksum)
         crc_begin(&crc, buf, len);
-    size_t chunk = chunk_size();
+    const size_t chunk = KVT_IO_CHUNK;
     for (size_t off = 0; off < len;) {
         size_t n = len - off < chunk ? len - off : chunk;
         if (checksum)
@@ -805,7 +800,7 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int use_o_direct, size_
     kvt_crc_ctx crc;
     if (have_rec)
         crc_begin(&crc, buf, len);
-    size_t chunk = chunk_size();
+    const size_t chunk = KVT_IO_CHUNK;
     for (size_t off = 0; off < len;) {
         size_t n = len - off < chunk ? len - off : chunk;
         ssize_t r = read_full(fd, buf + off, n, off, &direct);
