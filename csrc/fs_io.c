@@ -1,7 +1,7 @@
 /* kvtier block I/O core: store/load/lookup of KV blocks as files, with the
  * block's CRC32C in xattr "user.vllm.kv_crc32c" (4 bytes, big-endian).
  *
- * On-disk contract and the load outcome table: ../shared/design.md
+ * On-disk contract and the load outcome table: docs/design.md
  * ("On-disk contract"), compatible with vLLM's FS offload tier.
  *
  * Plain C11 (gnu11) + POSIX/Linux, no Python: a whole batch runs without the
@@ -837,6 +837,35 @@ int kvt_xattr_parse(const void *rec, long r, int err, uint32_t *crc)
     return KVT_REC_OK;
 }
 
+/* 1 if the open file's xattr record is a well-formed CRC32C that matches all
+ * `size` bytes of the file (read through a scratch buffer, so any size works).
+ * Used only on the wrong-size error path, to tell a caller's block-size
+ * mismatch (intact block: keep it) from a truncated or grown file (remove). */
+static int whole_file_verifies(int fd, uint64_t size)
+{
+    uint8_t rec[KVT_XATTR_BUF];
+    uint32_t want;
+    ssize_t r = fgetxattr(fd, KVT_XATTR_NAME, rec, sizeof rec);
+    if (kvt_xattr_parse(rec, (long)r, r < 0 ? errno : 0, &want) != KVT_REC_OK)
+        return 0;
+    uint8_t *buf = malloc(KVT_IO_CHUNK);
+    if (!buf)
+        return 0;
+    uint32_t crc = 0;
+    uint64_t off = 0;
+    int direct = 0;
+    while (off < size) {
+        size_t n = size - off < KVT_IO_CHUNK ? (size_t)(size - off) : KVT_IO_CHUNK;
+        ssize_t got = read_full(fd, buf, n, off, &direct);
+        if (got != (ssize_t)n)
+            break;
+        crc = kvt_crc32c(crc, buf, n);
+        off += n;
+    }
+    free(buf);
+    return off == size && crc == want;
+}
+
 /* Remove `path` only if it is still the file open as `fd`: a peer that
  * republished a good block under the same name meanwhile keeps it. */
 static void unlink_if_same(const char *path, int fd)
@@ -881,8 +910,10 @@ static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct,
         goto out;
     }
     if (size != (uint64_t)len) {
-        err = EIO; /* truncated, empty or longer: corrupt */
-        remove = 1;
+        err = EIO; /* truncated, empty or longer: corrupt ... */
+        /* ... unless its own record proves its bytes intact: then the caller asked
+         * for another block size (a layout mismatch), and the block is kept. */
+        remove = !(checksum && whole_file_verifies(fd, size));
         goto out;
     }
     for (int attempt = 0;; attempt++) {

@@ -1,6 +1,6 @@
 /* kvtier block I/O core: store/load/lookup of KV blocks as files, with the
  * block's CRC32C in xattr "user.vllm.kv_crc32c" (4 bytes, big-endian).
- * On-disk contract and error table: ../shared/design.md ("On-disk contract").
+ * On-disk contract and error table: docs/design.md ("On-disk contract").
  * Plain C11 + POSIX, no Python: the whole batch runs without the GIL.
  */
 #ifndef KVTIER_FS_IO_H

@@ -316,6 +316,24 @@ def checksum_stats():
         return dict(_stats)
 
 
+def _whole_file_verifies(fd, size, crc_fn):
+    """True if the open file's xattr record is a 4-byte CRC32C matching all ``size`` bytes."""
+    try:
+        rec = _os.getxattr(fd, XATTR_NAME)
+    except OSError:
+        return False
+    if len(rec) != 4:
+        return False
+    crc, off = 0, 0
+    while off < size:
+        chunk = _os.pread(fd, min(IO_CHUNK, size - off), off)
+        if not chunk:
+            return False
+        crc = crc_fn(chunk, crc)
+        off += len(chunk)
+    return crc == _struct.unpack(">I", rec)[0]
+
+
 def _read_verify(fd, mv, use_o_direct, checksum, crc_fn):
     """Record then data. Returns (mismatch, short): mismatch for a CRC
     mismatch or malformed record; short for a short read. OSErrors from
@@ -365,8 +383,9 @@ def _load_one(src, mv, use_o_direct, checksum, crc_fn, retried_out):
         if not _stat.S_ISREG(st.st_mode):  # not ours to judge or remove: kept
             e = _errno.EISDIR if _stat.S_ISDIR(st.st_mode) else _errno.EINVAL
             raise OSError(e, _os.strerror(e), src)
-        if st.st_size != n:
-            remove = True
+        if st.st_size != n:  # truncated, empty or longer: corrupt, unless its own record
+            # proves its bytes intact (the caller asked for another block size): then kept
+            remove = not (checksum and _whole_file_verifies(fd, st.st_size, crc_fn))
             return (_errno.EIO, False), retried
         for attempt in range(2):
             mismatch, short = _read_verify(fd, mv, use_o_direct, checksum, crc_fn)

@@ -16,7 +16,7 @@ Partial keep: a load that fails at block ``n`` (``OSError.num_succeeded == n``) 
 its first ``n`` keys in ``JobResult.successful_keys``; block ``n`` and the rest are misses.
 Files are removed only when provably bad (checksum mismatch, short or long file); a
 transient error (ENOENT, EACCES, ELOOP, EIO from the device, EBADMSG from the
-filesystem...) keeps the file.  See ``shared/design.md`` ("On-disk contract").
+filesystem...) keeps the file.  See ``docs/design.md`` ("On-disk contract").
 """
 from __future__ import annotations
 

@@ -321,6 +321,25 @@ def test_wrong_size_is_eio_and_removed(io_backend, tmp_path, shape, checksum):
     assert np.array_equal(out[:bs], view[:bs])
 
 
+@pytest.mark.parametrize("asked", [2048, 16384, 300 * 1024])
+def test_intact_block_loaded_with_another_block_size_is_eio_but_kept(io_backend, tmp_path, asked):
+    """A caller asking for the wrong block size gets EIO, but a block whose own record
+    verifies all its bytes is not destroyed for it (a layout mismatch, not corruption)."""
+    bs = 4096 if asked != 300 * 1024 else 257 * 1024  # also a block larger than one I/O chunk
+    view = rand_blocks(1, bs, seed=8)
+    path = block_paths(tmp_path, 1)[0]
+    io_backend.batch_store_block([path], view, [0], bs, checksum=True)
+    err, _ = load_expect_error(io_backend, [path], asked, checksum=True)
+    assert (err.errno, err.checksum_failed, err.num_succeeded) == (errno.EIO, False, 0)
+    assert os.path.exists(path)
+    out = np.zeros(bs, dtype=np.uint8)
+    io_backend.batch_load_block([path], out, [0], bs, checksum=True)  # the right size still loads
+    assert np.array_equal(out, view[:bs])
+    # without checksums nothing proves the bytes intact: the design table's EIO + remove
+    load_expect_error(io_backend, [path], asked, checksum=False)
+    assert not os.path.exists(path)
+
+
 def test_missing_file_enoent_kept_going_nowhere(io_backend, tmp_path):
     bs = 4096
     view = rand_blocks(3, bs, seed=1)
