@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import secrets
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
 #: Hex characters of the SHA-256 digest in the directory name (vLLM ``_BASE_PATH_HASH_LEN``).
@@ -135,7 +135,10 @@ def _write_json_if_absent(path: str, obj: Any) -> bool:
     if os.path.exists(path):
         return False
     d = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=d)
+    # 0644 (minus umask) like the block files, not mkstemp's 0600: the cache is shared by
+    # other ranks, replicas and users
+    tmp = os.path.join(d, f"{os.path.basename(path)}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2, sort_keys=True)

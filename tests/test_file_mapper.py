@@ -134,3 +134,18 @@ def test_bad_root_and_keys(tmp_path):
                      ((b"", 0), ValueError), ((b"\x01", -1), ValueError), ((b"\x01", 1.0), TypeError)]:
         with pytest.raises(exc):
             fm.get_file_name(bad)
+
+
+def test_config_files_are_readable_like_the_blocks(tmp_path):
+    """config.json is published 0644 (minus umask), not mkstemp's 0600: other ranks and
+    users sharing the cache read it."""
+    import stat as st
+
+    old = os.umask(0o022)
+    try:
+        fm = FileMapper(str(tmp_path), "m")
+        fm.write_run_config()
+    finally:
+        os.umask(old)
+    cfgs = list(tmp_path.rglob("config.json"))
+    assert len(cfgs) == 1 and st.S_IMODE(cfgs[0].stat().st_mode) == 0o644
