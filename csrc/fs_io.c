@@ -35,6 +35,7 @@
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/xattr.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "crc32c.h"
@@ -45,7 +46,9 @@
 /* ------------------------------------------------------------------ */
 
 /* The CRC of a block is fed in order as its bytes become available:
- *   crc_begin(c, buf, len)   start; picks the engine
+ *   crc_begin(c, buf, len, overlap)  start; picks the engine. overlap: 0, or
+ *                            the bytes left in the batch from this block on
+ *                            when the helper may take the CRC
  *   crc_ready(c, upto)       bytes [0, upto) of buf are final (just read by a
  *                            load, or about to be written by a store)
  *   crc_finish(c)            return the standard CRC32C of buf
@@ -53,29 +56,41 @@
  * After crc_finish/crc_cancel no engine touches buf any more.
  *
  * Engines: "inline" checksums each range on the calling thread right away
- * (cache-hot). "helper" hands chunks to one process-wide helper thread that
- * checksums chunk k while the caller reads/writes chunk k+1, so a load costs
- * about max(I/O, CRC) instead of I/O + CRC. The helper claims chunks from the
- * front; at crc_finish the caller claims the rest from the back (joined with
- * kvt_crc32c_combine) and waits only for the one chunk the helper may be in
- * the middle of: a descheduled helper (busy host) costs the caller nothing
- * but the inline CRC it would have paid anyway. The helper serves one block
- * at a time; a caller that finds it busy (many I/O threads) uses inline.
- * Opt-in (KVTIER_CRC_HELPER=1): it needs an idle core; on an oversubscribed
- * host the helper's CPU time comes out of the I/O threads' (docs/block_io.md).
- * An offload device (DSA) is a third engine with the same four calls.
+ * (cache-hot). "helper" (only when `overlap`: buffered loads, where the I/O
+ * is the kernel's copy out of the page cache and costs about what the CRC
+ * does) hands KVT_CRC_PIECE pieces to one process-wide helper thread, which
+ * checksums piece k while the caller reads the next chunk, so a load costs
+ * about max(copy, CRC) instead of copy + CRC. The helper claims pieces from
+ * the front; at crc_finish the caller claims the rest from the back (joined
+ * with kvt_crc32c_combine) and waits only for the one piece the helper may be
+ * in the middle of (<= 64 KiB, about 2 us). A helper that has not woken up
+ * yet, or is descheduled, costs the caller only the inline CRC it would have
+ * paid anyway. One block at a time: a caller that finds the helper busy (many
+ * I/O threads) uses inline.
  *
- * Claims word: generation (16 bits) | front (24) | back (24), in chunks of
- * KVT_CRC_PIECE bytes, so a helper still looking at a finished job can never
- * claim a chunk of the next one. */
+ * Waking a sleeping thread costs tens of microseconds on a VM (an IPI to an
+ * idle vCPU), as much as the whole copy of a 1 MiB block, so the helper polls
+ * for KVT_CRC_HELPER_POLL_NS after each piece and each block before it sleeps:
+ * the blocks of a batch, and back-to-back loads, find it awake. That is the
+ * only CPU it spends beyond the CRCs it takes over from the I/O threads.
+ *
+ * Claims word: generation (32 bits) | front (16) | back (16), in pieces, so a
+ * helper still looking at a finished job can never claim a piece of the next
+ * one. Done word: generation (low 16 bits) | pieces done (16) | their CRC (32).
+ * A job opens with (gen, 0, n); the caller writes base/len/ready/done before
+ * it and a new job only after the old one has nothing left to claim, so a
+ * successful claim CAS proves the base/len the helper read are that job's. */
 
-#define KVT_CRC_PIECE KVT_IO_CHUNK /* helper granularity (bytes) */
-#define KVT_CRC_SPIN 200            /* pause loops (a few us) before sleeping */
-#define CL_MASK 0xffffffull
-#define CL_MAKE(g, f, b) (((uint64_t)(g) << 48) | ((uint64_t)(f) << 24) | (uint64_t)(b))
-#define CL_GEN(c) ((unsigned)((c) >> 48))
-#define CL_FRONT(c) (((c) >> 24) & CL_MASK)
-#define CL_BACK(c) ((c)&CL_MASK)
+#define KVT_CRC_PIECE (64u * 1024u) /* helper granularity (bytes) */
+#define KVT_CRC_PIECES_MAX 0xffffu  /* 16-bit piece counts: blocks < 4 GiB */
+#define KVT_CRC_SPIN 200            /* pause loops before yielding (caller) */
+#define CL_MAKE(g, f, b) (((uint64_t)(uint32_t)(g) << 32) | ((uint64_t)(f) << 16) | (uint64_t)(b))
+#define CL_GEN(c) ((uint32_t)((c) >> 32))
+#define CL_FRONT(c) ((unsigned)(((c) >> 16) & 0xffffu))
+#define CL_BACK(c) ((unsigned)((c)&0xffffu))
+#define DN_MAKE(g, n, crc) ((((uint64_t)((g)&0xffffu)) << 48) | ((uint64_t)(n) << 32) | (uint64_t)(uint32_t)(crc))
+#define DN_COUNT(d) ((unsigned)(((d) >> 32) & 0xffffu))
+#define DN_CRC(d) ((uint32_t)(d))
 
 typedef struct kvt_crc_ctx {
     const uint8_t *base;
@@ -83,7 +98,7 @@ typedef struct kvt_crc_ctx {
     size_t pos;    /* inline: bytes checksummed */
     uint32_t crc;
     int helper;    /* 1 when the helper engine owns this block */
-    unsigned gen;
+    uint32_t gen;
     /* DSA engine when the active CRC backend is "dsa" / "dsa-model"
      * (read-locked from crc_begin to crc_finish/crc_cancel). Each crc_ready()
      * collects the previous range's descriptor and submits the new range
@@ -97,22 +112,23 @@ typedef struct kvt_crc_ctx {
 
 static struct {
     pthread_mutex_t mu;
-    pthread_cond_t cv;            /* helper: a job was posted, or ready moved */
-    int posted;                   /* a job waits to be picked up (under mu) */
-    int state;                    /* 0 not started, 1 running, -1 unavailable (under mu) */
-    _Atomic int busy;             /* 1 while a caller owns the helper */
-    _Atomic int sleeping;         /* helper is (about to be) in cond_wait */
-    /* the current job, written by its caller before posting (under mu) */
-    const uint8_t *base;
-    size_t len;
-    unsigned gen;
-    _Atomic size_t ready;         /* bytes published by the caller */
-    _Atomic uint64_t claims;      /* CL_MAKE(gen, front, back) */
-    _Atomic uint32_t head_crc;    /* CRC of the chunks the helper completed */
-    _Atomic uint64_t completed;   /* (gen << 32) | chunks the helper completed */
+    pthread_cond_t cv;                /* helper sleeps here; callers signal */
+    int state;                        /* 0 not started, 1 running, -1 unavailable (under mu) */
+    uint32_t gen;                     /* last job posted (owned by the busy caller) */
+    _Atomic int busy;                 /* 1 while a caller owns the helper */
+    _Atomic int sleeping;             /* helper is (about to be) in cond_wait */
+    _Atomic(const uint8_t *) base;    /* the current job */
+    _Atomic size_t len;
+    _Atomic size_t ready;             /* bytes published by the caller */
+    _Atomic uint64_t claims;          /* CL_MAKE(gen, front, back) */
+    _Atomic uint64_t done;            /* DN_MAKE(gen, pieces done, their CRC) */
 } helper = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
-static int crc_helper_disabled = -1; /* KVTIER_CRC_HELPER=1 enables; read once */
+static int crc_helper_mode = -1; /* KVTIER_CRC_HELPER: 1 on, 0 off; read once */
+static uint64_t crc_helper_poll_ns = KVT_CRC_HELPER_POLL_NS; /* KVTIER_CRC_HELPER_POLL_US */
+static _Atomic uint64_t helper_cool_until; /* CLOCK_MONOTONIC ns: inline until then */
+static _Atomic uint64_t helper_last_begin; /* CLOCK_MONOTONIC ns of the last eligible load */
+static _Atomic uint64_t stat_helper_blocks, stat_helper_bytes, stat_helper_late;
 
 static inline void cpu_relax(void)
 {
@@ -123,64 +139,112 @@ static inline void cpu_relax(void)
 #endif
 }
 
-static inline size_t piece_len(size_t len, uint64_t k)
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static inline size_t piece_len(size_t len, unsigned k)
 {
     size_t start = (size_t)k * KVT_CRC_PIECE;
     return len - start < KVT_CRC_PIECE ? len - start : KVT_CRC_PIECE;
 }
 
-static void helper_run_job(const uint8_t *base, size_t len, unsigned gen)
+/* Helper: poll `has_work` for crc_helper_poll_ns, then sleep until a
+ * caller signals. Dekker with the callers (they store, then load `sleeping`;
+ * we store `sleeping`, then re-check under mu): no wake-up is lost. */
+static void helper_wait(int (*has_work)(const void *), const void *arg)
 {
+    uint64_t t0 = 0;
+    for (unsigned spins = 0;; spins++) {
+        if (has_work(arg))
+            return;
+        if ((spins & 63u) == 63u) {
+            uint64_t t = mono_ns();
+            if (t0 == 0)
+                t0 = t;
+            else if (t - t0 >= crc_helper_poll_ns)
+                break;
+        }
+        cpu_relax();
+    }
+    pthread_mutex_lock(&helper.mu);
+    atomic_store(&helper.sleeping, 1);
+    if (!has_work(arg))
+        pthread_cond_wait(&helper.cv, &helper.mu);
+    atomic_store(&helper.sleeping, 0);
+    pthread_mutex_unlock(&helper.mu);
+}
+
+typedef struct {
+    uint32_t gen;
+    size_t need; /* bytes that must be ready */
+} piece_wait;
+
+/* Piece wait is over: its bytes are ready, or the job is no longer open. */
+static int piece_or_job_over(const void *arg)
+{
+    const piece_wait *w = arg;
+    uint64_t c = atomic_load(&helper.claims);
+    return CL_GEN(c) != w->gen || CL_FRONT(c) >= CL_BACK(c) || atomic_load(&helper.ready) >= w->need;
+}
+
+static void helper_run_job(uint32_t gen)
+{
+    const uint8_t *base = atomic_load(&helper.base);
+    size_t len = atomic_load(&helper.len);
     uint32_t crc = 0;
-    int spins = 0;
     for (;;) {
         uint64_t c = atomic_load(&helper.claims);
-        if (CL_GEN(c) != gen)
-            return; /* the caller finished this job */
-        uint64_t f = CL_FRONT(c), b = CL_BACK(c);
-        if (f >= b)
-            return; /* every chunk claimed */
+        unsigned f = CL_FRONT(c), b = CL_BACK(c);
+        if (CL_GEN(c) != gen || f >= b)
+            return; /* finished, or everything claimed */
         size_t n = piece_len(len, f);
-        if (atomic_load(&helper.ready) < (size_t)f * KVT_CRC_PIECE + n) {
-            if (++spins < KVT_CRC_SPIN) {
-                cpu_relax();
-                continue;
-            }
-            /* Dekker with helper_wake(): sleeping=1, then re-check. */
-            pthread_mutex_lock(&helper.mu);
-            atomic_store(&helper.sleeping, 1);
-            if (atomic_load(&helper.claims) == c && !helper.posted &&
-                atomic_load(&helper.ready) < (size_t)f * KVT_CRC_PIECE + n)
-                pthread_cond_wait(&helper.cv, &helper.mu);
-            atomic_store(&helper.sleeping, 0);
-            pthread_mutex_unlock(&helper.mu);
-            spins = 0;
+        piece_wait w = {gen, (size_t)f * KVT_CRC_PIECE + n};
+        if (atomic_load(&helper.ready) < w.need) {
+            helper_wait(piece_or_job_over, &w);
             continue;
         }
         if (!atomic_compare_exchange_strong(&helper.claims, &c, CL_MAKE(gen, f + 1, b)))
-            continue; /* the caller claimed from the back, or finished */
-        crc = kvt_crc32c(crc, base + (size_t)f * KVT_CRC_PIECE, n);
-        atomic_store(&helper.head_crc, crc);
-        atomic_store(&helper.completed, ((uint64_t)gen << 32) | (f + 1));
-        spins = 0;
+            continue; /* the caller claimed from the back */
+        uint32_t next = kvt_crc32c(crc, base + (size_t)f * KVT_CRC_PIECE, n);
+        atomic_store(&helper.done, DN_MAKE(gen, f + 1, next));
+        atomic_fetch_add_explicit(&stat_helper_bytes, n, memory_order_relaxed);
+        crc = next;
     }
+}
+
+/* A job other than `*last` is open. */
+static int new_job(const void *arg)
+{
+    uint64_t c = atomic_load(&helper.claims);
+    return CL_GEN(c) != *(const uint32_t *)arg && CL_FRONT(c) < CL_BACK(c);
 }
 
 static void *crc_helper_main(void *arg)
 {
     (void)arg;
+    uint32_t last = 0;
     for (;;) {
-        pthread_mutex_lock(&helper.mu);
-        while (!helper.posted)
-            pthread_cond_wait(&helper.cv, &helper.mu);
-        helper.posted = 0;
-        const uint8_t *base = helper.base;
-        size_t len = helper.len;
-        unsigned gen = helper.gen;
-        pthread_mutex_unlock(&helper.mu);
-        helper_run_job(base, len, gen);
+        helper_wait(new_job, &last);
+        uint64_t c = atomic_load(&helper.claims);
+        if (CL_GEN(c) == last || CL_FRONT(c) >= CL_BACK(c))
+            continue; /* woken for nothing */
+        last = CL_GEN(c);
+        helper_run_job(last);
     }
     return NULL;
+}
+
+static void helper_signal_if_sleeping(void)
+{
+    if (atomic_load(&helper.sleeping)) {
+        pthread_mutex_lock(&helper.mu);
+        pthread_cond_signal(&helper.cv);
+        pthread_mutex_unlock(&helper.mu);
+    }
 }
 
 /* fork(): the child has no helper thread; start a new one on demand. */
@@ -188,24 +252,74 @@ static void crc_helper_atfork_child(void)
 {
     pthread_mutex_init(&helper.mu, NULL);
     pthread_cond_init(&helper.cv, NULL);
-    helper.posted = 0;
     helper.state = 0;
     atomic_store(&helper.busy, 0);
     atomic_store(&helper.sleeping, 0);
+    atomic_store(&helper.claims, CL_MAKE(helper.gen, 0, 0));
 }
 
-/* Take the helper for one block: 1 if ours, 0 if busy or unavailable. */
-static int crc_helper_acquire(void)
+/* KVTIER_CRC_HELPER: "1" on, "0" off, unset or empty: on when this process
+ * may run on at least two CPUs (sched_getaffinity), since the helper needs a
+ * second one. KVTIER_CRC_HELPER_POLL_US: the poll window (microseconds).
+ * Read once per process (the first checksummed buffered load). */
+static int crc_helper_wanted(void)
 {
-    if (crc_helper_disabled < 0) {
+    if (crc_helper_mode < 0) {
         const char *e = getenv("KVTIER_CRC_HELPER");
-        crc_helper_disabled = !(e != NULL && e[0] == '1');
+        if (e != NULL && e[0] != '\0') {
+            crc_helper_mode = e[0] == '1';
+        } else {
+            cpu_set_t set;
+            crc_helper_mode = sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) >= 2;
+        }
+        const char *p = getenv("KVTIER_CRC_HELPER_POLL_US");
+        if (p != NULL && p[0] != '\0') {
+            char *end;
+            errno = 0;
+            unsigned long long us = strtoull(p, &end, 10);
+            if (errno == 0 && *end == '\0' && p[0] != '-' && us <= 10000000ull) /* <= 10 s; else default */
+                crc_helper_poll_ns = us * 1000u;
+        }
     }
-    if (crc_helper_disabled)
+    return crc_helper_mode;
+}
+
+/* See fs_io.h. */
+void kvt_crc_helper_info(kvt_crc_helper_stats *out)
+{
+    int enabled = crc_helper_wanted();
+    pthread_mutex_lock(&helper.mu);
+    out->enabled = enabled;
+    out->running = helper.state == 1;
+    pthread_mutex_unlock(&helper.mu);
+    out->poll_ns = crc_helper_poll_ns;
+    out->blocks = atomic_load(&stat_helper_blocks);
+    out->bytes = atomic_load(&stat_helper_bytes);
+    out->late = atomic_load(&stat_helper_late);
+}
+
+/* Take the helper for one block (starting it on first use): 1 if ours, 0 if
+ * busy, unavailable or cooling down, or if it sleeps, fewer than
+ * KVT_CRC_HELPER_WAKE_MIN bytes are left in the batch and no other load
+ * began within the poll window: the wake-up would cost more than it hides. */
+static int crc_helper_acquire(size_t batch_rest)
+{
+    if (!crc_helper_wanted())
+        return 0;
+    /* A wake-up pays off for a big batch, or in a stream of loads (the last
+     * one began within the poll window): it stays awake from then on. */
+    uint64_t now = mono_ns();
+    uint64_t prev = atomic_exchange_explicit(&helper_last_begin, now, memory_order_relaxed);
+    if (batch_rest < KVT_CRC_HELPER_WAKE_MIN && now - prev > crc_helper_poll_ns && atomic_load(&helper.sleeping))
+        return 0;
+    uint64_t cool = atomic_load_explicit(&helper_cool_until, memory_order_relaxed);
+    if (cool != 0 && now < cool)
         return 0;
     int expected = 0;
     if (!atomic_compare_exchange_strong(&helper.busy, &expected, 1))
         return 0;
+    if (helper.state == 1)
+        return 1; /* started before; only ever 1 -> 0 in a forked child */
     pthread_mutex_lock(&helper.mu);
     if (helper.state == 0) {
         static int atfork_done;
@@ -228,7 +342,7 @@ static int crc_helper_acquire(void)
     return ok;
 }
 
-static void crc_begin(kvt_crc_ctx *c, const void *buf, size_t len)
+static void crc_begin(kvt_crc_ctx *c, const void *buf, size_t len, size_t overlap)
 {
     c->base = (const uint8_t *)buf;
     c->len = len;
@@ -240,21 +354,19 @@ static void crc_begin(kvt_crc_ctx *c, const void *buf, size_t len)
     c->dsa_inflight = 0;
     if (c->dsa)
         return;
-    size_t nchunks = (len + KVT_CRC_PIECE - 1) / KVT_CRC_PIECE;
-    if (len < KVT_CRC_HELPER_MIN || nchunks > CL_MASK || !crc_helper_acquire())
+    size_t npieces = (len + KVT_CRC_PIECE - 1) / KVT_CRC_PIECE;
+    if (overlap == 0 || len < KVT_CRC_HELPER_MIN || npieces > KVT_CRC_PIECES_MAX || !crc_helper_acquire(overlap))
         return;
-    pthread_mutex_lock(&helper.mu);
-    unsigned gen = (helper.gen + 1) & 0xffffu;
-    helper.gen = gen;
-    helper.base = c->base;
-    helper.len = len;
+    uint32_t gen = ++helper.gen;
+    if (gen == 0)
+        gen = ++helper.gen; /* 0 is the helper's "no job seen yet" */
+    atomic_store(&helper.base, c->base);
+    atomic_store(&helper.len, len);
     atomic_store(&helper.ready, 0);
-    atomic_store(&helper.head_crc, 0);
-    atomic_store(&helper.completed, (uint64_t)gen << 32);
-    atomic_store(&helper.claims, CL_MAKE(gen, 0, nchunks));
-    helper.posted = 1;
-    pthread_cond_signal(&helper.cv);
-    pthread_mutex_unlock(&helper.mu);
+    atomic_store(&helper.done, DN_MAKE(gen, 0, 0));
+    atomic_store(&helper.claims, CL_MAKE(gen, 0, npieces));
+    helper_signal_if_sleeping();
+    atomic_fetch_add_explicit(&stat_helper_blocks, 1, memory_order_relaxed);
     c->helper = 1;
     c->gen = gen;
 }
@@ -281,74 +393,69 @@ static inline void crc_ready(kvt_crc_ctx *c, size_t upto)
     }
     if (c->helper) {
         atomic_store(&helper.ready, upto);
-        if (atomic_load(&helper.sleeping)) {
-            pthread_mutex_lock(&helper.mu);
-            pthread_cond_signal(&helper.cv);
-            pthread_mutex_unlock(&helper.mu);
-        }
+        helper_signal_if_sleeping();
     } else if (upto > c->pos) {
         c->crc = kvt_crc32c(c->crc, c->base + c->pos, upto - c->pos);
         c->pos = upto;
     }
 }
 
-/* Claim every unclaimed chunk from the back (computing them when `compute`),
- * then wait for the helper's chunks; release the helper. Returns the CRC. */
+/* Claim every unclaimed piece from the back (computing them when `compute`),
+ * then wait for the piece the helper may be in the middle of (it reads buf);
+ * release the helper. Returns the CRC. */
 static uint32_t crc_settle(kvt_crc_ctx *c, int compute)
 {
-    unsigned gen = c->gen;
+    const uint32_t gen = c->gen;
     c->helper = 0;
-    pthread_mutex_lock(&helper.mu);
-    int never_taken = helper.posted && helper.gen == gen;
-    if (never_taken)
-        helper.posted = 0;
-    pthread_mutex_unlock(&helper.mu);
-
     uint32_t tail = 0;
     size_t tail_len = 0;
-    uint64_t front;
+    unsigned front;
     for (;;) {
         uint64_t cl = atomic_load(&helper.claims);
-        uint64_t f = CL_FRONT(cl), b = CL_BACK(cl);
+        unsigned f = CL_FRONT(cl), b = CL_BACK(cl);
         if (f >= b) {
-            front = f;
-            /* close the job: a helper still in it sees a foreign generation */
-            if (atomic_compare_exchange_strong(&helper.claims, &cl, CL_MAKE((gen + 0x8000u) & 0xffffu, 0, 0)))
-                break;
-            continue;
+            front = f; /* the helper can claim nothing more of this job */
+            break;
         }
-        if (never_taken && compute) {
-            /* the helper never saw it: one inline pass, no combines */
-            if (!atomic_compare_exchange_strong(&helper.claims, &cl, CL_MAKE(gen, f, f)))
+        if (!compute) { /* close the job: nothing more to claim */
+            if (atomic_compare_exchange_strong(&helper.claims, &cl, CL_MAKE(gen, f, f)))
+                front = f;
+            else
                 continue;
-            tail = kvt_crc32c(0, c->base + (size_t)f * KVT_CRC_PIECE, c->len - (size_t)f * KVT_CRC_PIECE);
-            tail_len = c->len - (size_t)f * KVT_CRC_PIECE;
-            continue;
+            break;
         }
         if (!atomic_compare_exchange_strong(&helper.claims, &cl, CL_MAKE(gen, f, b - 1)))
             continue;
-        if (compute) {
-            size_t n = piece_len(c->len, b - 1);
-            uint32_t cb = kvt_crc32c(0, c->base + (size_t)(b - 1) * KVT_CRC_PIECE, n);
-            tail = tail_len ? kvt_crc32c_combine(cb, tail, tail_len) : cb;
-            tail_len += n;
+        size_t n = piece_len(c->len, b - 1);
+        uint32_t cb = kvt_crc32c(0, c->base + (size_t)(b - 1) * KVT_CRC_PIECE, n);
+        tail = tail_len ? kvt_crc32c_combine(cb, tail, tail_len) : cb;
+        tail_len += n;
+    }
+    uint64_t d, t_late = 0;
+    for (unsigned spins = 0; DN_COUNT(d = atomic_load(&helper.done)) != front; spins++) {
+        if (spins < KVT_CRC_SPIN) {
+            cpu_relax();
+            continue;
+        }
+        /* The helper was descheduled mid-piece (a busy host): wait for it (it
+         * reads buf), and leave it alone for a while if that took long. */
+        if (t_late == 0)
+            t_late = mono_ns();
+        sched_yield();
+    }
+    if (t_late != 0) {
+        uint64_t t = mono_ns();
+        if (t - t_late >= KVT_CRC_HELPER_LATE_NS) {
+            atomic_fetch_add(&stat_helper_late, 1);
+            atomic_store(&helper_cool_until, t + KVT_CRC_HELPER_COOL_NS);
         }
     }
-    /* wait for the chunk the helper may be in the middle of */
-    uint64_t want = ((uint64_t)gen << 32) | front;
-    for (unsigned spins = 0; atomic_load(&helper.completed) != want; spins++) {
-        if (spins < KVT_CRC_SPIN)
-            cpu_relax();
-        else
-            sched_yield();
-    }
-    uint32_t head = atomic_load(&helper.head_crc);
     atomic_store(&helper.busy, 0);
     if (front == 0)
         return tail;
     if (tail_len == 0)
-        return head;
-    return kvt_crc32c_combine(head, tail, tail_len);
+        return DN_CRC(d);
+    return kvt_crc32c_combine(DN_CRC(d), tail, tail_len);
 }
 
 static uint32_t crc_finish(kvt_crc_ctx *c)
@@ -679,7 +786,7 @@ static int store_one(const char *tmp, const char *dest, const uint8_t *buf, size
 
     kvt_crc_ctx crc;
     if (checksum)
-        crc_begin(&crc, buf, len);
+        crc_begin(&crc, buf, len, 0);
     const size_t chunk = KVT_IO_CHUNK;
     for (size_t off = 0; off < len;) {
         size_t n = len - off < chunk ? len - off : chunk;
@@ -767,7 +874,7 @@ void kvt_checksum_stats(uint64_t *retries, uint64_t *condemned)
  * record, 0 with *mismatch = 0 when good (or legacy), or an errno value
  * (*remove = 1 when the file proved corrupt: short read). */
 static int read_verify(int fd, uint8_t *buf, size_t len, int use_o_direct, size_t mem_align, size_t off_align,
-                       int checksum, int *mismatch, int *remove)
+                       int checksum, size_t batch_rest, int *mismatch, int *remove)
 {
     *mismatch = 0;
     /* Record first: a legacy block (ENODATA) needs no CRC at all. */
@@ -799,7 +906,7 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int use_o_direct, size_
 
     kvt_crc_ctx crc;
     if (have_rec)
-        crc_begin(&crc, buf, len);
+        crc_begin(&crc, buf, len, direct ? 0 : batch_rest); /* overlap only page-cache copies */
     const size_t chunk = KVT_IO_CHUNK;
     for (size_t off = 0; off < len;) {
         size_t n = len - off < chunk ? len - off : chunk;
@@ -880,8 +987,8 @@ static void unlink_if_same(const char *path, int fd)
  * page cache dropped, record and data re-read) to tell a transient glitch
  * from a bad block; a second condemns it. Removes the file when condemned
  * or of the wrong size (the table in design.md). *retried = 1 if re-read. */
-static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct, int checksum, int *checksum_failed,
-                    int *retried)
+static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct, int checksum, size_t batch_rest,
+                    int *checksum_failed, int *retried)
 {
     *checksum_failed = 0;
     *retried = 0;
@@ -918,7 +1025,7 @@ static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct,
     }
     for (int attempt = 0;; attempt++) {
         int mismatch = 0;
-        err = read_verify(fd, buf, len, use_o_direct, mem_align, off_align, checksum, &mismatch, &remove);
+        err = read_verify(fd, buf, len, use_o_direct, mem_align, off_align, checksum, batch_rest, &mismatch, &remove);
         if (err || !mismatch)
             break;
         atomic_fetch_add(&stat_retries, attempt == 0);
@@ -947,9 +1054,13 @@ int kvt_batch_load(const char *const *src_paths, void *const *bufs, const size_t
     res->index = n;
     res->checksum_failed = 0;
     res->retried = 0;
+    size_t rest = 0; /* bytes left in the batch (a helper wake-up pays off for many) */
+    for (size_t i = 0; i < n; i++)
+        rest = lens[i] > SIZE_MAX - rest ? SIZE_MAX : rest + lens[i];
     for (size_t i = 0; i < n; i++) {
         int cf = 0, retried = 0;
-        int e = load_one(src_paths[i], (uint8_t *)bufs[i], lens[i], use_o_direct, checksum, &cf, &retried);
+        int e = load_one(src_paths[i], (uint8_t *)bufs[i], lens[i], use_o_direct, checksum, rest, &cf, &retried);
+        rest -= rest == SIZE_MAX ? 0 : lens[i];
         res->retried += (size_t)retried;
         if (e) {
             set_fail(res, e, i, cf);

@@ -19,13 +19,34 @@
 #define KVT_IO_CHUNK (256u * 1024u)
 #endif
 
-/* With KVTIER_CRC_HELPER=1 in the environment (opt-in), blocks of at least
- * this many bytes are checksummed on a helper thread, overlapped with the
- * I/O (fs_io.c "CRC hook"); smaller ones inline, where the hand-off would
- * cost more than it hides. Default: inline, chunk by chunk. */
+/* Buffered loads of at least this many bytes have their CRC overlapped with
+ * the copy out of the page cache by a helper thread (fs_io.c "CRC hook";
+ * KVTIER_CRC_HELPER=0 turns it off); smaller ones are checksummed inline,
+ * where the hand-off would cost more than it hides. */
 #ifndef KVT_CRC_HELPER_MIN
 #define KVT_CRC_HELPER_MIN (512u * 1024u)
 #endif
+
+/* A sleeping helper is woken only when at least this many bytes are left to
+ * load in the batch: waking it costs the caller ~8 us on a VM (measured:
+ * docs/block_io.md), about the CRC of 512 KiB. */
+#ifndef KVT_CRC_HELPER_WAKE_MIN
+#define KVT_CRC_HELPER_WAKE_MIN (2u * 1024u * 1024u)
+#endif
+
+/* How long the helper thread polls for the next piece or block before it
+ * sleeps (ns; KVTIER_CRC_HELPER_POLL_US overrides): waking a sleeping thread
+ * costs its waker ~8 us and itself 7-20 us on a VM (docs/block_io.md), as
+ * much as the copy of a 1 MiB block. */
+#ifndef KVT_CRC_HELPER_POLL_NS
+#define KVT_CRC_HELPER_POLL_NS 1000000u
+#endif
+
+/* A caller that waited this long (ns) for the helper's piece in progress (the
+ * helper was descheduled: a busy host) checksums inline for
+ * KVT_CRC_HELPER_COOL_NS. */
+#define KVT_CRC_HELPER_LATE_NS 50000u
+#define KVT_CRC_HELPER_COOL_NS 100000000u
 
 /* O_DIRECT memory and offset alignment assumed when the kernel does not
  * report one (statx STATX_DIOALIGN, Linux >= 6.1): the page size, which is a
@@ -67,6 +88,17 @@ int kvt_batch_load(const char *const *src_paths, void *const *bufs,
 /* Process-wide counters since load: checksum mismatches retried (re-read
  * once) and blocks condemned (mismatch again: EBADMSG, removed). */
 void kvt_checksum_stats(uint64_t *retries, uint64_t *condemned);
+
+/* The CRC helper thread of buffered loads (fs_io.c "CRC hook"). */
+typedef struct kvt_crc_helper_stats {
+    int enabled;      /* KVTIER_CRC_HELPER, or auto: >= 2 CPUs in the affinity mask */
+    int running;      /* the thread has been started */
+    uint64_t poll_ns; /* poll window before it sleeps (ns) */
+    uint64_t blocks;  /* blocks whose CRC it shared */
+    uint64_t bytes;   /* bytes it checksummed */
+    uint64_t late;    /* times a caller waited >= KVT_CRC_HELPER_LATE_NS for it */
+} kvt_crc_helper_stats;
+void kvt_crc_helper_info(kvt_crc_helper_stats *out);
 
 /* The xattr record parser of the load path, a pure function
  * (fuzzed by tests/fuzz/fuzz_xattr_record.c). `r` is what

@@ -612,6 +612,26 @@ static PyObject *kvt_py_checksum_stats(PyObject *mod, PyObject *unused)
                          (unsigned long long)c);
 }
 
+PyDoc_STRVAR(crc_helper_status_doc,
+"crc_helper_status($module, /)\n--\n\n"
+"The CRC helper thread of checksummed buffered loads, as a dict:\n"
+"enabled (bool: KVTIER_CRC_HELPER=1/0, or unset: at least 2 CPUs in the\n"
+"process's affinity mask), running (bool: the thread was started),\n"
+"poll_us (int: microseconds it polls for work before sleeping;\n"
+"KVTIER_CRC_HELPER_POLL_US), blocks (int: blocks whose CRC it shared since\n"
+"import), bytes (int: bytes it checksummed), late (int: times a load waited\n"
+">= 50 us for it, each followed by 100 ms of inline CRCs).");
+
+static PyObject *kvt_py_crc_helper_status(PyObject *mod, PyObject *unused)
+{
+    kvt_crc_helper_stats st;
+    kvt_crc_helper_info(&st);
+    return Py_BuildValue("{sOsOsKsKsKsK}", "enabled", st.enabled ? Py_True : Py_False, "running",
+                         st.running ? Py_True : Py_False, "poll_us", (unsigned long long)(st.poll_ns / 1000u),
+                         "blocks", (unsigned long long)st.blocks, "bytes", (unsigned long long)st.bytes, "late",
+                         (unsigned long long)st.late);
+}
+
 /* durable == NULL: the call has no `durable` flag (loads). */
 static int parse_io_flags(PyObject *kwnames, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t npos,
                           const char *fname, int *use_o_direct, int *checksum, int *durable)
@@ -1316,6 +1336,7 @@ static PyMethodDef kvt_methods[] = {
     {"batch_store_block", (PyCFunction)(void (*)(void))kvt_py_batch_store_block, METH_FASTCALL | METH_KEYWORDS, batch_store_block_doc},
     {"batch_load_block", (PyCFunction)(void (*)(void))kvt_py_batch_load_block, METH_FASTCALL | METH_KEYWORDS, batch_load_block_doc},
     {"checksum_stats", kvt_py_checksum_stats, METH_NOARGS, checksum_stats_doc},
+    {"crc_helper_status", kvt_py_crc_helper_status, METH_NOARGS, crc_helper_status_doc},
     {"dsa_discover", (PyCFunction)(void (*)(void))kvt_py_dsa_discover, METH_VARARGS | METH_KEYWORDS, dsa_discover_doc},
     {"dsa_enable", (PyCFunction)(void (*)(void))kvt_py_dsa_enable, METH_VARARGS | METH_KEYWORDS, dsa_enable_doc},
     {"dsa_model_enable", (PyCFunction)(void (*)(void))kvt_py_dsa_model_enable, METH_VARARGS | METH_KEYWORDS, dsa_model_enable_doc},

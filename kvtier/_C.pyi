@@ -65,6 +65,11 @@ def checksum_stats() -> dict[Literal["checksum_retries", "checksum_condemned"], 
     """Process-wide totals since import (diagnostic); per-call counts are
     batch_load_block's return value and OSError.num_retried."""
 
+def crc_helper_status() -> dict[Literal["enabled", "running", "poll_us", "blocks", "bytes", "late"], Union[bool, int]]:
+    """The CRC helper thread of checksummed buffered loads: enabled/running
+    (bool), poll_us (int, microseconds), blocks / bytes / late (int totals
+    since import)."""
+
 # ---------------------------------------------------------------- Intel DSA (csrc/dsa/)
 
 def dsa_discover(sysfs_root: Optional[str] = None, dev_root: Optional[str] = None, wq: Optional[str] = None) -> dict[str, Any]: ...
