@@ -32,6 +32,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/xattr.h>
@@ -98,7 +99,10 @@ typedef struct kvt_crc_ctx {
     size_t pos;    /* inline: bytes checksummed */
     uint32_t crc;
     int helper;    /* 1 when the helper engine owns this block */
+    int taken;     /* the caller took the rest over at byte `took` (helper behind) */
+    size_t took;
     uint32_t gen;
+    long nivcsw;   /* thread_nivcsw() at crc_begin (helper engine) */
     /* DSA engine when the active CRC backend is "dsa" / "dsa-model"
      * (read-locked from crc_begin to crc_finish/crc_cancel). Each crc_ready()
      * collects the previous range's descriptor and submits the new range
@@ -124,7 +128,7 @@ static struct {
     _Atomic uint64_t done;            /* DN_MAKE(gen, pieces done, their CRC) */
 } helper = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
-static int crc_helper_mode = -1; /* KVTIER_CRC_HELPER: 1 on, 0 off; read once */
+static int crc_helper_mode; /* KVTIER_CRC_HELPER: 1 on, 0 off; set once (crc_helper_read_env) */
 static uint64_t crc_helper_poll_ns = KVT_CRC_HELPER_POLL_NS; /* KVTIER_CRC_HELPER_POLL_US */
 static _Atomic uint64_t helper_cool_until; /* CLOCK_MONOTONIC ns: inline until then */
 static _Atomic uint64_t helper_last_begin; /* CLOCK_MONOTONIC ns of the last eligible load */
@@ -152,24 +156,87 @@ static inline size_t piece_len(size_t len, unsigned k)
     return len - start < KVT_CRC_PIECE ? len - start : KVT_CRC_PIECE;
 }
 
-/* Helper: poll `has_work` for crc_helper_poll_ns, then sleep until a
- * caller signals. Dekker with the callers (they store, then load `sleeping`;
- * we store `sleeping`, then re-check under mu): no wake-up is lost. */
-static void helper_wait(int (*has_work)(const void *), const void *arg)
+/* The helper, or a caller waiting for it, was descheduled: the host has no
+ * idle core for it. Checksum inline for KVT_CRC_HELPER_COOL_NS, doubled while
+ * it recurs within a minute (up to 64x), so the helper does not compete for
+ * CPU with the I/O threads and the rest of the process. */
+static uint64_t helper_late_last; /* under helper.mu */
+static unsigned helper_late_streak;
+
+static void helper_back_off(uint64_t now)
 {
-    uint64_t t0 = 0;
+    pthread_mutex_lock(&helper.mu);
+    unsigned streak = helper_late_streak;
+    streak = now - helper_late_last > 60000000000ull ? 1 : (streak < 7 ? streak + 1 : 7);
+    helper_late_streak = streak;
+    helper_late_last = now;
+    atomic_store(&helper_cool_until, now + ((uint64_t)KVT_CRC_HELPER_COOL_NS << (streak - 1)));
+    pthread_mutex_unlock(&helper.mu);
+    atomic_fetch_add(&stat_helper_late, 1);
+}
+
+/* Involuntary context switches of the calling thread so far: another runnable
+ * task took its CPU, so the host has no idle core. */
+static long thread_nivcsw(void)
+{
+    struct rusage ru;
+    return getrusage(RUSAGE_THREAD, &ru) == 0 ? ru.ru_nivcsw : 0;
+}
+
+/* A job on which the caller or the helper was preempted (involuntary
+ * context switch): evidence, but a quiet host has some too (kernel threads,
+ * ~1 per 100 jobs here). Leaky bucket: each adds 16, each clean job takes 1
+ * away; 48 (three close together) backs off. */
+static _Atomic int helper_preempt_score;
+
+static void helper_note_job(int preempted)
+{
+    if (preempted) {
+        if (atomic_fetch_add(&helper_preempt_score, 16) + 16 >= 48) {
+            atomic_store(&helper_preempt_score, 0);
+            helper_back_off(mono_ns());
+        }
+        return;
+    }
+    int v = atomic_load(&helper_preempt_score);
+    while (v > 0 && !atomic_compare_exchange_weak(&helper_preempt_score, &v, v - 1))
+        ;
+}
+
+static int helper_cooling(void)
+{
+    uint64_t cool = atomic_load_explicit(&helper_cool_until, memory_order_relaxed);
+    return cool != 0 && mono_ns() < cool;
+}
+
+/* Helper: poll `has_work` for crc_helper_poll_ns. Returns 0 when it has work,
+ * 1 when the window ran out, 2 when the helper found itself descheduled
+ * between two looks (no idle core: it backed off). */
+static int helper_poll(int (*has_work)(const void *), const void *arg)
+{
+    uint64_t t0 = 0, prev = 0;
     for (unsigned spins = 0;; spins++) {
         if (has_work(arg))
-            return;
-        if ((spins & 63u) == 63u) {
+            return 0;
+        if ((spins & 63u) == 63u) { /* every ~1-2 us */
             uint64_t t = mono_ns();
             if (t0 == 0)
                 t0 = t;
-            else if (t - t0 >= crc_helper_poll_ns)
-                break;
+            else if (t - prev >= KVT_CRC_HELPER_LATE_NS) {
+                helper_back_off(t);
+                return 2;
+            } else if (t - t0 >= crc_helper_poll_ns)
+                return 1;
+            prev = t;
         }
         cpu_relax();
     }
+}
+
+/* Sleep until a caller signals (Dekker with helper_signal_if_sleeping: they
+ * store, then load `sleeping`; we store `sleeping`, then re-check under mu). */
+static void helper_sleep(int (*has_work)(const void *), const void *arg)
+{
     pthread_mutex_lock(&helper.mu);
     atomic_store(&helper.sleeping, 1);
     if (!has_work(arg))
@@ -183,6 +250,8 @@ typedef struct {
     size_t need; /* bytes that must be ready */
 } piece_wait;
 
+static void helper_run_pieces(uint32_t gen);
+
 /* Piece wait is over: its bytes are ready, or the job is no longer open. */
 static int piece_or_job_over(const void *arg)
 {
@@ -192,6 +261,14 @@ static int piece_or_job_over(const void *arg)
 }
 
 static void helper_run_job(uint32_t gen)
+{
+    long nivcsw0 = thread_nivcsw();
+    helper_run_pieces(gen);
+    if (thread_nivcsw() != nivcsw0)
+        helper_note_job(1); /* preempted while on the job */
+}
+
+static void helper_run_pieces(uint32_t gen)
 {
     const uint8_t *base = atomic_load(&helper.base);
     size_t len = atomic_load(&helper.len);
@@ -204,15 +281,25 @@ static void helper_run_job(uint32_t gen)
         size_t n = piece_len(len, f);
         piece_wait w = {gen, (size_t)f * KVT_CRC_PIECE + n};
         if (atomic_load(&helper.ready) < w.need) {
-            helper_wait(piece_or_job_over, &w);
+            int r = helper_poll(piece_or_job_over, &w);
+            if (r == 2)
+                return; /* backed off: the caller checksums the rest */
+            if (r == 1)
+                helper_sleep(piece_or_job_over, &w);
             continue;
         }
         if (!atomic_compare_exchange_strong(&helper.claims, &c, CL_MAKE(gen, f + 1, b)))
             continue; /* the caller claimed from the back */
+        uint64_t t0 = mono_ns();
         uint32_t next = kvt_crc32c(crc, base + (size_t)f * KVT_CRC_PIECE, n);
         atomic_store(&helper.done, DN_MAKE(gen, f + 1, next));
         atomic_fetch_add_explicit(&stat_helper_bytes, n, memory_order_relaxed);
         crc = next;
+        uint64_t t1 = mono_ns();
+        if (t1 - t0 >= KVT_CRC_HELPER_LATE_NS) { /* ~1 us of work took this long */
+            helper_back_off(t1);
+            return;
+        }
     }
 }
 
@@ -228,7 +315,8 @@ static void *crc_helper_main(void *arg)
     (void)arg;
     uint32_t last = 0;
     for (;;) {
-        helper_wait(new_job, &last);
+        if (helper_poll(new_job, &last) != 0)
+            helper_sleep(new_job, &last);
         uint64_t c = atomic_load(&helper.claims);
         if (CL_GEN(c) == last || CL_FRONT(c) >= CL_BACK(c))
             continue; /* woken for nothing */
@@ -256,31 +344,40 @@ static void crc_helper_atfork_child(void)
     atomic_store(&helper.busy, 0);
     atomic_store(&helper.sleeping, 0);
     atomic_store(&helper.claims, CL_MAKE(helper.gen, 0, 0));
+    atomic_store(&helper_cool_until, 0); /* a new process: judge its own host share */
+    atomic_store(&helper_preempt_score, 0);
+    helper_late_last = 0;
+    helper_late_streak = 0;
 }
 
 /* KVTIER_CRC_HELPER: "1" on, "0" off, unset or empty: on when this process
  * may run on at least two CPUs (sched_getaffinity), since the helper needs a
  * second one. KVTIER_CRC_HELPER_POLL_US: the poll window (microseconds).
- * Read once per process (the first checksummed buffered load). */
+ * Read once per process (the first checksummed buffered load, or status). */
+static pthread_once_t crc_helper_once = PTHREAD_ONCE_INIT;
+
+static void crc_helper_read_env(void)
+{
+    const char *e = getenv("KVTIER_CRC_HELPER");
+    if (e != NULL && e[0] != '\0') {
+        crc_helper_mode = e[0] == '1';
+    } else {
+        cpu_set_t set;
+        crc_helper_mode = sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) >= 2;
+    }
+    const char *p = getenv("KVTIER_CRC_HELPER_POLL_US");
+    if (p != NULL && p[0] != '\0') {
+        char *end;
+        errno = 0;
+        unsigned long long us = strtoull(p, &end, 10);
+        if (errno == 0 && *end == '\0' && p[0] != '-' && us <= 10000000ull) /* <= 10 s; else default */
+            crc_helper_poll_ns = us * 1000u;
+    }
+}
+
 static int crc_helper_wanted(void)
 {
-    if (crc_helper_mode < 0) {
-        const char *e = getenv("KVTIER_CRC_HELPER");
-        if (e != NULL && e[0] != '\0') {
-            crc_helper_mode = e[0] == '1';
-        } else {
-            cpu_set_t set;
-            crc_helper_mode = sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) >= 2;
-        }
-        const char *p = getenv("KVTIER_CRC_HELPER_POLL_US");
-        if (p != NULL && p[0] != '\0') {
-            char *end;
-            errno = 0;
-            unsigned long long us = strtoull(p, &end, 10);
-            if (errno == 0 && *end == '\0' && p[0] != '-' && us <= 10000000ull) /* <= 10 s; else default */
-                crc_helper_poll_ns = us * 1000u;
-        }
-    }
+    pthread_once(&crc_helper_once, crc_helper_read_env);
     return crc_helper_mode;
 }
 
@@ -314,7 +411,7 @@ static int crc_helper_acquire(size_t batch_rest)
         return 0;
     uint64_t cool = atomic_load_explicit(&helper_cool_until, memory_order_relaxed);
     if (cool != 0 && now < cool)
-        return 0;
+        return 0; /* backed off (helper_back_off) */
     int expected = 0;
     if (!atomic_compare_exchange_strong(&helper.busy, &expected, 1))
         return 0;
@@ -349,6 +446,7 @@ static void crc_begin(kvt_crc_ctx *c, const void *buf, size_t len, size_t overla
     c->pos = 0;
     c->crc = 0;
     c->helper = 0;
+    c->taken = 0;
     c->dsa = kvt_dsa_acquire_active(); /* NULL unless the backend is dsa/dsa-model */
     c->dsa_pos = 0;
     c->dsa_inflight = 0;
@@ -367,6 +465,7 @@ static void crc_begin(kvt_crc_ctx *c, const void *buf, size_t len, size_t overla
     atomic_store(&helper.claims, CL_MAKE(gen, 0, npieces));
     helper_signal_if_sleeping();
     atomic_fetch_add_explicit(&stat_helper_blocks, 1, memory_order_relaxed);
+    c->nivcsw = thread_nivcsw();
     c->helper = 1;
     c->gen = gen;
 }
@@ -380,6 +479,20 @@ static void dsa_collect(kvt_crc_ctx *c)
     }
 }
 
+/* The helper is more than KVT_CRC_HELPER_LAG behind (not awake yet, or
+ * descheduled): leave it the pieces it has claimed, checksum the rest here
+ * while it is still in cache (so never a late cold pass), inline from now on. */
+static void crc_takeover(kvt_crc_ctx *c, size_t upto)
+{
+    uint64_t cl = atomic_load(&helper.claims);
+    while (!atomic_compare_exchange_weak(&helper.claims, &cl, CL_MAKE(c->gen, CL_FRONT(cl), CL_FRONT(cl))))
+        ;
+    c->taken = 1;
+    c->took = (size_t)CL_FRONT(cl) * KVT_CRC_PIECE;
+    c->crc = kvt_crc32c(0, c->base + c->took, upto - c->took);
+    c->pos = upto;
+}
+
 static inline void crc_ready(kvt_crc_ctx *c, size_t upto)
 {
     if (c->dsa) {
@@ -391,9 +504,15 @@ static inline void crc_ready(kvt_crc_ctx *c, size_t upto)
         }
         return;
     }
-    if (c->helper) {
+    if (c->helper && !c->taken) {
         atomic_store(&helper.ready, upto);
-        helper_signal_if_sleeping();
+        uint64_t cl = atomic_load(&helper.claims);
+        if (upto - (size_t)CL_FRONT(cl) * KVT_CRC_PIECE <= KVT_CRC_HELPER_LAG) {
+            if (atomic_load(&helper.sleeping) && !helper_cooling())
+                helper_signal_if_sleeping();
+            return;
+        }
+        crc_takeover(c, upto);
     } else if (upto > c->pos) {
         c->crc = kvt_crc32c(c->crc, c->base + c->pos, upto - c->pos);
         c->pos = upto;
@@ -406,11 +525,16 @@ static inline void crc_ready(kvt_crc_ctx *c, size_t upto)
 static uint32_t crc_settle(kvt_crc_ctx *c, int compute)
 {
     const uint32_t gen = c->gen;
-    c->helper = 0;
     uint32_t tail = 0;
     size_t tail_len = 0;
-    unsigned front;
-    for (;;) {
+    unsigned front = 0;
+    if (c->taken) { /* crc_takeover closed the job; we hold the rest */
+        front = (unsigned)(c->took / KVT_CRC_PIECE);
+        tail = c->crc;
+        tail_len = c->pos - c->took;
+    }
+    c->helper = 0;
+    for (; !c->taken;) {
         uint64_t cl = atomic_load(&helper.claims);
         unsigned f = CL_FRONT(cl), b = CL_BACK(cl);
         if (f >= b) {
@@ -431,6 +555,7 @@ static uint32_t crc_settle(kvt_crc_ctx *c, int compute)
         tail = tail_len ? kvt_crc32c_combine(cb, tail, tail_len) : cb;
         tail_len += n;
     }
+    c->taken = 0;
     uint64_t d, t_late = 0;
     for (unsigned spins = 0; DN_COUNT(d = atomic_load(&helper.done)) != front; spins++) {
         if (spins < KVT_CRC_SPIN) {
@@ -443,13 +568,12 @@ static uint32_t crc_settle(kvt_crc_ctx *c, int compute)
             t_late = mono_ns();
         sched_yield();
     }
-    if (t_late != 0) {
-        uint64_t t = mono_ns();
-        if (t - t_late >= KVT_CRC_HELPER_LATE_NS) {
-            atomic_fetch_add(&stat_helper_late, 1);
-            atomic_store(&helper_cool_until, t + KVT_CRC_HELPER_COOL_NS);
-        }
-    }
+    /* Kept waiting by a descheduled helper: back off. Preempted during the
+     * job (the helper's CPU would be someone's): count it. */
+    if (t_late != 0 && mono_ns() - t_late >= KVT_CRC_HELPER_LATE_NS)
+        helper_back_off(mono_ns());
+    else
+        helper_note_job(thread_nivcsw() != c->nivcsw);
     atomic_store(&helper.busy, 0);
     if (front == 0)
         return tail;

@@ -42,11 +42,18 @@
 #define KVT_CRC_HELPER_POLL_NS 1000000u
 #endif
 
-/* A caller that waited this long (ns) for the helper's piece in progress (the
- * helper was descheduled: a busy host) checksums inline for
- * KVT_CRC_HELPER_COOL_NS. */
-#define KVT_CRC_HELPER_LATE_NS 50000u
-#define KVT_CRC_HELPER_COOL_NS 100000000u
+/* A caller whose helper is more than this many bytes behind its reads (not
+ * awake yet, or descheduled) checksums the rest of the block itself, while
+ * it is still in the CPU cache. */
+#define KVT_CRC_HELPER_LAG (3u * KVT_IO_CHUNK)
+
+/* The helper found itself, or a caller found it, descheduled for this long
+ * (ns; a 64 KiB piece takes ~1 us; a quiet 2-vCPU VM shows gaps up to ~70 us,
+ * a CPU-bound neighbour ~1-5 ms): the host has no idle core for it, and
+ * loads checksum inline for KVT_CRC_HELPER_COOL_NS, doubled while it recurs
+ * within a minute (up to 64x). */
+#define KVT_CRC_HELPER_LATE_NS 250000u
+#define KVT_CRC_HELPER_COOL_NS 1000000000u
 
 /* O_DIRECT memory and offset alignment assumed when the kernel does not
  * report one (statx STATX_DIOALIGN, Linux >= 6.1): the page size, which is a
@@ -96,7 +103,7 @@ typedef struct kvt_crc_helper_stats {
     uint64_t poll_ns; /* poll window before it sleeps (ns) */
     uint64_t blocks;  /* blocks whose CRC it shared */
     uint64_t bytes;   /* bytes it checksummed */
-    uint64_t late;    /* times a caller waited >= KVT_CRC_HELPER_LATE_NS for it */
+    uint64_t late;    /* times it was found descheduled (KVT_CRC_HELPER_LATE_NS) */
 } kvt_crc_helper_stats;
 void kvt_crc_helper_info(kvt_crc_helper_stats *out);
 

@@ -619,8 +619,10 @@ PyDoc_STRVAR(crc_helper_status_doc,
 "process's affinity mask), running (bool: the thread was started),\n"
 "poll_us (int: microseconds it polls for work before sleeping;\n"
 "KVTIER_CRC_HELPER_POLL_US), blocks (int: blocks whose CRC it shared since\n"
-"import), bytes (int: bytes it checksummed), late (int: times a load waited\n"
-">= 50 us for it, each followed by 100 ms of inline CRCs).");
+"import), bytes (int: bytes it checksummed), late (int: times it was\n"
+"found descheduled for >= 250 us, by itself or by a load waiting for it:\n"
+"each is followed by 1 s of inline CRCs, doubled while it recurs within a\n"
+"minute, up to 64 s).");
 
 static PyObject *kvt_py_crc_helper_status(PyObject *mod, PyObject *unused)
 {

@@ -268,11 +268,6 @@ def test_tsan_no_data_race_poll0(tsan_prog, tmp_path):
     _run_tsan(tsan_prog, tmp_path, ["--warm", "--poll0", "--iters", "1"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG csrc/fs_io.c crc_helper_wanted(): the first call reads and writes the plain statics "
-    "crc_helper_mode and crc_helper_poll_ns without synchronisation; two threads whose first "
-    "checksummed buffered load or crc_helper_status() runs at once race (TSan: data race "
-    "fs_io.c crc_helper_wanted). Fix: pthread_once, or atomics with a single publisher."))
 def test_tsan_no_data_race_at_first_use(tsan_prog, tmp_path):
     """The first status calls, combine calls and loads of the process from
     several threads at once: the configuration is read, the combine table
