@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 
@@ -55,6 +56,7 @@ def info_dict() -> dict:
         d["io_backend"] = {"c": "c (kvtier._C)", "python": "python (pure-Python fallback)"}[kio.backend]
     except ValueError as e:  # a bad KVTIER_IO_BACKEND: say so rather than crash
         d["io_backend"] = f"error: {e}"
+    d["crc_helper"] = c.crc_helper_status() if c is not None else None
     if c is not None:
         from kvtier import dsa
 
@@ -85,6 +87,14 @@ def _print_info(d: dict) -> None:
     isal = d["isal_version"]
     print(f"ISA-L:          {isal if isal else 'not built in (libisal not found at build time, or KVTIER_NO_ISAL=1)'}")
     print(f"CPU features:   {' '.join(d['cpu_features']) or 'none of interest'}")
+    h = d["crc_helper"]
+    if h is None:
+        print("CRC helper:     not available: the C core is not built")
+    else:
+        state = "on" if h["enabled"] else "off"
+        why = "KVTIER_CRC_HELPER" if os.environ.get("KVTIER_CRC_HELPER") else f"auto: {len(os.sched_getaffinity(0))} CPU(s) usable"
+        print(f"CRC helper:     {state} ({why}); buffered checksummed loads >= 512 KiB, polls {h['poll_us']} us "
+              f"before sleeping; {h['blocks']} blocks / {h['bytes']} bytes shared, {h['late']} late")
     for i, line in enumerate(d["dsa"].splitlines()):
         print(("DSA:            " if i == 0 else "                ") + line)
 
