@@ -100,6 +100,8 @@ typedef struct kvt_crc_ctx {
     uint32_t crc;
     int helper;    /* 1 when the helper engine owns this block */
     int taken;     /* the caller took the rest over at byte `took` (helper behind) */
+    int idle_helper; /* ... and the helper, polling at crc_begin, had not started on it */
+    int helper_awake; /* the helper was in its poll loop at crc_begin */
     size_t took;
     uint32_t gen;
     long nivcsw;   /* thread_nivcsw() at crc_begin (helper engine) */
@@ -121,6 +123,7 @@ static struct {
     uint32_t gen;                     /* last job posted (owned by the busy caller) */
     _Atomic int busy;                 /* 1 while a caller owns the helper */
     _Atomic int sleeping;             /* helper is (about to be) in cond_wait */
+    _Atomic int polling;              /* helper is running its poll loop */
     _Atomic(const uint8_t *) base;    /* the current job */
     _Atomic size_t len;
     _Atomic size_t ready;             /* bytes published by the caller */
@@ -184,8 +187,9 @@ static long thread_nivcsw(void)
 }
 
 /* A job on which the caller or the helper was preempted (involuntary
- * context switch): evidence, but a quiet host has some too (kernel threads,
- * ~1 per 100 jobs here). Leaky bucket: each adds 16, each clean job takes 1
+ * context switch), or that the helper never got to: evidence of a host with
+ * no idle core, but a quiet host has some too (kernel threads, ~1 per 100
+ * jobs here). Leaky bucket: each adds 16, each clean job takes 1
  * away; 48 (three close together) backs off. */
 static _Atomic int helper_preempt_score;
 
@@ -215,6 +219,7 @@ static int helper_cooling(void)
 static int helper_poll(int (*has_work)(const void *), const void *arg)
 {
     uint64_t t0 = 0, prev = 0;
+    atomic_store_explicit(&helper.polling, 1, memory_order_relaxed);
     for (unsigned spins = 0;; spins++) {
         if (has_work(arg))
             return 0;
@@ -237,6 +242,7 @@ static int helper_poll(int (*has_work)(const void *), const void *arg)
  * store, then load `sleeping`; we store `sleeping`, then re-check under mu). */
 static void helper_sleep(int (*has_work)(const void *), const void *arg)
 {
+    atomic_store_explicit(&helper.polling, 0, memory_order_relaxed);
     pthread_mutex_lock(&helper.mu);
     atomic_store(&helper.sleeping, 1);
     if (!has_work(arg))
@@ -343,6 +349,7 @@ static void crc_helper_atfork_child(void)
     helper.state = 0;
     atomic_store(&helper.busy, 0);
     atomic_store(&helper.sleeping, 0);
+    atomic_store(&helper.polling, 0);
     atomic_store(&helper.claims, CL_MAKE(helper.gen, 0, 0));
     atomic_store(&helper_cool_until, 0); /* a new process: judge its own host share */
     atomic_store(&helper_preempt_score, 0);
@@ -447,6 +454,7 @@ static void crc_begin(kvt_crc_ctx *c, const void *buf, size_t len, size_t overla
     c->crc = 0;
     c->helper = 0;
     c->taken = 0;
+    c->idle_helper = 0;
     c->dsa = kvt_dsa_acquire_active(); /* NULL unless the backend is dsa/dsa-model */
     c->dsa_pos = 0;
     c->dsa_inflight = 0;
@@ -463,6 +471,7 @@ static void crc_begin(kvt_crc_ctx *c, const void *buf, size_t len, size_t overla
     atomic_store(&helper.ready, 0);
     atomic_store(&helper.done, DN_MAKE(gen, 0, 0));
     atomic_store(&helper.claims, CL_MAKE(gen, 0, npieces));
+    c->helper_awake = atomic_load_explicit(&helper.polling, memory_order_relaxed);
     helper_signal_if_sleeping();
     atomic_fetch_add_explicit(&stat_helper_blocks, 1, memory_order_relaxed);
     c->nivcsw = thread_nivcsw();
@@ -489,6 +498,8 @@ static void crc_takeover(kvt_crc_ctx *c, size_t upto)
         ;
     c->taken = 1;
     c->took = (size_t)CL_FRONT(cl) * KVT_CRC_PIECE;
+    /* Polling when the job was posted, yet it never got to it: it gets no CPU. */
+    c->idle_helper = CL_FRONT(cl) == 0 && c->helper_awake;
     c->crc = kvt_crc32c(0, c->base + c->took, upto - c->took);
     c->pos = upto;
 }
@@ -568,12 +579,14 @@ static uint32_t crc_settle(kvt_crc_ctx *c, int compute)
             t_late = mono_ns();
         sched_yield();
     }
-    /* Kept waiting by a descheduled helper: back off. Preempted during the
-     * job (the helper's CPU would be someone's): count it. */
+    /* Kept waiting by a descheduled helper: back off. With the helper polling
+     * at crc_begin (a wake-up may itself preempt us: not then), preempted
+     * during the job (the helper's CPU would be someone's), or the helper
+     * never got to it: count it. */
     if (t_late != 0 && mono_ns() - t_late >= KVT_CRC_HELPER_LATE_NS)
         helper_back_off(mono_ns());
     else
-        helper_note_job(thread_nivcsw() != c->nivcsw);
+        helper_note_job(c->helper_awake && (c->idle_helper || thread_nivcsw() != c->nivcsw));
     atomic_store(&helper.busy, 0);
     if (front == 0)
         return tail;
