@@ -124,6 +124,7 @@ static struct {
     _Atomic int busy;                 /* 1 while a caller owns the helper */
     _Atomic int sleeping;             /* helper is (about to be) in cond_wait */
     _Atomic int polling;              /* helper is running its poll loop */
+    _Atomic int caller_cpu;           /* CPU of the caller that posted the job */
     _Atomic(const uint8_t *) base;    /* the current job */
     _Atomic size_t len;
     _Atomic size_t ready;             /* bytes published by the caller */
@@ -224,10 +225,16 @@ static int helper_poll(int (*has_work)(const void *), const void *arg)
         if (has_work(arg))
             return 0;
         if ((spins & 63u) == 63u) { /* every ~1-2 us */
+            /* Woken onto the caller's CPU (its own was halted): polling there
+             * would take the CPU from the caller; let it run. */
+            if (sched_getcpu() == atomic_load_explicit(&helper.caller_cpu, memory_order_relaxed)) {
+                sched_yield();
+                prev = 0;
+            }
             uint64_t t = mono_ns();
             if (t0 == 0)
                 t0 = t;
-            else if (t - prev >= KVT_CRC_HELPER_LATE_NS) {
+            else if (prev != 0 && t - prev >= KVT_CRC_HELPER_LATE_NS) {
                 helper_back_off(t);
                 return 2;
             } else if (t - t0 >= crc_helper_poll_ns)
@@ -470,6 +477,7 @@ static void crc_begin(kvt_crc_ctx *c, const void *buf, size_t len, size_t overla
     atomic_store(&helper.len, len);
     atomic_store(&helper.ready, 0);
     atomic_store(&helper.done, DN_MAKE(gen, 0, 0));
+    atomic_store_explicit(&helper.caller_cpu, sched_getcpu(), memory_order_relaxed);
     atomic_store(&helper.claims, CL_MAKE(gen, 0, npieces));
     c->helper_awake = atomic_load_explicit(&helper.polling, memory_order_relaxed);
     helper_signal_if_sleeping();
