@@ -214,6 +214,23 @@ static int helper_cooling(void)
     return cool != 0 && mono_ns() < cool;
 }
 
+/* Leave CPU `cpu` now: run on the others (the kernel migrates the thread
+ * before sched_setaffinity returns), then allow every CPU again. Without
+ * another CPU to go to, just yield it. */
+static void helper_move_off(int cpu)
+{
+    cpu_set_t all, others;
+    if (cpu >= 0 && cpu < CPU_SETSIZE && sched_getaffinity(0, sizeof all, &all) == 0) {
+        others = all;
+        CPU_CLR(cpu, &others);
+        if (CPU_COUNT(&others) > 0 && sched_setaffinity(0, sizeof others, &others) == 0) {
+            sched_setaffinity(0, sizeof all, &all);
+            return;
+        }
+    }
+    sched_yield();
+}
+
 /* Helper: poll `has_work` for crc_helper_poll_ns. Returns 0 when it has work,
  * 1 when the window ran out, 2 when the helper found itself descheduled
  * between two looks (no idle core: it backed off). */
@@ -225,10 +242,11 @@ static int helper_poll(int (*has_work)(const void *), const void *arg)
         if (has_work(arg))
             return 0;
         if ((spins & 63u) == 63u) { /* every ~1-2 us */
-            /* Woken onto the caller's CPU (its own was halted): polling there
-             * would take the CPU from the caller; let it run. */
-            if (sched_getcpu() == atomic_load_explicit(&helper.caller_cpu, memory_order_relaxed)) {
-                sched_yield();
+            /* Woken onto the caller's CPU (the idle one was halted): polling
+             * there would take the CPU from the caller; move off it. */
+            int cc = atomic_load_explicit(&helper.caller_cpu, memory_order_relaxed);
+            if (sched_getcpu() == cc) {
+                helper_move_off(cc);
                 prev = 0;
             }
             uint64_t t = mono_ns();
