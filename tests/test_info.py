@@ -86,3 +86,18 @@ def test_info_names_the_block_io_backend_and_a_bad_choice():
         "python (pure-Python fallback)"
     out = run_info(env={"KVTIER_IO_BACKEND": "bogus"}).stdout
     assert "Block I/O:      error: KVTIER_IO_BACKEND='bogus' is not valid; valid values: c, python" in out
+
+
+def test_info_reports_the_crc_helper():
+    """The CRC helper line and JSON follow KVTIER_CRC_HELPER / _POLL_US, and
+    the automatic choice follows the CPUs this process may use."""
+    off = json.loads(run_info("--json", env={"KVTIER_CRC_HELPER": "0", "KVTIER_CRC_HELPER_POLL_US": "250"}).stdout)
+    assert off["crc_helper"] == {"enabled": False, "running": False, "poll_us": 250, "blocks": 0, "bytes": 0, "late": 0}
+    text = run_info(env={"KVTIER_CRC_HELPER": "0"}).stdout
+    assert "CRC helper:     off (KVTIER_CRC_HELPER);" in text and "polls 1000 us" in text
+    e = dict(os.environ)
+    e.pop("KVTIER_CRC_HELPER", None)
+    auto = subprocess.run([sys.executable, "-m", "kvtier", "info"], capture_output=True, text=True, env=e, check=True).stdout
+    n = len(os.sched_getaffinity(0))
+    want = "on" if n >= 2 else "off"
+    assert f"CRC helper:     {want} (auto: {n} CPU(s) usable)" in auto
