@@ -314,7 +314,9 @@ def _py(tmp_path, body, env=None, timeout=120):
     """Run PRELUDE + body in a fresh interpreter (the C core reads its
     environment once per process) with the C block I/O backend; returns the
     dict passed to result()."""
-    e = _env()
+    # keep a sanitizer runtime preloaded by scripts/sanitize: this interpreter
+    # imports the same (sanitized) extension as the caller
+    e = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     e["KVTIER_IO_BACKEND"] = "c"
     e.update(env or {})
     code = PRELUDE + textwrap.dedent(body)
