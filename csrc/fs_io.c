@@ -64,16 +64,22 @@
  * about max(copy, CRC) instead of copy + CRC. The helper claims pieces from
  * the front; at crc_finish the caller claims the rest from the back (joined
  * with kvt_crc32c_combine) and waits only for the one piece the helper may be
- * in the middle of (<= 64 KiB, about 2 us). A helper that has not woken up
- * yet, or is descheduled, costs the caller only the inline CRC it would have
- * paid anyway. One block at a time: a caller that finds the helper busy (many
- * I/O threads) uses inline.
+ * in the middle of (<= 64 KiB, about 1 us; it reads buf). A helper that falls
+ * more than KVT_CRC_HELPER_LAG behind (not awake yet, descheduled) is taken
+ * over (crc_takeover): the caller checksums the rest inline while it is still
+ * in cache, so a missing helper costs only the inline CRC. One block at a
+ * time: a caller that finds the helper busy (many I/O threads) uses inline.
  *
- * Waking a sleeping thread costs tens of microseconds on a VM (an IPI to an
- * idle vCPU), as much as the whole copy of a 1 MiB block, so the helper polls
- * for KVT_CRC_HELPER_POLL_NS after each piece and each block before it sleeps:
- * the blocks of a batch, and back-to-back loads, find it awake. That is the
- * only CPU it spends beyond the CRCs it takes over from the I/O threads.
+ * Waking a sleeping thread costs its waker ~8 us and itself 7 us - 1 ms on a
+ * VM (an IPI to a halted vCPU), as much as the copy of a 1 MiB block, so the
+ * helper polls for crc_helper_poll_ns before it sleeps (the blocks of a batch
+ * and back-to-back loads find it awake), and a sleeping helper is woken only
+ * for a batch with KVT_CRC_HELPER_WAKE_MIN left or in a stream of loads
+ * (crc_helper_acquire). Woken onto the caller's CPU it moves off it
+ * (helper_move_off). It uses only a core nobody else wants: found descheduled
+ * (KVT_CRC_HELPER_LATE_NS), or with preempted / never-claimed jobs piling up
+ * (helper_note_job), it backs off and loads checksum inline for a while
+ * (helper_back_off).
  *
  * Claims word: generation (32 bits) | front (16) | back (16), in pieces, so a
  * helper still looking at a finished job can never claim a piece of the next
