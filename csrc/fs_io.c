@@ -12,9 +12,9 @@
  * and checksums it while it is still in the CPU cache; a store checksums a
  * chunk and then writes it, so the kernel's copy into the page cache reads
  * cache-hot data. There is never a second full pass over cold memory.
- * With KVTIER_CRC_HELPER=1, blocks of KVT_CRC_HELPER_MIN bytes and more have
- * their chunk CRCs run on a helper thread, overlapped with the I/O of the
- * next chunk (see "CRC hook").
+ * Buffered loads of KVT_CRC_HELPER_MIN bytes and more share their chunk CRCs
+ * with a helper thread, overlapped with the copy of the next chunk (on with
+ * >= 2 usable CPUs unless KVTIER_CRC_HELPER=0; see "CRC hook").
  * All CRC work goes through crc_begin/crc_ready/crc_finish/crc_cancel: the
  * one place where an offload engine (Intel DSA: submit before the write,
  * collect after; verify on the device) plugs in.
@@ -32,6 +32,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/types.h>
@@ -388,18 +389,30 @@ static void crc_helper_atfork_child(void)
     helper_late_streak = 0;
 }
 
-/* KVTIER_CRC_HELPER: "1" on, "0" off, unset or empty: on when this process
- * may run on at least two CPUs (sched_getaffinity), since the helper needs a
- * second one. KVTIER_CRC_HELPER_POLL_US: the poll window (microseconds).
+/* KVTIER_CRC_HELPER: 1/true/yes/on, 0/false/no/off, unset or empty: on when
+ * this process may run on at least two CPUs (sched_getaffinity), since the
+ * helper needs a second one. KVTIER_CRC_HELPER_POLL_US: the poll window (microseconds).
  * Read once per process (the first checksummed buffered load, or status). */
 static pthread_once_t crc_helper_once = PTHREAD_ONCE_INIT;
 
+static int env_word(const char *e, const char *const *words)
+{
+    for (; *words != NULL; words++)
+        if (strcasecmp(e, *words) == 0)
+            return 1;
+    return 0;
+}
+
 static void crc_helper_read_env(void)
 {
+    static const char *const on[] = {"1", "true", "yes", "on", NULL};
+    static const char *const off[] = {"0", "false", "no", "off", NULL};
     const char *e = getenv("KVTIER_CRC_HELPER");
-    if (e != NULL && e[0] != '\0') {
-        crc_helper_mode = e[0] == '1';
-    } else {
+    if (e != NULL && env_word(e, on)) {
+        crc_helper_mode = 1;
+    } else if (e != NULL && env_word(e, off)) {
+        crc_helper_mode = 0;
+    } else { /* unset, empty or unknown (kvtier.io refuses unknown values at import) */
         cpu_set_t set;
         crc_helper_mode = sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) >= 2;
     }

@@ -36,8 +36,8 @@
 
 /* How long the helper thread polls for the next piece or block before it
  * sleeps (ns; KVTIER_CRC_HELPER_POLL_US overrides): waking a sleeping thread
- * costs its waker ~8 us and itself 7-20 us on a VM (docs/block_io.md), as
- * much as the copy of a 1 MiB block. */
+ * costs its waker ~8 us and itself 7 us - 1 ms on a VM (docs/block_io.md),
+ * as much as the copy of a 1 MiB block. */
 #ifndef KVT_CRC_HELPER_POLL_NS
 #define KVT_CRC_HELPER_POLL_NS 1000000u
 #endif
@@ -101,9 +101,9 @@ typedef struct kvt_crc_helper_stats {
     int enabled;      /* KVTIER_CRC_HELPER, or auto: >= 2 CPUs in the affinity mask */
     int running;      /* the thread has been started */
     uint64_t poll_ns; /* poll window before it sleeps (ns) */
-    uint64_t blocks;  /* blocks whose CRC it shared */
+    uint64_t blocks;  /* blocks offered to it (the caller may have taken them back) */
     uint64_t bytes;   /* bytes it checksummed */
-    uint64_t late;    /* times it was found descheduled (KVT_CRC_HELPER_LATE_NS) */
+    uint64_t late;    /* back-offs (helper_back_off): descheduled, preempted, slow */
 } kvt_crc_helper_stats;
 void kvt_crc_helper_info(kvt_crc_helper_stats *out);
 

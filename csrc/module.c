@@ -614,15 +614,19 @@ static PyObject *kvt_py_checksum_stats(PyObject *mod, PyObject *unused)
 
 PyDoc_STRVAR(crc_helper_status_doc,
 "crc_helper_status($module, /)\n--\n\n"
-"The CRC helper thread of checksummed buffered loads, as a dict:\n"
-"enabled (bool: KVTIER_CRC_HELPER=1/0, or unset: at least 2 CPUs in the\n"
-"process's affinity mask), running (bool: the thread was started),\n"
-"poll_us (int: microseconds it polls for work before sleeping;\n"
-"KVTIER_CRC_HELPER_POLL_US), blocks (int: blocks whose CRC it shared since\n"
-"import), bytes (int: bytes it checksummed), late (int: times it was\n"
-"found descheduled for >= 250 us, by itself or by a load waiting for it:\n"
-"each is followed by 1 s of inline CRCs, doubled while it recurs within a\n"
-"minute, up to 64 s).");
+"The CRC helper thread of the C core's checksummed buffered loads of\n"
+">= 512 KiB, as a dict:\n"
+"enabled (bool: KVTIER_CRC_HELPER 1/true/yes/on or 0/false/no/off; unset:\n"
+"at least 2 CPUs in the process's affinity mask), running (bool: this\n"
+"process started the thread), poll_us (int: microseconds it polls for work\n"
+"before sleeping; KVTIER_CRC_HELPER_POLL_US), blocks (int: blocks offered to\n"
+"it; the loading thread takes back what it has not reached), bytes (int:\n"
+"bytes it checksummed), late (int: back-offs: found descheduled >= 250 us by\n"
+"itself or by a load waiting for it, a 64 KiB piece that took >= 250 us, or\n"
+"three jobs close together with preemptions or never reached; each is\n"
+"followed by 1 s of inline CRCs, doubled while it recurs within a minute,\n"
+"up to 64 s). Counters are since import; a forked child starts with its\n"
+"parent's values and running False.");
 
 static PyObject *kvt_py_crc_helper_status(PyObject *mod, PyObject *unused)
 {

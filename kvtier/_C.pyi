@@ -66,9 +66,10 @@ def checksum_stats() -> dict[Literal["checksum_retries", "checksum_condemned"], 
     batch_load_block's return value and OSError.num_retried."""
 
 def crc_helper_status() -> dict[Literal["enabled", "running", "poll_us", "blocks", "bytes", "late"], Union[bool, int]]:
-    """The CRC helper thread of checksummed buffered loads: enabled/running
-    (bool), poll_us (int, microseconds), blocks / bytes / late (int totals
-    since import)."""
+    """The CRC helper thread of checksummed buffered loads (C core, blocks
+    >= 512 KiB): enabled / running (bool), poll_us (int, microseconds),
+    blocks (int: blocks offered to it), bytes (int: bytes it checksummed),
+    late (int: back-offs, each 1-64 s of inline CRCs); totals since import."""
 
 # ---------------------------------------------------------------- Intel DSA (csrc/dsa/)
 

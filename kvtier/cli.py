@@ -91,10 +91,16 @@ def _print_info(d: dict) -> None:
     if h is None:
         print("CRC helper:     not available: the C core is not built")
     else:
-        state = "on" if h["enabled"] else "off"
         why = "KVTIER_CRC_HELPER" if os.environ.get("KVTIER_CRC_HELPER") else f"auto: {len(os.sched_getaffinity(0))} CPU(s) usable"
-        print(f"CRC helper:     {state} ({why}); buffered checksummed loads >= 512 KiB, polls {h['poll_us']} us "
-              f"before sleeping; {h['blocks']} blocks / {h['bytes']} bytes shared, {h['late']} late")
+        if h["enabled"]:
+            line = (f"on ({why}); C-core buffered checksummed loads >= 512 KiB; polls {h['poll_us']} us before sleeping; "
+                    f"{'running' if h['running'] else 'not started yet'}: {h['blocks']} blocks offered, "
+                    f"{h['bytes']} bytes checksummed on it, {h['late']} back-offs")
+        else:
+            line = f"off ({why})"
+        if not str(d["io_backend"]).startswith("c "):
+            line += " [not used: the block I/O backend is not the C core]"
+        print(f"CRC helper:     {line}")
     for i, line in enumerate(d["dsa"].splitlines()):
         print(("DSA:            " if i == 0 else "                ") + line)
 

@@ -502,14 +502,10 @@ def test_corruption_detected_with_helper(tmp_path):
     assert res["st"]["bytes"] <= 15 * 4 * MIB
 
 
-@pytest.mark.parametrize("value,poll_us", [
-    ("250", 250), ("0", 0), ("10000000", 10_000_000),
-    ("abc", 1000), ("-5", 1000), ("", 1000), ("12abc", 1000), ("10000001", 1000),
-])
+@pytest.mark.parametrize("value,poll_us", [("250", 250), ("0", 0), ("10000000", 10_000_000), ("", 1000)])
 def test_poll_us_parsing(tmp_path, value, poll_us):
     """KVTIER_CRC_HELPER_POLL_US: a decimal number of microseconds up to 10 s;
-    anything else (letters, negative, empty, too large) keeps the default
-    1000 (KVT_CRC_HELPER_POLL_NS)."""
+    empty keeps the default 1000 (KVT_CRC_HELPER_POLL_NS)."""
     res = _py(tmp_path, """
         st = _C.crc_helper_status()
         bs = 1024 * 1024
@@ -521,6 +517,54 @@ def test_poll_us_parsing(tmp_path, value, poll_us):
         result(poll_us=st["poll_us"], after=_C.crc_helper_status()["poll_us"], same=bool(np.array_equal(out, view)))
     """, env={"KVTIER_CRC_HELPER": "1", "KVTIER_CRC_HELPER_POLL_US": value})
     assert res == {"poll_us": poll_us, "after": poll_us, "same": True}
+
+
+def _c_only(env):
+    """crc_helper_status() of a fresh interpreter that imports the C core but
+    not kvtier.io (which validates the variables)."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    e.update(env)
+    r = subprocess.run([sys.executable, "-c", "import json, kvtier._C as C; print(json.dumps(C.crc_helper_status()))"],
+                       capture_output=True, text=True, env=e, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("value", ["abc", "-5", "12abc", "10000001", " 5", "1e3"])
+def test_poll_us_invalid(value):
+    """kvtier.io refuses a value the C core would not use (ValueError naming
+    the variable and the range); the C core alone keeps its default 1000 for
+    the ones it cannot parse."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    e["KVTIER_CRC_HELPER_POLL_US"] = value
+    r = subprocess.run([sys.executable, "-c", "import kvtier.io"], capture_output=True, text=True, env=e, timeout=60)
+    assert r.returncode == 1
+    assert "ValueError: KVTIER_CRC_HELPER_POLL_US=" in r.stderr and "0..10000000" in r.stderr
+    if value in ("abc", "-5", "12abc", "10000001", "1e3"):
+        assert _c_only({"KVTIER_CRC_HELPER_POLL_US": value})["poll_us"] == 1000
+
+
+@pytest.mark.parametrize("value,enabled", [
+    ("1", True), ("true", True), ("YES", True), ("On", True),
+    ("0", False), ("false", False), ("No", False), ("OFF", False),
+])
+def test_crc_helper_switch_words(value, enabled):
+    """KVTIER_CRC_HELPER takes 1/true/yes/on and 0/false/no/off, any case."""
+    assert _c_only({"KVTIER_CRC_HELPER": value})["enabled"] is enabled
+    e = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    e["KVTIER_CRC_HELPER"] = value
+    subprocess.run([sys.executable, "-c", "import kvtier.io"], check=True, env=e, timeout=60)
+
+
+def test_crc_helper_switch_unknown_word():
+    """Another value fails `import kvtier.io` with the valid ones listed; the C
+    core alone treats it as unset (automatic)."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    e["KVTIER_CRC_HELPER"] = "2"
+    r = subprocess.run([sys.executable, "-c", "import kvtier.io"], capture_output=True, text=True, env=e, timeout=60)
+    assert r.returncode == 1
+    assert "KVTIER_CRC_HELPER='2' is not valid; valid values: 1, true, yes, on, 0, false, no, off" in r.stderr
+    assert _c_only({"KVTIER_CRC_HELPER": "2"})["enabled"] is (len(os.sched_getaffinity(0)) >= 2)
 
 
 @pytest.mark.timeout(120)

@@ -94,7 +94,12 @@ def test_info_reports_the_crc_helper():
     off = json.loads(run_info("--json", env={"KVTIER_CRC_HELPER": "0", "KVTIER_CRC_HELPER_POLL_US": "250"}).stdout)
     assert off["crc_helper"] == {"enabled": False, "running": False, "poll_us": 250, "blocks": 0, "bytes": 0, "late": 0}
     text = run_info(env={"KVTIER_CRC_HELPER": "0"}).stdout
-    assert "CRC helper:     off (KVTIER_CRC_HELPER);" in text and "polls 1000 us" in text
+    assert "CRC helper:     off (KVTIER_CRC_HELPER)\n" in text
+    on = run_info(env={"KVTIER_CRC_HELPER": "yes", "KVTIER_CRC_HELPER_POLL_US": "300"}).stdout
+    assert ("CRC helper:     on (KVTIER_CRC_HELPER); C-core buffered checksummed loads >= 512 KiB; polls 300 us "
+            "before sleeping; not started yet: 0 blocks offered, 0 bytes checksummed on it, 0 back-offs\n") in on
+    py = run_info(env={"KVTIER_CRC_HELPER": "1", "KVTIER_IO_BACKEND": "python"}).stdout
+    assert "[not used: the block I/O backend is not the C core]" in py
     e = dict(os.environ)
     e.pop("KVTIER_CRC_HELPER", None)
     auto = subprocess.run([sys.executable, "-m", "kvtier", "info"], capture_output=True, text=True, env=e, check=True).stdout
