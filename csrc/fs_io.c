@@ -519,7 +519,7 @@ static void crc_begin(kvt_crc_ctx *c, const void *buf, size_t len, size_t overla
     c->helper_awake = atomic_load_explicit(&helper.polling, memory_order_relaxed);
     helper_signal_if_sleeping();
     atomic_fetch_add_explicit(&stat_helper_blocks, 1, memory_order_relaxed);
-    c->nivcsw = thread_nivcsw();
+    c->nivcsw = c->helper_awake ? thread_nivcsw() : 0; /* only then is it evidence (crc_settle) */
     c->helper = 1;
     c->gen = gen;
 }
@@ -588,29 +588,24 @@ static uint32_t crc_settle(kvt_crc_ctx *c, int compute)
         front = (unsigned)(c->took / KVT_CRC_PIECE);
         tail = c->crc;
         tail_len = c->pos - c->took;
+    } else {
+        for (;;) {
+            uint64_t cl = atomic_load(&helper.claims);
+            unsigned f = CL_FRONT(cl), b = CL_BACK(cl);
+            /* done when the helper can claim nothing more; a cancel closes it */
+            if (f >= b || (!compute && atomic_compare_exchange_strong(&helper.claims, &cl, CL_MAKE(gen, f, f)))) {
+                front = f;
+                break;
+            }
+            if (!compute || !atomic_compare_exchange_strong(&helper.claims, &cl, CL_MAKE(gen, f, b - 1)))
+                continue;
+            size_t n = piece_len(c->len, b - 1);
+            uint32_t cb = kvt_crc32c(0, c->base + (size_t)(b - 1) * KVT_CRC_PIECE, n);
+            tail = tail_len ? kvt_crc32c_combine(cb, tail, tail_len) : cb;
+            tail_len += n;
+        }
     }
     c->helper = 0;
-    for (; !c->taken;) {
-        uint64_t cl = atomic_load(&helper.claims);
-        unsigned f = CL_FRONT(cl), b = CL_BACK(cl);
-        if (f >= b) {
-            front = f; /* the helper can claim nothing more of this job */
-            break;
-        }
-        if (!compute) { /* close the job: nothing more to claim */
-            if (atomic_compare_exchange_strong(&helper.claims, &cl, CL_MAKE(gen, f, f)))
-                front = f;
-            else
-                continue;
-            break;
-        }
-        if (!atomic_compare_exchange_strong(&helper.claims, &cl, CL_MAKE(gen, f, b - 1)))
-            continue;
-        size_t n = piece_len(c->len, b - 1);
-        uint32_t cb = kvt_crc32c(0, c->base + (size_t)(b - 1) * KVT_CRC_PIECE, n);
-        tail = tail_len ? kvt_crc32c_combine(cb, tail, tail_len) : cb;
-        tail_len += n;
-    }
     c->taken = 0;
     uint64_t d, t_late = 0;
     for (unsigned spins = 0; DN_COUNT(d = atomic_load(&helper.done)) != front; spins++) {
