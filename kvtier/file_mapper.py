@@ -128,7 +128,8 @@ def fields_digest(fields: Mapping) -> str:
 def _write_json_if_absent(path: str, obj: Any) -> bool:
     """Write ``obj`` as JSON to ``path`` atomically (temp file + os.replace via link).
 
-    Returns True if this call created the file, False if it already existed.  Concurrent
+    Returns True if this call created the file, False if it already existed; OSError
+    (errno, ``filename`` = ``path``) if it cannot be written (ENOSPC...).  Concurrent
     writers are safe: the temp file is published with ``os.link`` (fails with EEXIST if
     another writer won), so an existing file is never overwritten.
     """
@@ -140,11 +141,14 @@ def _write_json_if_absent(path: str, obj: Any) -> bool:
     tmp = os.path.join(d, f"{os.path.basename(path)}.{secrets.token_hex(8)}.tmp")
     fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(obj, f, indent=2, sort_keys=True)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:  # ENOSPC, EIO...: name the file (a failed write has none), one error
+            raise OSError(e.errno, e.strerror, path) from None
         try:
             os.link(tmp, path)  # atomic and never replaces an existing file
             return True

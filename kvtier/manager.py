@@ -210,7 +210,8 @@ class FileSystemTierManager:
     Raises, before any I/O: TypeError / ValueError for bad arguments (wrong types,
     thread counts < 1, block size not matching the buffer, bad FileMapper fields),
     BufferError for a non-contiguous buffer.  Then: OSError naming ``root_dir`` (errno
-    EACCES, EROFS, ENOTDIR, ENOSPC...) if it cannot be created or written; ValueError
+    EACCES, EROFS, ENOTDIR, ENOSPC...) if it cannot be created or written (ENOSPC while
+    writing ``config.json`` / ``kvtier.json``: OSError naming that file); ValueError
     mentioning "extended attributes", the root and its filesystem type when
     ``checksum_blocks`` is on and the filesystem has no user xattrs; ValueError if the
     directory records another block size (``kvtier.json``).

@@ -422,6 +422,27 @@ def test_read_only_root():
         assert str(target) in str(ei.value)
 
 
+def test_full_root_at_startup_names_the_config_file():
+    """A full disk passes the empty probe file but not config.json: one OSError
+    ENOSPC naming that file (no chained write/close errors), no temp left."""
+    with mount_tmpfs(size="64k") as target:
+        fd = os.open(os.path.join(target, "fill"), os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            with pytest.raises(OSError) as full:
+                while True:
+                    os.write(fd, b"\0" * 4096)
+            assert full.value.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+        with pytest.raises(OSError) as ei:
+            mk(rand_buf(), os.path.join(target, "kv"))
+        e = ei.value
+        assert e.errno == errno.ENOSPC and os.path.basename(e.filename) == "config.json"
+        assert e.__suppress_context__ and e.__cause__ is None
+        files = [f for d, _, fs in os.walk(os.path.join(target, "kv")) for f in fs]
+        assert files == []
+
+
 def test_xattr_less_root_with_checksums(ramfs_dir):
     target = ramfs_dir
     with pytest.raises(ValueError) as ei:
