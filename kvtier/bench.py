@@ -13,6 +13,7 @@ as in vLLM's FS offload tier.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import shutil
@@ -158,7 +159,9 @@ def run_bench(preset: str = DEFAULT_PRESET, tokens: int = DEFAULT_TOKENS, blocks
               progress: bool = True, keep: bool = False) -> dict:
     """Run the benchmark; returns a dict (``rows``: list of :class:`Row` dicts, plus the setup).
 
-    Raises ValueError for bad arguments (unknown preset, non-positive sizes).
+    Raises ValueError for bad arguments (unknown preset, non-positive sizes); OSError
+    ENOSPC (filename = the root) before any store when the root's filesystem has less free
+    space than ``blocks`` x block bytes x ``len(checksums)``.
     """
     from tqdm import tqdm
 
@@ -194,6 +197,15 @@ def run_bench(preset: str = DEFAULT_PRESET, tokens: int = DEFAULT_TOKENS, blocks
     info = {}
     job_base = 0
     try:
+        # every checksum mode keeps its own copy of the blocks: refuse up front rather than
+        # time a run of ENOSPC failures
+        need = blocks * bs * len(checksums)
+        st = os.statvfs(base)
+        free = st.f_bavail * st.f_frsize
+        if free < need:
+            raise OSError(errno.ENOSPC, f"needs {_fmt_bytes(need)} free ({len(checksums)} x {blocks} blocks of "
+                          f"{_fmt_bytes(bs)}), {_fmt_bytes(free)} available; use --blocks or another --root",
+                          root or os.path.dirname(base))
         for ck in checksums:
             mgrs[ck] = FileSystemTierManager(
                 buf, os.path.join(base, "on" if ck else "off"), p.model, hash_block_size=hash_bs,

@@ -8,7 +8,9 @@ TINY_BLOCK = 16 * 1024
 
 
 def test_bench_on_a_full_disk_counts_misses_as_failed_jobs_not_mismatches(capsys):
-    with mount_tmpfs(size="256k") as root:  # room for a few 16 KiB blocks, not 64
+    # exactly 64 x 16 KiB free: passes the bench's up-front space check, but config.json and
+    # kvtier.json take a page each, so the last stores hit ENOSPC mid-run
+    with mount_tmpfs(size="1m") as root:
         rc = main(["bench", "--preset", "tiny", "--blocks", "64", "--jobs", "4", "--repeat", "1",
                    "--root", str(root), "--no-progress", "--json", "--checksum", "on"])
     d = json.loads(capsys.readouterr().out)
@@ -18,6 +20,20 @@ def test_bench_on_a_full_disk_counts_misses_as_failed_jobs_not_mismatches(capsys
     # only the blocks the tier reported loaded were compared
     assert 0 < d["verified_bytes"] < 64 * TINY_BLOCK
     assert d["verified_bytes"] % TINY_BLOCK == 0
+
+
+def test_bench_refuses_a_root_without_room_before_storing(capsys):
+    """Less free space than the blocks need: rc 2 and one ENOSPC line naming the root,
+    before any store (nothing left behind), not a table of failed jobs."""
+    import os
+
+    with mount_tmpfs(size="256k") as root:
+        rc = main(["bench", "--preset", "tiny", "--blocks", "64", "--root", str(root), "--no-progress"])
+        left = os.listdir(root)
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and left == []
+    assert err.startswith("kvtier bench: [Errno 28] needs 2.00 MiB free (2 x 64 blocks of 16.00 KiB)")
+    assert err.rstrip().endswith(f"use --blocks or another --root: {str(root)!r}")
 
 
 def test_bench_plot_into_a_missing_directory_fails_before_running(tmp_path, capsys):
