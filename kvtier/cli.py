@@ -54,8 +54,10 @@ def info_dict() -> dict:
         from kvtier import io as kio
 
         d["io_backend"] = {"c": "c (kvtier._C)", "python": "python (pure-Python fallback)"}[kio.backend]
-    except ValueError as e:  # a bad KVTIER_IO_BACKEND: say so rather than crash
+    except ValueError as e:  # a bad KVTIER_IO_BACKEND / KVTIER_CRC_HELPER*: say so rather than crash
         d["io_backend"] = f"error: {e}"
+        if str(e).startswith("KVTIER_CRC_HELPER"):
+            d["crc_helper_error"] = str(e)
     d["crc_helper"] = c.crc_helper_status() if c is not None else None
     if c is not None:
         from kvtier import dsa
@@ -88,7 +90,9 @@ def _print_info(d: dict) -> None:
     print(f"ISA-L:          {isal if isal else 'not built in (libisal not found at build time, or KVTIER_NO_ISAL=1)'}")
     print(f"CPU features:   {' '.join(d['cpu_features']) or 'none of interest'}")
     h = d["crc_helper"]
-    if h is None:
+    if d.get("crc_helper_error"):
+        print(f"CRC helper:     error: {d['crc_helper_error']}")
+    elif h is None:
         print("CRC helper:     not available: the C core is not built")
     else:
         why = "KVTIER_CRC_HELPER" if os.environ.get("KVTIER_CRC_HELPER") else f"auto: {len(os.sched_getaffinity(0))} CPU(s) usable"

@@ -106,3 +106,7 @@ def test_info_reports_the_crc_helper():
     n = len(os.sched_getaffinity(0))
     want = "on" if n >= 2 else "off"
     assert f"CRC helper:     {want} (auto: {n} CPU(s) usable)" in auto
+    bad = run_info(env={"KVTIER_CRC_HELPER": "maybe"}).stdout
+    assert "CRC helper:     error: KVTIER_CRC_HELPER='maybe' is not valid; valid values: 1, true" in bad
+    bad_json = json.loads(run_info("--json", env={"KVTIER_CRC_HELPER_POLL_US": "-3"}).stdout)
+    assert bad_json["crc_helper_error"].startswith("KVTIER_CRC_HELPER_POLL_US='-3' is not valid")
