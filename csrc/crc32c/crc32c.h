@@ -68,6 +68,27 @@ int kvt_crc32c_table_check(void);
  * GF(2) shift by len2 zero bytes, O(log len2). */
 uint32_t kvt_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
 
+/* Fused CRC32C + copy (copy.c): copies len bytes src -> dst (no overlap) and
+ * returns crc continued over them (standard presentation, chains like
+ * kvt_crc32c). The x86 kernels write dst with non-temporal stores: the bytes
+ * go to memory, not into this core's cache. */
+typedef uint32_t (*kvt_crc32c_copy_fn)(uint32_t crc, void *dst, const void *src, size_t len);
+typedef struct kvt_crc32c_copy_kernel {
+    const char *name;       /* "avx512-vpclmulqdq", "pclmulqdq", "generic" */
+    kvt_crc32c_copy_fn fn;
+    int (*available)(void); /* NULL: always */
+} kvt_crc32c_copy_kernel;
+const kvt_crc32c_copy_kernel *kvt_crc32c_copy_kernels(size_t *count); /* best first */
+const kvt_crc32c_copy_kernel *kvt_crc32c_copy_best(void);            /* first available */
+uint32_t kvt_crc32c_copy(uint32_t crc, void *dst, const void *src, size_t len); /* best */
+uint32_t kvt_crc32c_copy_generic(uint32_t crc, void *dst, const void *src, size_t len);
+#if defined(KVT_CRC32C_HAVE_SSE42)
+uint32_t kvt_crc32c_copy_avx512(uint32_t crc, void *dst, const void *src, size_t len);
+uint32_t kvt_crc32c_copy_pclmul(uint32_t crc, void *dst, const void *src, size_t len);
+int kvt_crc32c_copy_avx512_available(void);
+int kvt_crc32c_copy_pclmul_available(void);
+#endif
+
 /* Dispatch (dispatch.c). The table lists every backend compiled in, best
  * first; kvt_crc32c_select() is called once at module import. */
 const kvt_crc32c_backend *kvt_crc32c_backends(size_t *count);

@@ -269,6 +269,94 @@ static void test_dispatch(void)
     kvt_crc32c_select(NULL);
 }
 
+/* Fused CRC32C + copy (copy.c): every kernel available here against the
+ * bit-at-a-time reference; dst holds exactly src's bytes and nothing around
+ * dst is written. */
+static void check_copy(const kvt_crc32c_copy_kernel *k, unsigned char *dst, const unsigned char *src, size_t len,
+                       uint32_t seed, const char *what)
+{
+    memset(dst - 64, 0xA5, len + 128);
+    uint32_t got = k->fn(seed, dst, src, len);
+    uint32_t want = kvt_crc32c_bitwise(seed, src, len);
+    CHECK(got == want, "copy %s %s len %zu: %08x != %08x", k->name, what, len, got, want);
+    CHECK(memcmp(dst, src, len) == 0, "copy %s %s len %zu: bytes differ", k->name, what, len);
+    int clean = 1;
+    for (size_t i = 0; i < 64; i++)
+        clean &= dst[-1 - (ptrdiff_t)i] == 0xA5 && dst[len + i] == 0xA5;
+    CHECK(clean, "copy %s %s len %zu: wrote outside dst", k->name, what, len);
+}
+
+static void test_copy_kernels(void)
+{
+    size_t n;
+    const kvt_crc32c_copy_kernel *k = kvt_crc32c_copy_kernels(&n);
+    CHECK(n >= 1 && strcmp(k[n - 1].name, "generic") == 0 && k[n - 1].available == NULL, "generic kernel last");
+    CHECK(kvt_crc32c_copy_best() != NULL && (!kvt_crc32c_copy_best()->available || kvt_crc32c_copy_best()->available()),
+          "best copy kernel available");
+#ifdef KVT_CRC32C_HAVE_SSE42
+    CHECK(strcmp(kvt_crc32c_copy_best()->name, kvt_crc32c_copy_avx512_available() ? "avx512-vpclmulqdq"
+                                               : kvt_crc32c_copy_pclmul_available() ? "pclmulqdq" : "generic") == 0,
+          "best copy kernel is the first available: %s", kvt_crc32c_copy_best()->name);
+#endif
+    size_t big = (4u << 20) + 3, cap = big + 256;
+    unsigned char *src = malloc(cap), *dbuf = malloc(cap + 256);
+    fill(src, cap);
+    printf("copy kernels:");
+    for (size_t i = 0; i < n; i++) {
+        if (k[i].available && !k[i].available()) {
+            printf(" %s(unavailable)", k[i].name);
+            continue;
+        }
+        printf(" %s", k[i].name);
+        unsigned char out[9];
+        CHECK(k[i].fn(0, out, "123456789", 9) == 0xE3069283u && memcmp(out, "123456789", 9) == 0,
+              "copy %s check value", k[i].name);
+        CHECK(k[i].fn(0x12345678u, out, src, 0) == 0x12345678u, "copy %s len 0 keeps crc", k[i].name);
+        /* Every length to 1100 (several folds of both kernels) at every dst
+         * alignment mod 64, src alignment rotating. */
+        for (size_t len = 0; len <= 1100; len++)
+            for (size_t doff = 0; doff < 64; doff++)
+                check_copy(&k[i], dbuf + 64 + doff, src + (len + doff) % 64, len, seed_for(len + doff), "len/align");
+        static const size_t lens[] = {4095, 4096, 65536, 65536 + 255, 262144, 262144 + 129, (1u << 20) + 3, (4u << 20) + 3};
+        for (size_t j = 0; j < sizeof lens / sizeof lens[0]; j++)
+            for (size_t doff = 0; doff < 64; doff += 21)
+                check_copy(&k[i], dbuf + 64 + doff, src + j % 7, lens[j], seed_for(j), "large");
+        /* Chaining: copy(copy(0, a), b) == crc(a || b), any split. */
+        for (size_t split = 0; split <= 700; split += 7) {
+            uint32_t c = k[i].fn(0, dbuf + 64, src, split);
+            c = k[i].fn(c, dbuf + 64 + split, src + split, 700 - split);
+            CHECK(c == kvt_crc32c_bitwise(0, src, 700), "copy %s chain split %zu", k[i].name, split);
+        }
+    }
+    printf("\n");
+    free(src);
+    free(dbuf);
+    /* Source and destination flush against PROT_NONE guard pages. */
+    long pg = sysconf(_SC_PAGESIZE);
+    size_t span = 16 * (size_t)pg, total = span + 2 * (size_t)pg;
+    unsigned char *s = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    unsigned char *d = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(s != MAP_FAILED && d != MAP_FAILED, "mmap: %s", strerror(errno));
+    if (s == MAP_FAILED || d == MAP_FAILED)
+        return;
+    mprotect(s, (size_t)pg, PROT_NONE);
+    mprotect(s + pg + span, (size_t)pg, PROT_NONE);
+    mprotect(d, (size_t)pg, PROT_NONE);
+    mprotect(d + pg + span, (size_t)pg, PROT_NONE);
+    fill(s + pg, span);
+    for (size_t i = 0; i < n; i++) {
+        if (k[i].available && !k[i].available())
+            continue;
+        for (size_t len = 0; len <= span; len += len < 600 ? 1 : 4093) {
+            uint32_t want = kvt_crc32c_bitwise(7, s + pg + span - len, len);
+            CHECK(k[i].fn(7, d + pg + span - len, s + pg + span - len, len) == want, "copy %s flush-end %zu", k[i].name, len);
+            CHECK(k[i].fn(7, d + pg, s + pg + span - len, len) == want, "copy %s flush-start %zu", k[i].name, len);
+        }
+    }
+    munmap(s, total);
+    munmap(d, total);
+}
+
 int main(int argc, char **argv)
 {
     size_t n;
@@ -310,6 +398,7 @@ int main(int argc, char **argv)
     test_guard_pages();
     test_large();
     test_lengths_offsets();
+    test_copy_kernels();
 
     printf("%ld passed, %ld failed\n", passed, failed);
     return failed ? 1 : 0;
