@@ -12,9 +12,12 @@
  * and checksums it while it is still in the CPU cache; a store checksums a
  * chunk and then writes it, so the kernel's copy into the page cache reads
  * cache-hot data. There is never a second full pass over cold memory.
- * Buffered loads of KVT_CRC_HELPER_MIN bytes and more share their chunk CRCs
- * with a helper thread, overlapped with the copy of the next chunk (on with
- * >= 2 usable CPUs unless KVTIER_CRC_HELPER=0; see "CRC hook").
+ * Checksummed buffered loads go through a per-thread bounce buffer and a
+ * fused copy + CRC kernel (see "Fused copy"; x86-64 with PCLMULQDQ, unless
+ * KVTIER_CRC_COPY=0 or the CRC32C backend is forced). Without it, those of
+ * KVT_CRC_HELPER_MIN bytes and more share their chunk CRCs with a helper
+ * thread, overlapped with the copy of the next chunk (on with >= 2 usable
+ * CPUs unless KVTIER_CRC_HELPER=0; see "CRC hook").
  * All CRC work goes through crc_begin/crc_ready/crc_finish/crc_cancel: the
  * one place where an offload engine (Intel DSA: submit before the write,
  * collect after; verify on the device) plugs in.
@@ -58,7 +61,8 @@
  * After crc_finish/crc_cancel no engine touches buf any more.
  *
  * Engines: "inline" checksums each range on the calling thread right away
- * (cache-hot). "helper" (only when `overlap`: buffered loads, where the I/O
+ * (cache-hot). "helper" (only when `overlap`: buffered loads that the fused
+ * copy path does not take (read_verify), where the I/O
  * is the kernel's copy out of the page cache and costs about what the CRC
  * does) hands KVT_CRC_PIECE pieces to one process-wide helper thread, which
  * checksums piece k while the caller reads the next chunk, so a load costs
@@ -140,6 +144,7 @@ static struct {
 } helper = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
 static int crc_helper_mode; /* KVTIER_CRC_HELPER: 1 on, 0 off; set once (crc_helper_read_env) */
+static int crc_copy_mode;   /* KVTIER_CRC_COPY: 1 on (default), 0 off; set once (crc_helper_read_env) */
 static uint64_t crc_helper_poll_ns = KVT_CRC_HELPER_POLL_NS; /* KVTIER_CRC_HELPER_POLL_US */
 static _Atomic uint64_t helper_cool_until; /* CLOCK_MONOTONIC ns: inline until then */
 static _Atomic uint64_t helper_last_begin; /* CLOCK_MONOTONIC ns of the last eligible load */
@@ -392,7 +397,8 @@ static void crc_helper_atfork_child(void)
 /* KVTIER_CRC_HELPER: 1/true/yes/on, 0/false/no/off, unset or empty: on when
  * this process may run on at least two CPUs (sched_getaffinity), since the
  * helper needs a second one. KVTIER_CRC_HELPER_POLL_US: the poll window (microseconds).
- * Read once per process (the first checksummed buffered load, or status). */
+ * KVTIER_CRC_COPY: 0/false/no/off turns the fused copy path off (see "Fused
+ * copy"). Read once per process (the first checksummed buffered load, or status). */
 static pthread_once_t crc_helper_once = PTHREAD_ONCE_INIT;
 
 static int env_word(const char *e, const char *const *words)
@@ -416,6 +422,8 @@ static void crc_helper_read_env(void)
         cpu_set_t set;
         crc_helper_mode = sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) >= 2;
     }
+    const char *c = getenv("KVTIER_CRC_COPY"); /* unset, empty or unknown: on */
+    crc_copy_mode = !(c != NULL && env_word(c, off));
     const char *p = getenv("KVTIER_CRC_HELPER_POLL_US");
     if (p != NULL && p[0] != '\0') {
         char *end;
@@ -1046,6 +1054,91 @@ void kvt_checksum_stats(uint64_t *retries, uint64_t *condemned)
     *condemned = atomic_load(&stat_condemned);
 }
 
+/* ------------------------------------------------------------------ */
+/* Fused copy: buffered loads through a bounce buffer                  */
+/* ------------------------------------------------------------------ */
+
+/* A checksummed buffered load reads each KVT_IO_CHUNK into a per-thread
+ * bounce buffer (cache-resident) and moves it to the caller's buffer with
+ * kvt_crc32c_copy (csrc/crc32c/copy.c): one pass that copies with
+ * non-temporal stores and folds the CRC in the shadow of those stores. The
+ * kernel's copy into the bounce buffer writes cache lines it already owns,
+ * and the caller's buffer is written without a read-for-ownership, so the
+ * pair costs about what the kernel's copy straight into a cold caller buffer
+ * does, and the CRC comes nearly free, on the calling thread (no second core,
+ * unlike the helper). Used when the path is enabled (kvt_crc_copy_info); the
+ * block's bytes then end up in memory, not in this core's cache. The bounce
+ * buffer (KVT_IO_CHUNK bytes, 64-byte aligned) is allocated on a thread's
+ * first such load and freed when the thread exits. */
+static _Atomic uint64_t stat_copy_blocks, stat_copy_bytes;
+static pthread_key_t bounce_key;
+static pthread_once_t bounce_once = PTHREAD_ONCE_INIT;
+static int bounce_key_ok;
+static __thread uint8_t *bounce_buf;
+
+static void bounce_make_key(void)
+{
+    bounce_key_ok = pthread_key_create(&bounce_key, free) == 0;
+}
+
+static int crc_copy_enabled(void)
+{
+    pthread_once(&crc_helper_once, crc_helper_read_env);
+    return crc_copy_mode && kvt_crc32c_copy_best()->available != NULL &&
+           kvt_crc32c_active() == kvt_crc32c_best_cpu();
+}
+
+/* This thread's bounce buffer, or NULL (path off, or out of memory: inline). */
+static uint8_t *crc_copy_bounce(void)
+{
+    if (!crc_copy_enabled())
+        return NULL;
+    if (bounce_buf == NULL) {
+        pthread_once(&bounce_once, bounce_make_key);
+        void *p = NULL;
+        if (!bounce_key_ok || posix_memalign(&p, 64, KVT_IO_CHUNK) != 0)
+            return NULL;
+        if (pthread_setspecific(bounce_key, p) != 0) {
+            free(p);
+            return NULL;
+        }
+        bounce_buf = p;
+    }
+    return bounce_buf;
+}
+
+/* See fs_io.h. */
+void kvt_crc_copy_info(kvt_crc_copy_stats *out)
+{
+    out->kernel = kvt_crc32c_copy_best()->name;
+    out->enabled = crc_copy_enabled();
+    out->blocks = atomic_load(&stat_copy_blocks);
+    out->bytes = atomic_load(&stat_copy_bytes);
+}
+
+/* The data loop of a checksummed buffered load through `bounce`. Returns 0
+ * with *crc, or an errno value (*remove = 1 for a short read). */
+static int read_copy(int fd, uint8_t *buf, size_t len, uint8_t *bounce, uint32_t *crc, int *remove)
+{
+    uint32_t c = 0;
+    int direct = 0;
+    for (size_t off = 0; off < len;) {
+        size_t n = len - off < KVT_IO_CHUNK ? len - off : KVT_IO_CHUNK;
+        ssize_t r = read_full(fd, bounce, n, off, &direct);
+        if (r < 0 || (size_t)r < n) {
+            if (r >= 0)
+                *remove = 1; /* shrank after fstat: short read */
+            return r < 0 ? errno : EIO;
+        }
+        c = kvt_crc32c_copy(c, buf + off, bounce, n);
+        off += n;
+    }
+    atomic_fetch_add_explicit(&stat_copy_blocks, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&stat_copy_bytes, len, memory_order_relaxed);
+    *crc = c;
+    return 0;
+}
+
 /* Read the record (with `checksum`) and the data of an open block of the
  * right size. Returns 0 with *mismatch = 1 for a CRC mismatch or malformed
  * record, 0 with *mismatch = 0 when good (or legacy), or an errno value
@@ -1081,6 +1174,14 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int use_o_direct, size_
     else if (fcntl(fd, F_GETFL) & O_DIRECT)
         set_direct(fd, 0);
 
+    uint8_t *bounce = have_rec && !direct ? crc_copy_bounce() : NULL;
+    if (bounce) {
+        uint32_t got = 0;
+        int err = read_copy(fd, buf, len, bounce, &got, remove);
+        if (err == 0 && got != want)
+            *mismatch = 1;
+        return err;
+    }
     kvt_crc_ctx crc;
     if (have_rec)
         crc_begin(&crc, buf, len, direct ? 0 : batch_rest); /* overlap only page-cache copies */

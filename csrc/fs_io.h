@@ -107,6 +107,16 @@ typedef struct kvt_crc_helper_stats {
 } kvt_crc_helper_stats;
 void kvt_crc_helper_info(kvt_crc_helper_stats *out);
 
+/* The fused copy path of buffered loads (fs_io.c "Fused copy"). */
+typedef struct kvt_crc_copy_stats {
+    const char *kernel; /* kvt_crc32c_copy_best()->name */
+    int enabled;        /* KVTIER_CRC_COPY not off, a fused kernel (not "generic"), and the
+                           active CRC32C backend is the best CPU one (not forced, not DSA) */
+    uint64_t blocks;    /* checksummed buffered loads that went through it */
+    uint64_t bytes;     /* bytes copied and checksummed by it */
+} kvt_crc_copy_stats;
+void kvt_crc_copy_info(kvt_crc_copy_stats *out);
+
 /* The xattr record parser of the load path, a pure function
  * (fuzzed by tests/fuzz/fuzz_xattr_record.c). `r` is what
  * fgetxattr(fd, KVT_XATTR_NAME, rec, KVT_XATTR_BUF) returned and `err` the

@@ -638,6 +638,27 @@ static PyObject *kvt_py_crc_helper_status(PyObject *mod, PyObject *unused)
                          (unsigned long long)st.late);
 }
 
+PyDoc_STRVAR(crc_copy_status_doc,
+"crc_copy_status($module, /)\n--\n\n"
+"The fused copy path of the C core's checksummed buffered loads (each\n"
+"256 KiB chunk read into a per-thread bounce buffer, then copied to the\n"
+"caller's buffer with non-temporal stores while its CRC32C is folded in, one\n"
+"pass; csrc/crc32c/copy.c), as a dict: kernel (str: 'avx512-vpclmulqdq',\n"
+"'pclmulqdq' or 'generic', the best this CPU runs), enabled (bool: the path\n"
+"is used: KVTIER_CRC_COPY is not 0/false/no/off, the kernel is not\n"
+"'generic', and the active CRC32C backend is the best CPU backend, i.e. not\n"
+"forced to another one or to DSA), blocks (int: loads that went through it),\n"
+"bytes (int: bytes it copied and checksummed). Counters are since import.\n"
+"When enabled, the CRC helper thread is not used.");
+
+static PyObject *kvt_py_crc_copy_status(PyObject *mod, PyObject *unused)
+{
+    kvt_crc_copy_stats st;
+    kvt_crc_copy_info(&st);
+    return Py_BuildValue("{sssOsKsK}", "kernel", st.kernel, "enabled", st.enabled ? Py_True : Py_False, "blocks",
+                         (unsigned long long)st.blocks, "bytes", (unsigned long long)st.bytes);
+}
+
 /* durable == NULL: the call has no `durable` flag (loads). */
 static int parse_io_flags(PyObject *kwnames, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t npos,
                           const char *fname, int *use_o_direct, int *checksum, int *durable)
@@ -1343,6 +1364,7 @@ static PyMethodDef kvt_methods[] = {
     {"batch_load_block", (PyCFunction)(void (*)(void))kvt_py_batch_load_block, METH_FASTCALL | METH_KEYWORDS, batch_load_block_doc},
     {"checksum_stats", kvt_py_checksum_stats, METH_NOARGS, checksum_stats_doc},
     {"crc_helper_status", kvt_py_crc_helper_status, METH_NOARGS, crc_helper_status_doc},
+    {"crc_copy_status", kvt_py_crc_copy_status, METH_NOARGS, crc_copy_status_doc},
     {"dsa_discover", (PyCFunction)(void (*)(void))kvt_py_dsa_discover, METH_VARARGS | METH_KEYWORDS, dsa_discover_doc},
     {"dsa_enable", (PyCFunction)(void (*)(void))kvt_py_dsa_enable, METH_VARARGS | METH_KEYWORDS, dsa_enable_doc},
     {"dsa_model_enable", (PyCFunction)(void (*)(void))kvt_py_dsa_model_enable, METH_VARARGS | METH_KEYWORDS, dsa_model_enable_doc},

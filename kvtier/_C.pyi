@@ -69,7 +69,14 @@ def crc_helper_status() -> dict[Literal["enabled", "running", "poll_us", "blocks
     """The CRC helper thread of checksummed buffered loads (C core, blocks
     >= 512 KiB): enabled / running (bool), poll_us (int, microseconds),
     blocks (int: blocks offered to it), bytes (int: bytes it checksummed),
-    late (int: back-offs, each 1-64 s of inline CRCs); totals since import."""
+    late (int: back-offs, each 1-64 s of inline CRCs); totals since import.
+    Not used while crc_copy_status()["enabled"]."""
+
+def crc_copy_status() -> dict[Literal["kernel", "enabled", "blocks", "bytes"], Union[str, bool, int]]:
+    """The fused copy path of checksummed buffered loads (C core): kernel
+    (str: "avx512-vpclmulqdq", "pclmulqdq" or "generic"), enabled (bool:
+    KVTIER_CRC_COPY not off, a fused kernel, the best CPU CRC32C backend
+    active), blocks (int: loads through it), bytes (int); totals since import."""
 
 # ---------------------------------------------------------------- Intel DSA (csrc/dsa/)
 

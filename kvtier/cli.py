@@ -58,7 +58,10 @@ def info_dict() -> dict:
         d["io_backend"] = f"error: {e}"
         if str(e).startswith("KVTIER_CRC_HELPER"):
             d["crc_helper_error"] = str(e)
+        if str(e).startswith("KVTIER_CRC_COPY"):
+            d["crc_copy_error"] = str(e)
     d["crc_helper"] = c.crc_helper_status() if c is not None else None
+    d["crc_copy"] = c.crc_copy_status() if c is not None else None
     if c is not None:
         from kvtier import dsa
 
@@ -89,11 +92,30 @@ def _print_info(d: dict) -> None:
     isal = d["isal_version"]
     print(f"ISA-L:          {isal if isal else 'not built in (libisal not found at build time, or KVTIER_NO_ISAL=1)'}")
     print(f"CPU features:   {' '.join(d['cpu_features']) or 'none of interest'}")
-    h = d["crc_helper"]
+    h, cp = d["crc_helper"], d["crc_copy"]
+    not_c = "" if str(d["io_backend"]).startswith("c ") else " [not used: the block I/O backend is not the C core]"
+    if d.get("crc_copy_error"):
+        print(f"CRC copy:       error: {d['crc_copy_error']}")
+    elif cp is None:
+        print("CRC copy:       not available: the C core is not built")
+    elif cp["enabled"]:
+        print(f"CRC copy:       on ({cp['kernel']}); C-core checksummed buffered loads: bounce buffer, then one pass "
+              f"of copy (non-temporal stores) + CRC32C: {cp['blocks']} blocks, {cp['bytes']} bytes{not_c}")
+    else:
+        if os.environ.get("KVTIER_CRC_COPY", "").lower() in ("0", "false", "no", "off"):
+            why = "KVTIER_CRC_COPY"
+        elif cp["kernel"] == "generic":
+            why = "no fused kernel for this CPU (x86-64 with PCLMULQDQ + SSE4.2 needed)"
+        else:
+            why = f"the CRC32C backend is forced to {d['crc32c_backend']}"
+        print(f"CRC copy:       off ({why}); kernel {cp['kernel']}{not_c}")
     if d.get("crc_helper_error"):
         print(f"CRC helper:     error: {d['crc_helper_error']}")
     elif h is None:
         print("CRC helper:     not available: the C core is not built")
+    elif cp is not None and cp["enabled"] and h["enabled"]:
+        print(f"CRC helper:     standby (the CRC copy takes checksummed buffered loads; used with KVTIER_CRC_COPY=0): "
+              f"{h['blocks']} blocks offered{not_c}")
     else:
         why = "KVTIER_CRC_HELPER" if os.environ.get("KVTIER_CRC_HELPER") else f"auto: {len(os.sched_getaffinity(0))} CPU(s) usable"
         if h["enabled"]:
@@ -102,9 +124,7 @@ def _print_info(d: dict) -> None:
                     f"{h['bytes']} bytes checksummed on it, {h['late']} back-offs")
         else:
             line = f"off ({why})"
-        if not str(d["io_backend"]).startswith("c "):
-            line += " [not used: the block I/O backend is not the C core]"
-        print(f"CRC helper:     {line}")
+        print(f"CRC helper:     {line}{not_c}")
     for i, line in enumerate(d["dsa"].splitlines()):
         print(("DSA:            " if i == 0 else "                ") + line)
 

@@ -240,8 +240,13 @@ CRC_HELPER_POLL_US_MAX = 10_000_000  # 10 s (csrc/fs_io.c crc_helper_read_env)
 
 
 def _check_crc_helper_env() -> None:
-    """Refuse a KVTIER_CRC_HELPER / KVTIER_CRC_HELPER_POLL_US the C core would
-    not understand (it would silently use its default): ValueError."""
+    """Refuse a KVTIER_CRC_COPY / KVTIER_CRC_HELPER / KVTIER_CRC_HELPER_POLL_US
+    the C core would not understand (it would silently use its default):
+    ValueError."""
+    v = os.environ.get("KVTIER_CRC_COPY", "")
+    if v and v.lower() not in CRC_HELPER_WORDS:
+        raise ValueError(f"KVTIER_CRC_COPY={v!r} is not valid; valid values: {', '.join(CRC_HELPER_WORDS)} "
+                         "(unset: on where the CPU has a fused kernel)")
     v = os.environ.get("KVTIER_CRC_HELPER", "")
     if v and v.lower() not in CRC_HELPER_WORDS:
         raise ValueError(f"KVTIER_CRC_HELPER={v!r} is not valid; valid values: {', '.join(CRC_HELPER_WORDS)} "

@@ -16,6 +16,10 @@ processes (the environment is read once per process):
     the helper takes, the wake-up policy), across several CRC32C backends;
   * under ThreadSanitizer: no data race.
 
+Every process here runs with KVTIER_CRC_COPY=0: the fused copy path takes
+checksummed buffered loads when it is on, and the helper only gets them
+without it (tests/test_crc_copy.py tests that path and the hand-over).
+
 Python level (kvtier.io over the C core, one subprocess per environment):
 the KVTIER_CRC_HELPER / KVTIER_CRC_HELPER_POLL_US settings as reported by
 kvtier._C.crc_helper_status(), counters against the loads made, corruption
@@ -318,6 +322,7 @@ def _py(tmp_path, body, env=None, timeout=120):
     # imports the same (sanitized) extension as the caller
     e = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     e["KVTIER_IO_BACKEND"] = "c"
+    e["KVTIER_CRC_COPY"] = "0"  # else the fused copy path takes the loads (module docstring)
     e.update(env or {})
     code = PRELUDE + textwrap.dedent(body)
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,

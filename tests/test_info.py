@@ -1,6 +1,7 @@
 """`kvtier info` tells the truth about what is built and active."""
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -90,17 +91,19 @@ def test_info_names_the_block_io_backend_and_a_bad_choice():
 
 def test_info_reports_the_crc_helper():
     """The CRC helper line and JSON follow KVTIER_CRC_HELPER / _POLL_US, and
-    the automatic choice follows the CPUs this process may use."""
+    the automatic choice follows the CPUs this process may use (with the
+    fused CRC copy off: when on, it takes the loads and the helper stands by,
+    test_info_reports_the_crc_copy)."""
     off = json.loads(run_info("--json", env={"KVTIER_CRC_HELPER": "0", "KVTIER_CRC_HELPER_POLL_US": "250"}).stdout)
     assert off["crc_helper"] == {"enabled": False, "running": False, "poll_us": 250, "blocks": 0, "bytes": 0, "late": 0}
     text = run_info(env={"KVTIER_CRC_HELPER": "0"}).stdout
     assert "CRC helper:     off (KVTIER_CRC_HELPER)\n" in text
-    on = run_info(env={"KVTIER_CRC_HELPER": "yes", "KVTIER_CRC_HELPER_POLL_US": "300"}).stdout
+    on = run_info(env={"KVTIER_CRC_HELPER": "yes", "KVTIER_CRC_HELPER_POLL_US": "300", "KVTIER_CRC_COPY": "0"}).stdout
     assert ("CRC helper:     on (KVTIER_CRC_HELPER); C-core buffered checksummed loads >= 512 KiB; polls 300 us "
             "before sleeping; not started yet: 0 blocks offered, 0 bytes checksummed on it, 0 back-offs\n") in on
     py = run_info(env={"KVTIER_CRC_HELPER": "1", "KVTIER_IO_BACKEND": "python"}).stdout
     assert "[not used: the block I/O backend is not the C core]" in py
-    e = dict(os.environ)
+    e = dict(os.environ, KVTIER_CRC_COPY="off")
     e.pop("KVTIER_CRC_HELPER", None)
     auto = subprocess.run([sys.executable, "-m", "kvtier", "info"], capture_output=True, text=True, env=e, check=True).stdout
     n = len(os.sched_getaffinity(0))
@@ -110,3 +113,51 @@ def test_info_reports_the_crc_helper():
     assert "CRC helper:     error: KVTIER_CRC_HELPER='maybe' is not valid; valid values: 1, true" in bad
     bad_json = json.loads(run_info("--json", env={"KVTIER_CRC_HELPER_POLL_US": "-3"}).stdout)
     assert bad_json["crc_helper_error"].startswith("KVTIER_CRC_HELPER_POLL_US='-3' is not valid")
+
+
+def _cpu_flags() -> set:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def test_info_reports_the_crc_copy():
+    """The CRC copy line and JSON: the kernel follows the CPU flags in
+    /proc/cpuinfo (independent of the C core's own CPUID probe), on by default
+    where a fused kernel exists, off with KVTIER_CRC_COPY=0 or a forced CRC32C
+    backend, an error for a bad value; the helper stands by while it is on."""
+    flags = _cpu_flags()
+    if platform.machine() != "x86_64":
+        kernel = "generic"
+    elif {"avx512f", "vpclmulqdq", "pclmulqdq", "sse4_2"} <= flags:
+        kernel = "avx512-vpclmulqdq"
+    elif {"pclmulqdq", "sse4_2"} <= flags:
+        kernel = "pclmulqdq"
+    else:
+        kernel = "generic"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    d = json.loads(subprocess.run([sys.executable, "-m", "kvtier", "info", "--json"], capture_output=True, text=True,
+                                  env=base, check=True).stdout)
+    assert d["crc_copy"] == {"kernel": kernel, "enabled": kernel != "generic", "blocks": 0, "bytes": 0}
+    text = subprocess.run([sys.executable, "-m", "kvtier", "info"], capture_output=True, text=True, env=base,
+                          check=True).stdout
+    if kernel != "generic":
+        assert f"CRC copy:       on ({kernel}); C-core checksummed buffered loads: bounce buffer, then one pass " \
+               "of copy (non-temporal stores) + CRC32C: 0 blocks, 0 bytes\n" in text
+        if d["crc_helper"]["enabled"]:
+            assert "CRC helper:     standby (the CRC copy takes checksummed buffered loads; used with " \
+                   "KVTIER_CRC_COPY=0): 0 blocks offered\n" in text
+    else:
+        assert "CRC copy:       off (no fused kernel for this CPU" in text
+    off = run_info(env={"KVTIER_CRC_COPY": "0"}).stdout
+    assert f"CRC copy:       off (KVTIER_CRC_COPY); kernel {kernel}\n" in off
+    assert json.loads(run_info("--json", env={"KVTIER_CRC_COPY": "No"}).stdout)["crc_copy"]["enabled"] is False
+    forced = run_info(env={"KVTIER_CRC32C_BACKEND": "table", "KVTIER_CRC_COPY": ""}).stdout
+    if kernel != "generic":
+        assert "CRC copy:       off (the CRC32C backend is forced to table); kernel " + kernel in forced
+    bad = run_info(env={"KVTIER_CRC_COPY": "maybe"}).stdout
+    assert "CRC copy:       error: KVTIER_CRC_COPY='maybe' is not valid; valid values: 1, true" in bad
+    assert json.loads(run_info("--json", env={"KVTIER_CRC_COPY": "2"}).stdout)["crc_copy_error"].startswith(
+        "KVTIER_CRC_COPY='2' is not valid")

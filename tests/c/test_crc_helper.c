@@ -774,7 +774,10 @@ int main(int argc, char **argv)
     }
     signal(SIGALRM, on_alarm);
     alarm(240);
-    /* Read once, at the first checksummed buffered load: set before it. */
+    /* Read once, at the first checksummed buffered load: set before it. The
+     * fused copy path (fs_io.c "Fused copy") takes those loads when it is on:
+     * off here, so they reach the helper (tests/test_crc_copy.py covers it). */
+    setenv("KVTIER_CRC_COPY", "0", 1);
     setenv("KVTIER_CRC_HELPER", opt_off ? "0" : "1", 1);
     if (opt_poll0)
         setenv("KVTIER_CRC_HELPER_POLL_US", "0", 1);

@@ -1,0 +1,252 @@
+"""The fused copy path of checksummed buffered loads (csrc/fs_io.c "Fused
+copy", kernels in csrc/crc32c/copy.c; the kernels themselves are tested
+against the bit-at-a-time reference by tests/c/test_crc32c.c).
+
+Each test runs a fresh interpreter (the C core reads KVTIER_CRC_COPY once per
+process) with the C block I/O backend and a clean KVTIER_* environment, and
+checks bytes round-tripped, the bytes around each block untouched, corruption
+caught (EBADMSG, checksum_failed, file removed), and the counters of
+kvtier._C.crc_copy_status() / crc_helper_status() against the loads made.
+Where this CPU has no fused kernel the path is off: those tests check that it
+says so and the loads still verify.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import kvtier
+
+ROOT = Path(__file__).resolve().parent.parent
+_C = pytest.importorskip("kvtier._C", reason="the fused copy path is part of the C core")
+
+PRELUDE = textwrap.dedent("""
+    import errno, json, os, sys, threading
+    import numpy as np
+    from kvtier import io as kio
+    from kvtier import _C
+    io = kio.for_backend("c")
+    d = sys.argv[1]
+
+    def data(n, seed):
+        return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+    def flip(path, pos):
+        with open(path, "r+b") as f:
+            f.seek(pos)
+            b = f.read(1)
+            f.seek(pos)
+            f.write(bytes([b[0] ^ 0x01]))
+
+    def result(**kw):
+        print("RESULT " + json.dumps(kw))
+""")
+
+# Sizes around the 256-byte fold step, the 64-byte head alignment, the
+# 256 KiB bounce chunk and whole MiB blocks.
+SIZES = [1, 63, 255, 256, 257, 4097, 65536 + 7, 262143, 262144, 262145, (1 << 20) + 3, 4 << 20]
+
+
+def _py(tmp_path, body, env=None, timeout=180):
+    e = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    e["KVTIER_IO_BACKEND"] = "c"
+    e.update(env or {})
+    r = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body), str(tmp_path)], capture_output=True,
+                       text=True, timeout=timeout, env=e, cwd=str(ROOT))
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, r.stdout + r.stderr
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _expected_kernel() -> str:
+    """From /proc/cpuinfo, independent of the C core's own CPUID probe."""
+    import platform
+
+    if platform.machine() != "x86_64":
+        return "generic"
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    if {"avx512f", "vpclmulqdq", "pclmulqdq", "sse4_2"} <= flags:
+        return "avx512-vpclmulqdq"
+    if {"pclmulqdq", "sse4_2"} <= flags:
+        return "pclmulqdq"
+    return "generic"
+
+
+KERNEL = _expected_kernel()
+needs_kernel = pytest.mark.skipif(KERNEL == "generic", reason="no fused CRC copy kernel for this CPU "
+                                  "(x86-64 with PCLMULQDQ + SSE4.2 needed): the path is off here")
+
+ROUND_TRIP = """
+    sizes = json.loads(os.environ["T_SIZES"])
+    direct_ok = kio.probe_o_direct(d)
+    mismatched, outside, n_loads, n_bytes = [], [], 0, 0
+    for k, bs in enumerate(sizes):
+        src = data(bs, k)
+        p = os.path.join(d, f"b{k}.bin")
+        io.batch_store_block([p], src, [0], bs, use_o_direct=False, checksum=True)
+        st0 = _C.crc_copy_status()
+        if st0["blocks"] != 0:
+            result(error="a store went through the copy path")
+        for shift in (0, 3, 64 + 17):  # the block's slice at odd addresses too
+            pool = np.full(shift + bs + 4096, 0xA5, dtype=np.uint8)
+            io.batch_load_block([p], pool, [shift], bs, use_o_direct=False, checksum=True)
+            n_loads += 1
+            n_bytes += bs
+            if not np.array_equal(pool[shift:shift + bs], src):
+                mismatched.append([bs, shift])
+            if (pool[:shift] != 0xA5).any() or (pool[shift + bs:] != 0xA5).any():
+                outside.append([bs, shift])
+        # Not through it: checksum off, and O_DIRECT (aligned buffer) where usable.
+        pool = np.zeros(bs, dtype=np.uint8)
+        io.batch_load_block([p], pool, [0], bs, use_o_direct=False, checksum=False)
+        if direct_ok:
+            import mmap
+            m = mmap.mmap(-1, max(bs, 4096))
+            view = np.frombuffer(m, dtype=np.uint8)
+            io.batch_load_block([p], view, [0], bs, use_o_direct=True, checksum=True)
+            if bs % 4096 == 0 and not np.array_equal(view[:bs], src):
+                mismatched.append([bs, "direct"])
+            if bs % 4096 != 0:  # misaligned length: buffered, so through the copy path
+                n_loads += 1
+                n_bytes += bs
+            del view
+            m.close()
+    result(copy=_C.crc_copy_status(), helper=_C.crc_helper_status(), mismatched=mismatched, outside=outside,
+           n_loads=n_loads, n_bytes=n_bytes, direct_ok=direct_ok)
+"""
+
+
+@needs_kernel
+def test_round_trip_through_the_copy_path(tmp_path):
+    """Checksummed buffered loads of every size round-trip through the fused
+    copy (slices at offsets 0, 3 and 81 of the buffer, the bytes around them
+    untouched); the counters count exactly those loads and bytes; stores,
+    unchecksummed loads and O_DIRECT loads do not go through it, and the CRC
+    helper gets nothing."""
+    r = _py(tmp_path, ROUND_TRIP, env={"T_SIZES": json.dumps(SIZES)})
+    assert r["mismatched"] == [] and r["outside"] == []
+    assert r["copy"] == {"kernel": KERNEL, "enabled": True, "blocks": r["n_loads"], "bytes": r["n_bytes"]}
+    assert r["n_loads"] >= 3 * len(SIZES)
+    assert r["helper"]["blocks"] == 0 and r["helper"]["bytes"] == 0
+
+
+def test_copy_path_off_loads_still_verify(tmp_path):
+    """KVTIER_CRC_COPY=0 (any of 0/false/no/off) and a forced CRC32C backend
+    turn the path off: the same loads round-trip, nothing is counted on it,
+    and 1 MiB+ loads go to the CRC helper instead when the helper is on."""
+    for env in ({"KVTIER_CRC_COPY": "0"}, {"KVTIER_CRC_COPY": "OFF"},
+                {"KVTIER_CRC32C_BACKEND": "table"}, {"KVTIER_CRC32C_BACKEND": "sse42"}):
+        if env.get("KVTIER_CRC32C_BACKEND") == "sse42" and "sse42" not in kvtier.crc32c_backends():
+            continue
+        r = _py(tmp_path, ROUND_TRIP, env={**env, "KVTIER_CRC_HELPER": "1",
+                                           "T_SIZES": json.dumps([4097, (1 << 20) + 3])})
+        assert r["mismatched"] == [] and r["outside"] == [], env
+        if env.get("KVTIER_CRC32C_BACKEND") == kvtier.crc32c_backend:
+            continue  # forcing the best CPU backend changes nothing (a build without ISA-L: sse42)
+        assert r["copy"] == {"kernel": KERNEL, "enabled": False, "blocks": 0, "bytes": 0}, env
+        assert r["helper"]["enabled"] is True
+        assert r["helper"]["blocks"] >= 1, (env, r["helper"])  # the 1 MiB + 3 loads were offered to it
+
+
+@needs_kernel
+@pytest.mark.parametrize("pos", [0, 255, 256, 65536, 262143, 262144, 262145, (1 << 20) + 2])
+def test_corruption_caught_on_the_copy_path(tmp_path, pos):
+    """One flipped bit anywhere in a 1 MiB + 3 block (the first and last byte,
+    around the 256-byte fold step and the 256 KiB chunk edges) fails the
+    load with EBADMSG and checksum_failed, removes the file, leaves the block
+    before it loaded; the load was re-read once (two passes counted)."""
+    r = _py(tmp_path, """
+        bs = (1 << 20) + 3
+        pos = int(os.environ["T_POS"])
+        a, b = data(bs, 1), data(bs, 2)
+        pa, pb = os.path.join(d, "a.bin"), os.path.join(d, "b.bin")
+        io.batch_store_block([pa, pb], np.concatenate([a, b]), [0, bs], bs, use_o_direct=False, checksum=True)
+        flip(pb, pos)
+        out = np.zeros(2 * bs, dtype=np.uint8)
+        try:
+            io.batch_load_block([pa, pb], out, [0, bs], bs, use_o_direct=False, checksum=True)
+            result(raised=False)
+        except OSError as e:
+            result(raised=True, errno=e.errno, cf=e.checksum_failed, ns=e.num_succeeded, fn=e.filename,
+                   a_ok=bool(np.array_equal(out[:bs], a)), b_exists=os.path.exists(pb), a_exists=os.path.exists(pa),
+                   copy=_C.crc_copy_status())
+    """, env={"T_POS": str(pos)})
+    assert r["raised"] is True
+    assert (r["errno"], r["cf"], r["ns"]) == (__import__("errno").EBADMSG, True, 1)
+    assert r["fn"].endswith("b.bin") and r["a_ok"] and r["a_exists"] and not r["b_exists"]
+    bs = (1 << 20) + 3
+    assert r["copy"]["blocks"] == 3 and r["copy"]["bytes"] == 3 * bs  # a, b, b re-read
+
+
+@needs_kernel
+def test_threads_each_use_their_own_bounce_buffer(tmp_path):
+    """8 threads loading different 1 MiB + 3 blocks at once (each thread's
+    bounce buffer is its own): every byte right, every load counted."""
+    r = _py(tmp_path, """
+        bs, nb, rounds, nt = (1 << 20) + 3, 8, 12, 8
+        src = data(bs * nb, 7)
+        paths = [os.path.join(d, f"t{i}.bin") for i in range(nb)]
+        io.batch_store_block(paths, src, [i * bs for i in range(nb)], bs, use_o_direct=False, checksum=True)
+        bad, errors = [], []
+        def worker(t):
+            out = np.zeros(bs, dtype=np.uint8)
+            for k in range(rounds):
+                i = (t + k) % nb
+                try:
+                    io.batch_load_block([paths[i]], out, [0], bs, use_o_direct=False, checksum=True)
+                except OSError as e:
+                    errors.append(str(e))
+                if not np.array_equal(out, src[i * bs:(i + 1) * bs]):
+                    bad.append([t, k])
+        ts = [threading.Thread(target=worker, args=(t,)) for t in range(nt)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        result(bad=bad, errors=errors, copy=_C.crc_copy_status(), n=nt * rounds, bs=bs)
+    """)
+    assert r["bad"] == [] and r["errors"] == []
+    assert r["copy"]["blocks"] == r["n"] and r["copy"]["bytes"] == r["n"] * r["bs"]
+
+
+@needs_kernel
+def test_fork_child_loads_through_the_copy_path(tmp_path):
+    """A child forked after the parent's thread allocated its bounce buffer
+    loads and verifies through the path (its copy of that buffer)."""
+    r = _py(tmp_path, """
+        bs = (1 << 20) + 3
+        src = data(bs, 3)
+        p = os.path.join(d, "f.bin")
+        io.batch_store_block([p], src, [0], bs, use_o_direct=False, checksum=True)
+        out = np.zeros(bs, dtype=np.uint8)
+        io.batch_load_block([p], out, [0], bs, use_o_direct=False, checksum=True)
+        pid = os.fork()
+        if pid == 0:
+            out2 = np.zeros(bs, dtype=np.uint8)
+            io.batch_load_block([p], out2, [0], bs, use_o_direct=False, checksum=True)
+            os._exit(0 if np.array_equal(out2, src) and _C.crc_copy_status()["blocks"] == 2 else 1)
+        _, status = os.waitpid(pid, 0)
+        result(parent_ok=bool(np.array_equal(out, src)), child_status=status)
+    """)
+    assert r["parent_ok"] and r["child_status"] == 0
+
+
+def test_bad_crc_copy_env_is_refused_at_import(tmp_path):
+    """kvtier.io refuses a KVTIER_CRC_COPY the C core would not understand."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    e["KVTIER_CRC_COPY"] = "maybe"
+    r = subprocess.run([sys.executable, "-c", "import kvtier.io"], capture_output=True, text=True, env=e,
+                       cwd=str(ROOT), timeout=60)
+    assert r.returncode != 0
+    assert "ValueError: KVTIER_CRC_COPY='maybe' is not valid; valid values: 1, true, yes, on, 0, false, no, off" \
+        in r.stderr
