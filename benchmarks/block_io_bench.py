@@ -8,25 +8,34 @@ block size for each CRC backend.
 
 Table 1: median time of one batch_store_block / batch_load_block call of one
 block (kvtier.io, so argument checks included), for each I/O backend (C core,
-Python fallback), O_DIRECT and buffered, checksum off and on, on/off runs
-interleaved; the stores of a cell run first, then two untimed warm-up load
-pairs, then its loads back to back (one block per call, as when a prefix is
-loaded block by block); "ratio" = on / off (kvtier's target is ratio <= 1.10 for loads of 1-16 MiB;
-docs/block_io.md "Against the +10 % target"). The CPU-tier buffer is a large pool and each iteration uses the
-next block of it, so the CPU cache is cold as in real use. Store targets a new
-file each time (removed outside the timing). Buffered loads read from the page
-cache (the file was just written); O_DIRECT loads go to the device.
+Python fallback), O_DIRECT and buffered, checksum off and on; "ratio" = on /
+off (kvtier's target is ratio <= 1.10 for loads of 1-16 MiB; docs/block_io.md
+"Against the +10 % target"). The calls run back to back in runs of RUN + 1 of
+one kind (checksum off, or on), the kinds alternating from run to run so that
+drift hits both; the first call of each run is not timed. A server runs with
+checksums on or off, not both: its steady state is a stream of one kind, and
+the first call after a switch pays for what the other kind left behind (a
+plain copy into the buffer leaves the block's dirty lines in the CPU cache for
+the next call to write back; the fused copy of checksummed buffered loads
+writes memory directly). Each kind first runs 2 * RUN untimed calls (warm-up).
+The stores of a cell run first, then its loads. The
+CPU-tier buffer is a large pool and each call uses the next block of it, so
+the CPU cache is cold as in real use. Store targets a new file each time
+(removed outside the timing). Buffered loads read from the page cache (the
+file was just written); O_DIRECT loads go to the device.
 
 Table 2 (C core, buffered, --idle-ms > 0): the same loads of one block, each
-after --idle-ms of quiet, so the CRC helper thread (checksummed buffered loads
-of >= 512 KiB; docs/block_io.md) has gone to sleep: the latency of an isolated
-load, where Table 1 is that of loads arriving within the helper's poll window.
+after --idle-ms of quiet (runs as in Table 1): the latency of an isolated
+load. Where the CRC helper thread is in use (no fused copy kernel, or
+KVTIER_CRC_COPY=0; docs/block_io.md) it has gone to sleep by then, where
+Table 1 has loads arriving within its poll window.
 
 Table 3: CRC32C time per block for each CRC backend, over cold data.
 
-The header says whether the CRC helper is on; the footer how much it did and
-the process CPU time (all threads: the helper polls up to its poll window
-after its last piece) against the wall time of the run.
+The header says which path checksums buffered loads (the fused copy kernel or
+the CRC helper); the footer how much each did and the process CPU time (all
+threads: the helper polls up to its poll window after its last piece) against
+the wall time of the run.
 """
 from __future__ import annotations
 
@@ -44,6 +53,7 @@ import kvtier
 from kvtier import io as kio
 
 POOL_BYTES = 256 * 1024 * 1024  # > any last-level cache
+RUN = 8  # timed calls per run of one kind (after one untimed call)
 
 
 def parse_size(s: str) -> int:
@@ -68,6 +78,25 @@ def aligned_pool(nbytes: int) -> np.ndarray:
     return a
 
 
+def timed_runs(repeat: int, call) -> "dict[bool, list[float]]":
+    """Seconds of `repeat` (or a few more) calls call(ck) for ck in False/True,
+    in runs of RUN + 1 of one kind, kinds alternating; the first call of each
+    run is not timed (see the module docstring). Before them, one untimed run
+    of each kind warms up both paths (first use allocates the load's bounce
+    buffer; caches, TLBs and clocks settle over ~10-20 calls)."""
+    times = {False: [], True: []}
+    for ck in (False, True):
+        for _ in range(2 * RUN):
+            call(ck)
+    for r in range(-(-repeat // RUN)):
+        for ck in ((False, True) if r % 2 == 0 else (True, False)):
+            for k in range(RUN + 1):
+                dt = call(ck)
+                if k:
+                    times[ck].append(dt)
+    return times
+
+
 def bench_io(bio, directory, bs, repeat, use_o_direct, pool):
     nslots = max(2, len(pool) // bs)
     slot = [0]
@@ -76,48 +105,55 @@ def bench_io(bio, directory, bs, repeat, use_o_direct, pool):
         slot[0] = (slot[0] + 1) % nslots
         return slot[0] * bs
 
-    times = {("store", False): [], ("store", True): [], ("load", False): [], ("load", True): []}
     paths = {}
     for ck in (False, True):
         p = os.path.join(directory, f"load_{ck}_{bs}.bin")
         bio.batch_store_block([p], pool, [0], bs, use_o_direct=use_o_direct, checksum=ck)
         paths[ck] = p
-    for i in range(repeat):
-        for ck in ((False, True) if i % 2 == 0 else (True, False)):
-            p = os.path.join(directory, f"store_{i}_{ck}_{bs}.bin")
-            off = next_off()
-            t = time.perf_counter()
-            bio.batch_store_block([p], pool, [off], bs, use_o_direct=use_o_direct, checksum=ck)
-            times[("store", ck)].append(time.perf_counter() - t)
-            os.unlink(p)
-    for ck in (False, True, False, True):  # warm-up, untimed (first use starts the CRC helper thread)
-        bio.batch_load_block([paths[ck]], pool, [next_off()], bs, use_o_direct=use_o_direct, checksum=ck)
-    for i in range(repeat):  # loads back to back, as when a prefix is loaded
-        for ck in ((False, True) if i % 2 == 0 else (True, False)):
-            off = next_off()
-            t = time.perf_counter()
-            bio.batch_load_block([paths[ck]], pool, [off], bs, use_o_direct=use_o_direct, checksum=ck)
-            times[("load", ck)].append(time.perf_counter() - t)
+    n = [0]
+
+    def store(ck):
+        n[0] += 1
+        p = os.path.join(directory, f"store_{n[0]}_{ck}_{bs}.bin")
+        off = next_off()
+        t = time.perf_counter()
+        bio.batch_store_block([p], pool, [off], bs, use_o_direct=use_o_direct, checksum=ck)
+        dt = time.perf_counter() - t
+        os.unlink(p)
+        return dt
+
+    def load(ck):
+        off = next_off()
+        t = time.perf_counter()
+        bio.batch_load_block([paths[ck]], pool, [off], bs, use_o_direct=use_o_direct, checksum=ck)
+        return time.perf_counter() - t
+
+    stores = timed_runs(repeat, store)
+    loads = timed_runs(repeat, load)  # back to back, as when a prefix is loaded block by block
     for p in paths.values():
         os.unlink(p)
+    times = {("store", ck): v for ck, v in stores.items()} | {("load", ck): v for ck, v in loads.items()}
     return {k: statistics.median(v) * 1e6 for k, v in times.items()}
 
 
 def bench_idle_loads(bio, directory, bs, repeat, pool, idle_s):
     """Median buffered load latency (us) off / on, each load after idle_s."""
     nslots = max(2, len(pool) // bs)
-    times = {False: [], True: []}
     paths = {}
     for ck in (False, True):
         paths[ck] = os.path.join(directory, f"idle_{ck}_{bs}.bin")
         bio.batch_store_block([paths[ck]], pool, [0], bs, use_o_direct=False, checksum=ck)
-    for i in range(repeat):
-        for ck in ((False, True) if i % 2 == 0 else (True, False)):
-            off = ((2 * i + ck + 1) % nslots) * bs
-            time.sleep(idle_s)
-            t = time.perf_counter()
-            bio.batch_load_block([paths[ck]], pool, [off], bs, use_o_direct=False, checksum=ck)
-            times[ck].append(time.perf_counter() - t)
+    i = [0]
+
+    def load(ck):
+        i[0] += 1
+        off = (i[0] % nslots) * bs
+        time.sleep(idle_s)
+        t = time.perf_counter()
+        bio.batch_load_block([paths[ck]], pool, [off], bs, use_o_direct=False, checksum=ck)
+        return time.perf_counter() - t
+
+    times = timed_runs(repeat, load)
     for p in paths.values():
         os.unlink(p)
     return statistics.median(times[False]) * 1e6, statistics.median(times[True]) * 1e6
@@ -149,6 +185,15 @@ def helper_status() -> "dict | None":
     except ImportError:
         return None
     return _C.crc_helper_status()
+
+
+def copy_status() -> "dict | None":
+    """kvtier._C.crc_copy_status(), or None without the C core."""
+    try:
+        from kvtier import _C
+    except ImportError:
+        return None
+    return _C.crc_copy_status()
 
 
 def bench_crc(name, bs, repeat, pool):
@@ -188,10 +233,13 @@ def main(argv=None) -> int:
     print(f"# kvtier block I/O benchmark: dir={directory} fs={fs} O_DIRECT={'yes' if odirect_ok else 'no'} "
           f"xattr={'yes' if xattr_ok else 'no'} CRC32C backend={kvtier.crc32c_backend} "
           f"chunk=256 KiB repeat={repeat} python={sys.version.split()[0]}")
-    hs = helper_status()
-    if hs is not None:
-        state = f"on, polls {hs['poll_us']} us" if hs["enabled"] else "off"
-        print(f"# CRC helper (C core, buffered loads >= 512 KiB): {state}; CPUs usable: {len(os.sched_getaffinity(0))}")
+    hs, cs = helper_status(), copy_status()
+    if cs is not None:
+        print(f"# checksummed buffered loads (C core): "
+              + (f"fused copy ({cs['kernel']}), CRC helper not used" if cs["enabled"] else
+                 f"fused copy off (kernel {cs['kernel']}); CRC helper (>= 512 KiB) "
+                 + (f"on, polls {hs['poll_us']} us" if hs["enabled"] else "off")
+                 + f"; CPUs usable: {len(os.sched_getaffinity(0))}"))
     wall0, cpu0 = time.perf_counter(), time.process_time()
     if not xattr_ok:
         print("# xattrs unsupported here: checksum runs would fail; use --dir on another filesystem")
@@ -230,10 +278,11 @@ def main(argv=None) -> int:
                     lo, ln = bench_idle_loads(bio, directory, bs, max(5, repeat // 2), pool, args.idle_ms / 1e3)
                     print(f"| {fmt_size(bs):>7} | {lo:9.1f} | {ln:9.1f} | {ln / lo:5.2f} |")
                     sys.stdout.flush()
-        hs = helper_status()
+        hs, cs = helper_status(), copy_status()
         if hs is not None:
             wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
-            print(f"\n# CRC helper: {hs['blocks']} blocks offered, {hs['bytes'] / 2**20:.0f} MiB checksummed on it, "
+            print(f"\n# fused copy: {cs['blocks']} blocks, {cs['bytes'] / 2**20:.0f} MiB; "
+                  f"CRC helper: {hs['blocks']} blocks offered, {hs['bytes'] / 2**20:.0f} MiB checksummed on it, "
                   f"{hs['late']} back-offs; process CPU {cpu:.2f} s over {wall:.2f} s wall (I/O tables)")
 
         print("\n## CRC32C per block, cold data: median us (GB/s)\n")
