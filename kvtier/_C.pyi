@@ -72,6 +72,12 @@ def crc_helper_status() -> dict[Literal["enabled", "running", "poll_us", "blocks
     late (int: back-offs, each 1-64 s of inline CRCs); totals since import.
     Not used while crc_copy_status()["enabled"]."""
 
+def crc32c_copy(dst: Buffer, src: Buffer, value: int = 0, /) -> int:
+    """Copy src into dst (same length, no overlap) and return the CRC-32C of
+    the bytes, continued from value, in one pass (the fused kernel of
+    crc_copy_status()). TypeError / BufferError (read-only dst) / ValueError
+    (lengths differ, overlap, value out of range); GIL released from 32 KiB."""
+
 def crc_copy_status() -> dict[Literal["kernel", "enabled", "blocks", "bytes"], Union[str, bool, int]]:
     """The fused copy path of checksummed buffered loads (C core): kernel
     (str: "avx512-vpclmulqdq", "pclmulqdq" or "generic"), enabled (bool:

@@ -94,6 +94,38 @@ def _block_crc_fn():
         return globals()["crc32c"]
 
 
+_copy_fn_cache = []
+_tls = _threading.local()
+
+
+def _block_copy_fn():
+    """The C core's fused copy + CRC32C (kvtier._C.crc32c_copy) when the C
+    core is importable and its copy path is enabled (crc_copy_status(): a
+    fused kernel, KVTIER_CRC_COPY not off, the best CPU backend active), else
+    None. Checksummed buffered loads then read each chunk into a per-thread
+    bounce buffer and move it with it, as the C core does (docs/block_io.md,
+    "Fused copy")."""
+    if not _copy_fn_cache:
+        fn = None
+        try:
+            from kvtier import _C
+
+            if _C.crc_copy_status()["enabled"]:
+                fn = _C.crc32c_copy
+        except ImportError:
+            pass
+        _copy_fn_cache.append(fn)
+    return _copy_fn_cache[0]
+
+
+def _bounce():
+    """This thread's IO_CHUNK-byte bounce buffer (memoryview)."""
+    b = getattr(_tls, "bounce", None)
+    if b is None:
+        b = _tls.bounce = memoryview(bytearray(IO_CHUNK))
+    return b
+
+
 def _dio_align(fd):
     """(mem_align, offset_align) for O_DIRECT on fd; (0, 0) when the filesystem
     reports no O_DIRECT support (statx STATX_DIOALIGN with zero alignment)."""
@@ -356,6 +388,19 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn):
     if not direct and _fcntl.fcntl(fd, _fcntl.F_GETFL) & _os.O_DIRECT:
         _set_direct(fd, False)
     crc = 0
+    copy_fn = _block_copy_fn() if want is not None and not direct else None
+    if copy_fn is not None:  # read into the bounce buffer, then one pass of copy + CRC
+        bounce = _bounce()
+        for off in range(0, len(mv), IO_CHUNK):
+            n = min(IO_CHUNK, len(mv) - off)
+            b = bounce if n == IO_CHUNK else bounce[:n]
+            got = _os.preadv(fd, [b], off)  # buffered: only EINTR to retry, which os.preadv does (PEP 475)
+            if got < n:  # short read: finish it the general way
+                more, direct = _read_full(fd, b[got:], off + got, direct)
+                if got + more < n:
+                    return False, True
+            crc = copy_fn(mv[off : off + n], b, crc)
+        return crc != want, False
     for off in range(0, len(mv), IO_CHUNK):
         chunk = mv[off : off + IO_CHUNK]
         got, direct = _read_full(fd, chunk, off, direct)

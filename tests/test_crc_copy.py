@@ -250,3 +250,121 @@ def test_bad_crc_copy_env_is_refused_at_import(tmp_path):
     assert r.returncode != 0
     assert "ValueError: KVTIER_CRC_COPY='maybe' is not valid; valid values: 1, true, yes, on, 0, false, no, off" \
         in r.stderr
+
+
+# ------------------------------------------- kvtier._C.crc32c_copy (Python API)
+
+def test_crc32c_copy_values_bytes_and_neighbours():
+    """Check value; the CRC equals kvtier.crc32c of the bytes, chained from a
+    seed, for lengths around the fold steps at odd offsets; dst holds the
+    bytes and nothing around it changes."""
+    np = pytest.importorskip("numpy")
+    out = bytearray(9)
+    assert _C.crc32c_copy(out, b"123456789") == 0xE3069283 and out == b"123456789"
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 256, (4 << 20) + 200, dtype=np.uint8)
+    dst = np.full(len(src) + 200, 0x5A, dtype=np.uint8)
+    for n in (0, 1, 63, 127, 128, 255, 256, 257, 4097, 65537, (1 << 20) + 3, 4 << 20):
+        for so, do in ((0, 0), (3, 17), (64, 1), (7, 64)):
+            dst[:] = 0x5A
+            got = _C.crc32c_copy(dst[do:do + n], src[so:so + n], 0xDEADBEEF)
+            assert got == kvtier.crc32c(src[so:so + n], 0xDEADBEEF), (n, so, do)
+            assert np.array_equal(dst[do:do + n], src[so:so + n]), (n, so, do)
+            assert (dst[:do] == 0x5A).all() and (dst[do + n:] == 0x5A).all(), (n, so, do)
+    # chaining over a split equals one call
+    a = _C.crc32c_copy(dst[:1000], src[:1000])
+    assert _C.crc32c_copy(dst[1000:5000], src[1000:5000], a) == kvtier.crc32c(src[:5000])
+
+
+def test_crc32c_copy_bad_input_raises_and_leaves_dst_untouched():
+    np = pytest.importorskip("numpy")
+    dst = bytearray(b"x" * 64)
+    cases = [
+        ((dst, b"y" * 63), ValueError, "dst is 64 bytes, src 63: they must be equal"),
+        ((dst, b"y" * 64, 1 << 32), ValueError, "0..0xFFFFFFFF"),
+        ((dst, b"y" * 64, -1), ValueError, "0..0xFFFFFFFF"),
+        ((b"z" * 64, b"y" * 64), BufferError, ""),
+        ((dst, 64), TypeError, ""),
+        ((dst,), TypeError, "takes 2 or 3 positional arguments (1 given)"),
+        ((dst, b"y" * 64, 0, 0), TypeError, "takes 2 or 3 positional arguments (4 given)"),
+        ((np.zeros(128, np.uint8)[::2], b"y" * 64), BufferError, "not C-contiguous"),
+    ]
+    for args, exc, msg in cases:
+        with pytest.raises(exc) as ei:
+            _C.crc32c_copy(*args)
+        assert msg in str(ei.value), (args, ei.value)
+        assert dst == b"x" * 64
+    buf = bytearray(range(100))
+    m = memoryview(buf)
+    with pytest.raises(ValueError, match="dst and src overlap"):
+        _C.crc32c_copy(m[10:60], m[0:50])
+    assert buf == bytearray(range(100))
+    assert _C.crc32c_copy(m[50:100], m[0:50]) == kvtier.crc32c(bytes(range(50)))  # adjacent: fine
+
+
+@pytest.mark.slow
+def test_crc32c_copy_releases_the_gil():
+    """Another thread leaves timestamps through the middle of a large
+    crc32c_copy call (the probe and its control: tests/test_crc32c.py)."""
+    np = pytest.importorskip("numpy")
+    import test_crc32c as tc
+
+    n = 256 << 20
+    src = np.ones(n, dtype=np.uint8)
+    dst = np.empty(n, dtype=np.uint8)
+    results = []
+    for _ in range(3):
+        d, mid, total = tc._mid_call_progress(lambda: _C.crc32c_copy(dst, src))
+        results.append((round(d * 1e3, 1), mid, total))
+        if d > 0.004 and mid >= 10:
+            return
+    pytest.fail(f"other thread stalled during crc32c_copy calls: (ms, stamps mid-call, total) {results}")
+
+
+# --------------------------------------- the pure-Python fallback uses it too
+
+@needs_kernel
+def test_fallback_loads_through_the_copy_path(tmp_path, monkeypatch):
+    """With the C core importable and its copy path on, the fallback's
+    checksummed buffered loads read into its bounce buffer and move each
+    256 KiB chunk with kvtier._C.crc32c_copy (a spy counts the calls): bytes
+    right, neighbours untouched; a flipped bit is EBADMSG, checksum_failed,
+    file removed; checksum-off loads do not call it."""
+    np = pytest.importorskip("numpy")
+    import errno
+
+    from kvtier import io as kio
+
+    io = kio.for_backend("python")
+    fallback = sys.modules["kvtier.fallback"]  # imported by kvtier.io (a direct import warns)
+    if not _C.crc_copy_status()["enabled"]:
+        pytest.skip("the copy path is off in this process (KVTIER_CRC_COPY or a forced CRC32C backend)")
+    calls = []
+
+    def spy(dst, src, value=0):
+        calls.append(len(src))
+        return _C.crc32c_copy(dst, src, value)
+
+    monkeypatch.setattr(fallback, "_copy_fn_cache", [spy])
+    bs = (1 << 20) + 3
+    src = np.random.default_rng(9).integers(0, 256, bs, dtype=np.uint8)
+    p = str(tmp_path / "f.bin")
+    io.batch_store_block([p], src, [0], bs, use_o_direct=False, checksum=True)
+    assert calls == []
+    out = np.full(bs + 10, 0xA5, dtype=np.uint8)
+    io.batch_load_block([p], out, [5], bs, use_o_direct=False, checksum=True)
+    assert calls == [262144] * 4 + [3]
+    assert np.array_equal(out[5:5 + bs], src) and (out[:5] == 0xA5).all() and (out[5 + bs:] == 0xA5).all()
+    calls.clear()
+    io.batch_load_block([p], out, [5], bs, use_o_direct=False, checksum=False)
+    assert calls == []
+    with open(p, "r+b") as f:
+        f.seek(262144)
+        b = f.read(1)
+        f.seek(262144)
+        f.write(bytes([b[0] ^ 0x80]))
+    with pytest.raises(OSError) as ei:
+        io.batch_load_block([p], out, [5], bs, use_o_direct=False, checksum=True)
+    assert (ei.value.errno, ei.value.checksum_failed, ei.value.num_succeeded) == (errno.EBADMSG, True, 0)
+    assert not os.path.exists(p)
+    assert calls == ([262144] * 4 + [3]) * 2  # read, mismatch, re-read once, condemned
