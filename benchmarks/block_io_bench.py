@@ -19,8 +19,9 @@ plain copy into the buffer leaves the block's dirty lines in the CPU cache for
 the next call to write back; the fused copy of checksummed buffered loads
 writes memory directly). Each kind first runs 2 * RUN untimed calls (warm-up).
 The stores of a cell run first, then its loads. The
-CPU-tier buffer is a large pool and each call uses the next block of it, so
-the CPU cache is cold as in real use. Store targets a new file each time
+CPU-tier buffer is a large pool (--pool-mib, default 256) and each call uses
+the next block of it, so the CPU cache is cold as in real use; --pool-mib 1
+makes every call use the same cache-hot block instead. Store targets a new file each time
 (removed outside the timing). Buffered loads read from the page cache (the
 file was just written); O_DIRECT loads go to the device.
 
@@ -98,7 +99,7 @@ def timed_runs(repeat: int, call) -> "dict[bool, list[float]]":
 
 
 def bench_io(bio, directory, bs, repeat, use_o_direct, pool):
-    nslots = max(2, len(pool) // bs)
+    nslots = max(1, len(pool) // bs)
     slot = [0]
 
     def next_off():
@@ -138,7 +139,7 @@ def bench_io(bio, directory, bs, repeat, use_o_direct, pool):
 
 def bench_idle_loads(bio, directory, bs, repeat, pool, idle_s):
     """Median buffered load latency (us) off / on, each load after idle_s."""
-    nslots = max(2, len(pool) // bs)
+    nslots = max(1, len(pool) // bs)
     paths = {}
     for ck in (False, True):
         paths[ck] = os.path.join(directory, f"idle_{ck}_{bs}.bin")
@@ -197,7 +198,7 @@ def copy_status() -> "dict | None":
 
 
 def bench_crc(name, bs, repeat, pool):
-    nslots = max(2, len(pool) // bs)
+    nslots = max(1, len(pool) // bs)
     ts = []
     for i in range(repeat):
         off = ((i + 1) % nslots) * bs
@@ -215,6 +216,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=30, help="iterations per cell (default %(default)s)")
     ap.add_argument("--backends", default=",".join(kio.BACKENDS), help="I/O backends (default %(default)s)")
     ap.add_argument("--quick", action="store_true", help="few iterations, 256K and 4M only")
+    ap.add_argument("--pool-mib", type=int, default=POOL_BYTES >> 20,
+                    help="MiB of the CPU-tier buffer the calls cycle through (default %(default)s: cold, larger "
+                         "than any last-level cache; 1: one cache-hot block reused by every call; at least one "
+                         "block is used)")
     ap.add_argument("--idle-ms", type=float, default=20.0,
                     help="quiet time before each load of Table 2 (default %(default)s; 0 skips Table 2)")
     args = ap.parse_args(argv)
@@ -226,13 +231,15 @@ def main(argv=None) -> int:
     own_dir = args.dir is None
     base = tempfile.mkdtemp(prefix="kvtier-bench-") if own_dir else args.dir
     directory = tempfile.mkdtemp(prefix="run-", dir=base)
-    pool = aligned_pool(POOL_BYTES)
+    if args.pool_mib < 1:
+        ap.error("--pool-mib must be >= 1")
+    pool = aligned_pool(max(args.pool_mib << 20, max(sizes)))
     odirect_ok = kio.probe_o_direct(directory)
     xattr_ok = kio.probe_xattr(directory)
     fs = fs_type(directory)
     print(f"# kvtier block I/O benchmark: dir={directory} fs={fs} O_DIRECT={'yes' if odirect_ok else 'no'} "
           f"xattr={'yes' if xattr_ok else 'no'} CRC32C backend={kvtier.crc32c_backend} "
-          f"chunk=256 KiB repeat={repeat} python={sys.version.split()[0]}")
+          f"chunk=256 KiB repeat={repeat} pool={len(pool) >> 20} MiB python={sys.version.split()[0]}")
     hs, cs = helper_status(), copy_status()
     if cs is not None:
         print(f"# checksummed buffered loads (C core): "
@@ -285,7 +292,9 @@ def main(argv=None) -> int:
                   f"CRC helper: {hs['blocks']} blocks offered, {hs['bytes'] / 2**20:.0f} MiB checksummed on it, "
                   f"{hs['late']} back-offs; process CPU {cpu:.2f} s over {wall:.2f} s wall (I/O tables)")
 
-        print("\n## CRC32C per block, cold data: median us (GB/s)\n")
+        cold = len(pool) >= POOL_BYTES
+        print(f"\n## CRC32C per block, {'cold data' if cold else f'data cycled in a {len(pool) >> 20} MiB pool'}: "
+              "median us (GB/s)\n")
         names = []
         for n in kvtier.crc32c_backends():
             try:
