@@ -242,11 +242,11 @@ def main(argv=None) -> int:
           f"chunk=256 KiB repeat={repeat} pool={len(pool) >> 20} MiB python={sys.version.split()[0]}")
     hs, cs = helper_status(), copy_status()
     if cs is not None:
+        helper = (f"CRC helper (>= 512 KiB) " + (f"on, polls {hs['poll_us']} us" if hs["enabled"] else "off")
+                  + f"; CPUs usable: {len(os.sched_getaffinity(0))}")
         print(f"# checksummed buffered loads (C core): "
-              + (f"fused copy ({cs['kernel']}), CRC helper not used" if cs["enabled"] else
-                 f"fused copy off (kernel {cs['kernel']}); CRC helper (>= 512 KiB) "
-                 + (f"on, polls {hs['poll_us']} us" if hs["enabled"] else "off")
-                 + f"; CPUs usable: {len(os.sched_getaffinity(0))}"))
+              + (f"fused copy ({cs['kernel']}); into a destination loaded into within 32 MiB of loads: {helper}"
+                 if cs["enabled"] else f"fused copy off (kernel {cs['kernel']}); {helper}"))
     wall0, cpu0 = time.perf_counter(), time.process_time()
     if not xattr_ok:
         print("# xattrs unsupported here: checksum runs would fail; use --dir on another filesystem")
@@ -288,7 +288,8 @@ def main(argv=None) -> int:
         hs, cs = helper_status(), copy_status()
         if hs is not None:
             wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
-            print(f"\n# fused copy: {cs['blocks']} blocks, {cs['bytes'] / 2**20:.0f} MiB; "
+            print(f"\n# fused copy: {cs['blocks']} blocks, {cs['bytes'] / 2**20:.0f} MiB, {cs['reused']} left to the "
+                  "regular path (destination reused); "
                   f"CRC helper: {hs['blocks']} blocks offered, {hs['bytes'] / 2**20:.0f} MiB checksummed on it, "
                   f"{hs['late']} back-offs; process CPU {cpu:.2f} s over {wall:.2f} s wall (I/O tables)")
 

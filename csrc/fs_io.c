@@ -1066,8 +1066,9 @@ void kvt_checksum_stats(uint64_t *retries, uint64_t *condemned)
  * and the caller's buffer is written without a read-for-ownership, so the
  * pair costs about what the kernel's copy straight into a cold caller buffer
  * does, and the CRC comes nearly free, on the calling thread (no second core,
- * unlike the helper). Used when the path is enabled (kvt_crc_copy_info); the
- * block's bytes then end up in memory, not in this core's cache. The bounce
+ * unlike the helper). Used when the path is enabled (kvt_crc_copy_info) and
+ * the destination is not a recently loaded, likely cache-hot range (below);
+ * the block's bytes then end up in memory, not in this core's cache. The bounce
  * buffer (KVT_IO_CHUNK bytes, 64-byte aligned) is allocated on a thread's
  * first such load and freed when the thread exits. */
 static _Atomic uint64_t stat_copy_blocks, stat_copy_bytes;
@@ -1107,6 +1108,61 @@ static uint8_t *crc_copy_bounce(void)
     return bounce_buf;
 }
 
+/* Destination reuse. Non-temporal stores suit a cold destination (a CPU tier
+ * of gigabytes, each load into another block of it) and not a cache-hot one:
+ * into a buffer that a load wrote a moment ago and that still sits in the
+ * last-level cache, the kernel's plain copy runs at cache speed (~28 us per
+ * MiB here, against ~47 us for the fused copy to memory), and the helper or
+ * inline CRC of it costs less than pushing it all out to memory. So every
+ * buffered load records its destination range, and a checksummed one whose
+ * range overlaps that of a buffered load followed by less than
+ * KVT_COPY_REUSE_BYTES of other buffered loads takes the regular path
+ * ("reused" in kvt_crc_copy_info). KVT_COPY_RING recent loads are kept: the
+ * window is complete for blocks of >= 128 KiB. One mutex, process-wide (a
+ * staging buffer may be filled by any I/O thread); reset in a forked child. */
+#define KVT_COPY_REUSE_BYTES (32ull << 20)
+#define KVT_COPY_RING 256
+static struct {
+    pthread_mutex_t mu;
+    uint64_t total; /* bytes of buffered loads recorded */
+    unsigned next;
+    struct {
+        uintptr_t lo, hi;
+        uint64_t end; /* `total` after this load */
+    } r[KVT_COPY_RING];
+} reuse = {.mu = PTHREAD_MUTEX_INITIALIZER};
+static _Atomic uint64_t stat_copy_reused;
+static pthread_once_t reuse_once = PTHREAD_ONCE_INIT;
+
+static void reuse_atfork_child(void)
+{
+    pthread_mutex_init(&reuse.mu, NULL);
+}
+
+static void reuse_init(void)
+{
+    pthread_atfork(NULL, NULL, reuse_atfork_child);
+}
+
+/* Record a buffered load into [buf, buf + len). With `check`, 1 if that range
+ * overlaps a recorded load followed by < KVT_COPY_REUSE_BYTES of loads. */
+static int dest_note(const void *buf, size_t len, int check)
+{
+    pthread_once(&reuse_once, reuse_init);
+    uintptr_t lo = (uintptr_t)buf, hi = lo + len;
+    int hot = 0;
+    pthread_mutex_lock(&reuse.mu);
+    for (unsigned i = 0; check && !hot && i < KVT_COPY_RING; i++)
+        hot = reuse.r[i].hi > lo && reuse.r[i].lo < hi && reuse.total - reuse.r[i].end < KVT_COPY_REUSE_BYTES;
+    reuse.total += len;
+    reuse.r[reuse.next].lo = lo;
+    reuse.r[reuse.next].hi = hi;
+    reuse.r[reuse.next].end = reuse.total;
+    reuse.next = (reuse.next + 1) % KVT_COPY_RING;
+    pthread_mutex_unlock(&reuse.mu);
+    return hot;
+}
+
 /* See fs_io.h. */
 void kvt_crc_copy_info(kvt_crc_copy_stats *out)
 {
@@ -1114,6 +1170,16 @@ void kvt_crc_copy_info(kvt_crc_copy_stats *out)
     out->enabled = crc_copy_enabled();
     out->blocks = atomic_load(&stat_copy_blocks);
     out->bytes = atomic_load(&stat_copy_bytes);
+    out->reused = atomic_load(&stat_copy_reused);
+}
+
+/* See fs_io.h. */
+int kvt_crc_copy_dest_reused(const void *buf, size_t len)
+{
+    int hot = dest_note(buf, len, crc_copy_enabled());
+    if (hot)
+        atomic_fetch_add_explicit(&stat_copy_reused, 1, memory_order_relaxed);
+    return hot;
 }
 
 /* The data loop of a checksummed buffered load through `bounce`. Returns 0
@@ -1174,7 +1240,10 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int use_o_direct, size_
     else if (fcntl(fd, F_GETFL) & O_DIRECT)
         set_direct(fd, 0);
 
-    uint8_t *bounce = have_rec && !direct ? crc_copy_bounce() : NULL;
+    int reused = 0;
+    if (!direct) /* record every buffered load; only a checksummed one asks */
+        reused = have_rec ? kvt_crc_copy_dest_reused(buf, len) : dest_note(buf, len, 0);
+    uint8_t *bounce = have_rec && !direct && !reused ? crc_copy_bounce() : NULL;
     if (bounce) {
         uint32_t got = 0;
         int err = read_copy(fd, buf, len, bounce, &got, remove);

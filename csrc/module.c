@@ -702,15 +702,39 @@ PyDoc_STRVAR(crc_copy_status_doc,
 "is used: KVTIER_CRC_COPY is not 0/false/no/off, the kernel is not\n"
 "'generic', and the active CRC32C backend is the best CPU backend, i.e. not\n"
 "forced to another one or to DSA), blocks (int: loads that went through it),\n"
-"bytes (int: bytes it copied and checksummed). Counters are since import.\n"
-"When enabled, the CRC helper thread is not used.");
+"bytes (int: bytes it copied and checksummed), reused (int: loads left to\n"
+"the regular path, inline or the CRC helper, because their destination was\n"
+"written by a buffered load within the last 32 MiB of buffered loads and is\n"
+"likely still in the CPU cache, where non-temporal stores would cost more).\n"
+"Counters are since import. The CRC helper thread takes only the loads the\n"
+"path does not.");
 
 static PyObject *kvt_py_crc_copy_status(PyObject *mod, PyObject *unused)
 {
     kvt_crc_copy_stats st;
     kvt_crc_copy_info(&st);
-    return Py_BuildValue("{sssOsKsK}", "kernel", st.kernel, "enabled", st.enabled ? Py_True : Py_False, "blocks",
-                         (unsigned long long)st.blocks, "bytes", (unsigned long long)st.bytes);
+    return Py_BuildValue("{sssOsKsKsK}", "kernel", st.kernel, "enabled", st.enabled ? Py_True : Py_False, "blocks",
+                         (unsigned long long)st.blocks, "bytes", (unsigned long long)st.bytes, "reused",
+                         (unsigned long long)st.reused);
+}
+
+PyDoc_STRVAR(crc_copy_dest_reused_doc,
+"crc_copy_dest_reused($module, buffer, /)\n--\n\n"
+"Internal (kvtier.fallback): record a checksummed buffered load into\n"
+"`buffer` (writable, C-contiguous) for the fused copy's destination-reuse\n"
+"rule and return True if the load should take the regular path because a\n"
+"buffered load wrote an overlapping range within the last 32 MiB of\n"
+"buffered loads (counted in crc_copy_status()['reused']). Always False while\n"
+"the path is off. BufferError / TypeError for a bad buffer.");
+
+static PyObject *kvt_py_crc_copy_dest_reused(PyObject *mod, PyObject *arg)
+{
+    Py_buffer view;
+    if (get_contig_buffer(arg, &view, 1) < 0)
+        return NULL;
+    int hot = kvt_crc_copy_dest_reused(view.buf, (size_t)view.len);
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(hot);
 }
 
 /* durable == NULL: the call has no `durable` flag (loads). */
@@ -1420,6 +1444,7 @@ static PyMethodDef kvt_methods[] = {
     {"checksum_stats", kvt_py_checksum_stats, METH_NOARGS, checksum_stats_doc},
     {"crc_helper_status", kvt_py_crc_helper_status, METH_NOARGS, crc_helper_status_doc},
     {"crc_copy_status", kvt_py_crc_copy_status, METH_NOARGS, crc_copy_status_doc},
+    {"crc_copy_dest_reused", kvt_py_crc_copy_dest_reused, METH_O, crc_copy_dest_reused_doc},
     {"dsa_discover", (PyCFunction)(void (*)(void))kvt_py_dsa_discover, METH_VARARGS | METH_KEYWORDS, dsa_discover_doc},
     {"dsa_enable", (PyCFunction)(void (*)(void))kvt_py_dsa_enable, METH_VARARGS | METH_KEYWORDS, dsa_enable_doc},
     {"dsa_model_enable", (PyCFunction)(void (*)(void))kvt_py_dsa_model_enable, METH_VARARGS | METH_KEYWORDS, dsa_model_enable_doc},

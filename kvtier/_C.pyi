@@ -78,11 +78,17 @@ def crc32c_copy(dst: Buffer, src: Buffer, value: int = 0, /) -> int:
     crc_copy_status()). TypeError / BufferError (read-only dst) / ValueError
     (lengths differ, overlap, value out of range); GIL released from 32 KiB."""
 
-def crc_copy_status() -> dict[Literal["kernel", "enabled", "blocks", "bytes"], Union[str, bool, int]]:
+def crc_copy_status() -> dict[Literal["kernel", "enabled", "blocks", "bytes", "reused"], Union[str, bool, int]]:
     """The fused copy path of checksummed buffered loads (C core): kernel
     (str: "avx512-vpclmulqdq", "pclmulqdq" or "generic"), enabled (bool:
     KVTIER_CRC_COPY not off, a fused kernel, the best CPU CRC32C backend
-    active), blocks (int: loads through it), bytes (int); totals since import."""
+    active), blocks (int: loads through it), bytes (int), reused (int: loads
+    left to the regular path because their destination was loaded into
+    within the last 32 MiB of buffered loads); totals since import."""
+
+def crc_copy_dest_reused(buffer: Buffer, /) -> bool:
+    """Internal (kvtier.fallback): record a checksummed buffered load into
+    buffer; True if it should take the regular path (destination reuse)."""
 
 # ---------------------------------------------------------------- Intel DSA (csrc/dsa/)
 

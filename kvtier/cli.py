@@ -100,7 +100,8 @@ def _print_info(d: dict) -> None:
         print("CRC copy:       not available: the C core is not built")
     elif cp["enabled"]:
         print(f"CRC copy:       on ({cp['kernel']}); C-core checksummed buffered loads: bounce buffer, then one pass "
-              f"of copy (non-temporal stores) + CRC32C: {cp['blocks']} blocks, {cp['bytes']} bytes{not_c}")
+              f"of copy (non-temporal stores) + CRC32C: {cp['blocks']} blocks, {cp['bytes']} bytes; "
+              f"{cp['reused']} into a recently loaded destination left to the regular path{not_c}")
     else:
         if os.environ.get("KVTIER_CRC_COPY", "").lower() in ("0", "false", "no", "off"):
             why = "KVTIER_CRC_COPY"
@@ -114,8 +115,8 @@ def _print_info(d: dict) -> None:
     elif h is None:
         print("CRC helper:     not available: the C core is not built")
     elif cp is not None and cp["enabled"] and h["enabled"]:
-        print(f"CRC helper:     standby (the CRC copy takes checksummed buffered loads; used with KVTIER_CRC_COPY=0): "
-              f"{h['blocks']} blocks offered{not_c}")
+        print(f"CRC helper:     on for what the CRC copy leaves (recently loaded destinations; all with "
+              f"KVTIER_CRC_COPY=0): {h['blocks']} blocks offered, {h['late']} back-offs{not_c}")
     else:
         why = "KVTIER_CRC_HELPER" if os.environ.get("KVTIER_CRC_HELPER") else f"auto: {len(os.sched_getaffinity(0))} CPU(s) usable"
         if h["enabled"]:

@@ -102,9 +102,9 @@ def _block_copy_fn():
     """The C core's fused copy + CRC32C (kvtier._C.crc32c_copy) when the C
     core is importable and its copy path is enabled (crc_copy_status(): a
     fused kernel, KVTIER_CRC_COPY not off, the best CPU backend active), else
-    None. Checksummed buffered loads then read each chunk into a per-thread
-    bounce buffer and move it with it, as the C core does (docs/block_io.md,
-    "Fused copy")."""
+    None. Checksummed buffered loads whose destination was not loaded into
+    recently then read each chunk into a per-thread bounce buffer and move it
+    with it, as the C core does (docs/block_io.md, "Fused copy")."""
     if not _copy_fn_cache:
         fn = None
         try:
@@ -116,6 +116,16 @@ def _block_copy_fn():
             pass
         _copy_fn_cache.append(fn)
     return _copy_fn_cache[0]
+
+
+def _copy_dest_reused(mv):
+    """kvtier._C.crc_copy_dest_reused: records this load's destination and
+    says whether it was loaded into within the last 32 MiB of buffered loads
+    (then the fused copy's non-temporal stores would cost more than they save;
+    docs/block_io.md, "Fused copy")."""
+    from kvtier import _C
+
+    return _C.crc_copy_dest_reused(mv)
 
 
 def _bounce():
@@ -389,6 +399,8 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn):
         _set_direct(fd, False)
     crc = 0
     copy_fn = _block_copy_fn() if want is not None and not direct else None
+    if copy_fn is not None and _copy_dest_reused(mv):
+        copy_fn = None  # destination loaded into recently: likely cache-hot, plain path
     if copy_fn is not None:  # read into the bounce buffer, then one pass of copy + CRC
         bounce = _bounce()
         for off in range(0, len(mv), IO_CHUNK):

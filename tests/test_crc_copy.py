@@ -92,6 +92,7 @@ ROUND_TRIP = """
     sizes = json.loads(os.environ["T_SIZES"])
     direct_ok = kio.probe_o_direct(d)
     mismatched, outside, n_loads, n_bytes = [], [], 0, 0
+    keep = []  # every destination stays alive: no address is reused (that is the reuse rule's input)
     for k, bs in enumerate(sizes):
         src = data(bs, k)
         p = os.path.join(d, f"b{k}.bin")
@@ -101,6 +102,7 @@ ROUND_TRIP = """
             result(error="a store went through the copy path")
         for shift in (0, 3, 64 + 17):  # the block's slice at odd addresses too
             pool = np.full(shift + bs + 4096, 0xA5, dtype=np.uint8)
+            keep.append(pool)
             io.batch_load_block([p], pool, [shift], bs, use_o_direct=False, checksum=True)
             n_loads += 1
             n_bytes += bs
@@ -110,10 +112,12 @@ ROUND_TRIP = """
                 outside.append([bs, shift])
         # Not through it: checksum off, and O_DIRECT (aligned buffer) where usable.
         pool = np.zeros(bs, dtype=np.uint8)
+        keep.append(pool)
         io.batch_load_block([p], pool, [0], bs, use_o_direct=False, checksum=False)
         if direct_ok:
             import mmap
             m = mmap.mmap(-1, max(bs, 4096))
+            keep.append(m)
             view = np.frombuffer(m, dtype=np.uint8)
             io.batch_load_block([p], view, [0], bs, use_o_direct=True, checksum=True)
             if bs % 4096 == 0 and not np.array_equal(view[:bs], src):
@@ -122,7 +126,6 @@ ROUND_TRIP = """
                 n_loads += 1
                 n_bytes += bs
             del view
-            m.close()
     result(copy=_C.crc_copy_status(), helper=_C.crc_helper_status(), mismatched=mismatched, outside=outside,
            n_loads=n_loads, n_bytes=n_bytes, direct_ok=direct_ok)
 """
@@ -137,7 +140,7 @@ def test_round_trip_through_the_copy_path(tmp_path):
     helper gets nothing."""
     r = _py(tmp_path, ROUND_TRIP, env={"T_SIZES": json.dumps(SIZES)})
     assert r["mismatched"] == [] and r["outside"] == []
-    assert r["copy"] == {"kernel": KERNEL, "enabled": True, "blocks": r["n_loads"], "bytes": r["n_bytes"]}
+    assert r["copy"] == {"kernel": KERNEL, "enabled": True, "blocks": r["n_loads"], "bytes": r["n_bytes"], "reused": 0}
     assert r["n_loads"] >= 3 * len(SIZES)
     assert r["helper"]["blocks"] == 0 and r["helper"]["bytes"] == 0
 
@@ -155,7 +158,7 @@ def test_copy_path_off_loads_still_verify(tmp_path):
         assert r["mismatched"] == [] and r["outside"] == [], env
         if env.get("KVTIER_CRC32C_BACKEND") == kvtier.crc32c_backend:
             continue  # forcing the best CPU backend changes nothing (a build without ISA-L: sse42)
-        assert r["copy"] == {"kernel": KERNEL, "enabled": False, "blocks": 0, "bytes": 0}, env
+        assert r["copy"] == {"kernel": KERNEL, "enabled": False, "blocks": 0, "bytes": 0, "reused": 0}, env
         assert r["helper"]["enabled"] is True
         assert r["helper"]["blocks"] >= 1, (env, r["helper"])  # the 1 MiB + 3 loads were offered to it
 
@@ -166,7 +169,8 @@ def test_corruption_caught_on_the_copy_path(tmp_path, pos):
     """One flipped bit anywhere in a 1 MiB + 3 block (the first and last byte,
     around the 256-byte fold step and the 256 KiB chunk edges) fails the
     load with EBADMSG and checksum_failed, removes the file, leaves the block
-    before it loaded; the load was re-read once (two passes counted)."""
+    before it loaded; the re-read went the regular path (its destination had
+    just been loaded into: the reuse rule)."""
     r = _py(tmp_path, """
         bs = (1 << 20) + 3
         pos = int(os.environ["T_POS"])
@@ -187,22 +191,25 @@ def test_corruption_caught_on_the_copy_path(tmp_path, pos):
     assert (r["errno"], r["cf"], r["ns"]) == (__import__("errno").EBADMSG, True, 1)
     assert r["fn"].endswith("b.bin") and r["a_ok"] and r["a_exists"] and not r["b_exists"]
     bs = (1 << 20) + 3
-    assert r["copy"]["blocks"] == 3 and r["copy"]["bytes"] == 3 * bs  # a, b, b re-read
+    assert (r["copy"]["blocks"], r["copy"]["bytes"], r["copy"]["reused"]) == (2, 2 * bs, 1)  # a, b; b re-read
 
 
 @needs_kernel
 def test_threads_each_use_their_own_bounce_buffer(tmp_path):
-    """8 threads loading different 1 MiB + 3 blocks at once (each thread's
-    bounce buffer is its own): every byte right, every load counted."""
+    """8 threads loading different 1 MiB + 3 blocks at once into fresh
+    buffers (each thread's bounce buffer is its own): every byte right,
+    every load counted on the path."""
     r = _py(tmp_path, """
-        bs, nb, rounds, nt = (1 << 20) + 3, 8, 12, 8
+        bs, nb, rounds, nt = (1 << 20) + 3, 8, 6, 8
         src = data(bs * nb, 7)
         paths = [os.path.join(d, f"t{i}.bin") for i in range(nb)]
         io.batch_store_block(paths, src, [i * bs for i in range(nb)], bs, use_o_direct=False, checksum=True)
         bad, errors = [], []
+        keep = []  # a fresh destination per load, alive to the end (a reused one takes the regular path)
         def worker(t):
-            out = np.zeros(bs, dtype=np.uint8)
             for k in range(rounds):
+                out = np.zeros(bs, dtype=np.uint8)
+                keep.append(out)
                 i = (t + k) % nb
                 try:
                     io.batch_load_block([paths[i]], out, [0], bs, use_o_direct=False, checksum=True)
@@ -216,7 +223,7 @@ def test_threads_each_use_their_own_bounce_buffer(tmp_path):
         result(bad=bad, errors=errors, copy=_C.crc_copy_status(), n=nt * rounds, bs=bs)
     """)
     assert r["bad"] == [] and r["errors"] == []
-    assert r["copy"]["blocks"] == r["n"] and r["copy"]["bytes"] == r["n"] * r["bs"]
+    assert r["copy"]["blocks"] == r["n"] and r["copy"]["bytes"] == r["n"] * r["bs"] and r["copy"]["reused"] == 0
 
 
 @needs_kernel
@@ -328,8 +335,9 @@ def test_fallback_loads_through_the_copy_path(tmp_path, monkeypatch):
     """With the C core importable and its copy path on, the fallback's
     checksummed buffered loads read into its bounce buffer and move each
     256 KiB chunk with kvtier._C.crc32c_copy (a spy counts the calls): bytes
-    right, neighbours untouched; a flipped bit is EBADMSG, checksum_failed,
-    file removed; checksum-off loads do not call it."""
+    right, neighbours untouched; a second load into the same destination
+    takes the plain path (reuse rule, counted); checksum-off loads do not call
+    it; a flipped bit is EBADMSG, checksum_failed, file removed."""
     np = pytest.importorskip("numpy")
     import errno
 
@@ -356,15 +364,84 @@ def test_fallback_loads_through_the_copy_path(tmp_path, monkeypatch):
     assert calls == [262144] * 4 + [3]
     assert np.array_equal(out[5:5 + bs], src) and (out[:5] == 0xA5).all() and (out[5 + bs:] == 0xA5).all()
     calls.clear()
-    io.batch_load_block([p], out, [5], bs, use_o_direct=False, checksum=False)
+    reused0 = _C.crc_copy_status()["reused"]
+    io.batch_load_block([p], out, [5], bs, use_o_direct=False, checksum=True)  # same destination again
+    assert calls == [] and _C.crc_copy_status()["reused"] == reused0 + 1
+    assert np.array_equal(out[5:5 + bs], src)
+    out2 = np.zeros(bs, dtype=np.uint8)
+    io.batch_load_block([p], out2, [0], bs, use_o_direct=False, checksum=False)
     assert calls == []
+    out3 = np.zeros(bs, dtype=np.uint8)
     with open(p, "r+b") as f:
         f.seek(262144)
         b = f.read(1)
         f.seek(262144)
         f.write(bytes([b[0] ^ 0x80]))
     with pytest.raises(OSError) as ei:
-        io.batch_load_block([p], out, [5], bs, use_o_direct=False, checksum=True)
+        io.batch_load_block([p], out3, [0], bs, use_o_direct=False, checksum=True)
     assert (ei.value.errno, ei.value.checksum_failed, ei.value.num_succeeded) == (errno.EBADMSG, True, 0)
     assert not os.path.exists(p)
-    assert calls == ([262144] * 4 + [3]) * 2  # read, mismatch, re-read once, condemned
+    assert calls == [262144] * 4 + [3]  # read: mismatch; the re-read (same destination) took the plain path
+
+
+@needs_kernel
+def test_reused_destination_takes_the_regular_path(tmp_path):
+    """The reuse rule: a checksummed buffered load into a range that a
+    buffered load (checksummed or not) wrote within the last 32 MiB of
+    buffered loads takes the regular path (counted in `reused`, bytes right);
+    overlapping counts, adjacent does not; after 40 MiB of loads elsewhere
+    the range is cold again; O_DIRECT loads are not recorded."""
+    r = _py(tmp_path, """
+        bs = 1 << 20
+        src = data(bs, 11)
+        p = os.path.join(d, "r.bin")
+        io.batch_store_block([p], src, [0], bs, use_o_direct=False, checksum=True)
+        big = np.zeros(4 * bs, dtype=np.uint8)
+        steps, ok = [], True
+        def load(buf, off, ck=True, direct=False):
+            global ok
+            io.batch_load_block([p], buf, [off], bs, use_o_direct=direct, checksum=ck)
+            ok = ok and bool(np.array_equal(buf[off:off + bs], src))
+            s = _C.crc_copy_status()
+            steps.append([s["blocks"], s["reused"]])
+        load(big, 0)                     # first time: fused
+        load(big, 0)                     # same range: reused
+        load(big, bs // 2)               # overlaps the first: reused
+        load(big, 2 * bs)                # adjacent to nothing loaded: fused
+        load(big, 3 * bs, ck=False)      # unchecksummed: recorded, not counted
+        load(big, 3 * bs)                # ... so this one is reused
+        keep = [np.zeros(bs, dtype=np.uint8) for _ in range(40)]
+        for b in keep:                   # 40 MiB of loads elsewhere
+            load(b, 0)
+        load(big, 0)                     # cold again: fused
+        direct = None
+        if kio.probe_o_direct(d):
+            import mmap
+            m = mmap.mmap(-1, bs)
+            direct = np.frombuffer(m, dtype=np.uint8)
+            load(direct, 0, direct=True)  # O_DIRECT: neither counted nor recorded
+            load(direct, 0)               # so this one is fused
+        result(steps=steps, ok=ok, direct=direct is not None)
+    """)
+    assert r["ok"]
+    want = [[1, 0], [1, 1], [1, 2], [2, 2], [2, 2], [2, 3]] + [[3 + i, 3] for i in range(40)] + [[43, 3]]
+    if r["direct"]:
+        want += [[43, 3], [44, 3]]
+    assert r["steps"] == want
+
+
+def test_reuse_rule_is_off_with_the_path(tmp_path):
+    """KVTIER_CRC_COPY=0: the same loads into one buffer count nothing."""
+    r = _py(tmp_path, """
+        bs = 1 << 20
+        src = data(bs, 12)
+        p = os.path.join(d, "r.bin")
+        io.batch_store_block([p], src, [0], bs, use_o_direct=False, checksum=True)
+        out = np.zeros(bs, dtype=np.uint8)
+        for _ in range(3):
+            io.batch_load_block([p], out, [0], bs, use_o_direct=False, checksum=True)
+        result(copy=_C.crc_copy_status(), ok=bool(np.array_equal(out, src)),
+               reused=_C.crc_copy_dest_reused(out))
+    """, env={"KVTIER_CRC_COPY": "0"})
+    assert r["ok"] and r["reused"] is False
+    assert (r["copy"]["enabled"], r["copy"]["blocks"], r["copy"]["reused"]) == (False, 0, 0)

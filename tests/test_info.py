@@ -92,7 +92,7 @@ def test_info_names_the_block_io_backend_and_a_bad_choice():
 def test_info_reports_the_crc_helper():
     """The CRC helper line and JSON follow KVTIER_CRC_HELPER / _POLL_US, and
     the automatic choice follows the CPUs this process may use (with the
-    fused CRC copy off: when on, it takes the loads and the helper stands by,
+    fused CRC copy off: when on, the helper gets only what it leaves,
     test_info_reports_the_crc_copy)."""
     off = json.loads(run_info("--json", env={"KVTIER_CRC_HELPER": "0", "KVTIER_CRC_HELPER_POLL_US": "250"}).stdout)
     assert off["crc_helper"] == {"enabled": False, "running": False, "poll_us": 250, "blocks": 0, "bytes": 0, "late": 0}
@@ -127,7 +127,8 @@ def test_info_reports_the_crc_copy():
     """The CRC copy line and JSON: the kernel follows the CPU flags in
     /proc/cpuinfo (independent of the C core's own CPUID probe), on by default
     where a fused kernel exists, off with KVTIER_CRC_COPY=0 or a forced CRC32C
-    backend, an error for a bad value; the helper stands by while it is on."""
+    backend, an error for a bad value; while it is on the helper takes only
+    what it leaves."""
     flags = _cpu_flags()
     if platform.machine() != "x86_64":
         kernel = "generic"
@@ -140,15 +141,16 @@ def test_info_reports_the_crc_copy():
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     d = json.loads(subprocess.run([sys.executable, "-m", "kvtier", "info", "--json"], capture_output=True, text=True,
                                   env=base, check=True).stdout)
-    assert d["crc_copy"] == {"kernel": kernel, "enabled": kernel != "generic", "blocks": 0, "bytes": 0}
+    assert d["crc_copy"] == {"kernel": kernel, "enabled": kernel != "generic", "blocks": 0, "bytes": 0, "reused": 0}
     text = subprocess.run([sys.executable, "-m", "kvtier", "info"], capture_output=True, text=True, env=base,
                           check=True).stdout
     if kernel != "generic":
         assert f"CRC copy:       on ({kernel}); C-core checksummed buffered loads: bounce buffer, then one pass " \
-               "of copy (non-temporal stores) + CRC32C: 0 blocks, 0 bytes\n" in text
+               "of copy (non-temporal stores) + CRC32C: 0 blocks, 0 bytes; 0 into a recently loaded destination " \
+               "left to the regular path\n" in text
         if d["crc_helper"]["enabled"]:
-            assert "CRC helper:     standby (the CRC copy takes checksummed buffered loads; used with " \
-                   "KVTIER_CRC_COPY=0): 0 blocks offered\n" in text
+            assert "CRC helper:     on for what the CRC copy leaves (recently loaded destinations; all with " \
+                   "KVTIER_CRC_COPY=0): 0 blocks offered, 0 back-offs\n" in text
     else:
         assert "CRC copy:       off (no fused kernel for this CPU" in text
     off = run_info(env={"KVTIER_CRC_COPY": "0"}).stdout
