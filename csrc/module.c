@@ -180,6 +180,30 @@ static PyObject *kvt_py_crc32c(PyObject *mod, PyObject *const *args, Py_ssize_t 
     return run_crc(kvt_crc32c_active()->fn, args[0], nargs > 1 ? args[1] : NULL);
 }
 
+/* The two buffers of a copy: dst writable, both C-contiguous, the same
+ * length, not overlapping. 0, or -1 with an exception set (TypeError /
+ * BufferError / ValueError naming `fname`) and nothing held. */
+static int get_copy_buffers(const char *fname, PyObject *dst_obj, PyObject *src_obj, Py_buffer *dst, Py_buffer *src)
+{
+    if (get_contig_buffer(dst_obj, dst, 1) < 0)
+        return -1;
+    if (get_contig_buffer(src_obj, src, 0) < 0) {
+        PyBuffer_Release(dst);
+        return -1;
+    }
+    uintptr_t da = (uintptr_t)dst->buf, sa = (uintptr_t)src->buf, n = (uintptr_t)src->len;
+    if (dst->len != src->len)
+        PyErr_Format(PyExc_ValueError, "%s(): dst has %zd bytes, src %zd", fname, dst->len, src->len);
+    else if (n && da < sa + n && sa < da + n)
+        PyErr_Format(PyExc_ValueError, "%s(): dst and src overlap (dst at src%s%zd, %zd bytes)", fname,
+                     da >= sa ? "+" : "-", (Py_ssize_t)(da >= sa ? da - sa : sa - da), src->len);
+    else
+        return 0;
+    PyBuffer_Release(dst);
+    PyBuffer_Release(src);
+    return -1;
+}
+
 PyDoc_STRVAR(crc32c_copy_doc,
 "crc32c_copy($module, dst, src, value=0, /)\n--\n\n"
 "Copy src into dst and return the CRC-32C (RFC 3720, standard presentation)\n"
@@ -205,33 +229,19 @@ static PyObject *kvt_py_crc32c_copy(PyObject *mod, PyObject *const *args, Py_ssi
     if (nargs > 2 && parse_crc_value(args[2], &crc) < 0)
         return NULL;
     Py_buffer dst, src;
-    if (get_contig_buffer(args[0], &dst, 1) < 0)
+    if (get_copy_buffers("crc32c_copy", args[0], args[1], &dst, &src) < 0)
         return NULL;
-    if (get_contig_buffer(args[1], &src, 0) < 0) {
-        PyBuffer_Release(&dst);
-        return NULL;
-    }
-    PyObject *ret = NULL;
-    uintptr_t d = (uintptr_t)dst.buf, s = (uintptr_t)src.buf;
     size_t len = (size_t)src.len;
-    if (dst.len != src.len) {
-        PyErr_Format(PyExc_ValueError, "crc32c_copy(): dst is %zd bytes, src %zd: they must be equal", dst.len,
-                     src.len);
-    } else if (len > 0 && d < s + len && s < d + len) {
-        PyErr_SetString(PyExc_ValueError, "crc32c_copy(): dst and src overlap");
+    if (len >= KVT_GIL_RELEASE_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        crc = kvt_crc32c_copy(crc, dst.buf, src.buf, len);
+        Py_END_ALLOW_THREADS
     } else {
-        if (len >= KVT_GIL_RELEASE_MIN) {
-            Py_BEGIN_ALLOW_THREADS
-            crc = kvt_crc32c_copy(crc, dst.buf, src.buf, len);
-            Py_END_ALLOW_THREADS
-        } else {
-            crc = kvt_crc32c_copy(crc, dst.buf, src.buf, len);
-        }
-        ret = PyLong_FromUnsignedLong(crc);
+        crc = kvt_crc32c_copy(crc, dst.buf, src.buf, len);
     }
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
-    return ret;
+    return PyLong_FromUnsignedLong(crc);
 }
 
 /* A DSA entry's available() may run discovery and the 1 MiB
@@ -1351,26 +1361,8 @@ static PyObject *kvt_py_dsa_copy_crc(PyObject *mod, PyObject *const *args, Py_ss
     if (nargs > 3 && parse_crc_value(args[3], &crc) < 0)
         return NULL;
     Py_buffer dv, sv;
-    if (get_contig_buffer(args[1], &dv, 1) < 0)
+    if (get_copy_buffers("dsa_copy_crc", args[1], args[2], &dv, &sv) < 0)
         return NULL;
-    if (get_contig_buffer(args[2], &sv, 0) < 0) {
-        PyBuffer_Release(&dv);
-        return NULL;
-    }
-    if (dv.len != sv.len) {
-        PyErr_Format(PyExc_ValueError, "dst has %zd bytes, src %zd", dv.len, sv.len);
-        PyBuffer_Release(&dv);
-        PyBuffer_Release(&sv);
-        return NULL;
-    }
-    uintptr_t da = (uintptr_t)dv.buf, sa = (uintptr_t)sv.buf, n = (uintptr_t)sv.len;
-    if (n && da < sa + n && sa < da + n) {
-        PyErr_Format(PyExc_ValueError, "dst and src overlap (dst at src%s%zd, %zd bytes)",
-                     da >= sa ? "+" : "-", (Py_ssize_t)(da >= sa ? da - sa : sa - da), sv.len);
-        PyBuffer_Release(&dv);
-        PyBuffer_Release(&sv);
-        return NULL;
-    }
     Py_BEGIN_ALLOW_THREADS
     kvt_dsa_engine *e = kvt_dsa_acquire(w);
     if (e) {

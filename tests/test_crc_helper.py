@@ -302,12 +302,8 @@ PRELUDE = textwrap.dedent("""
     def offs(n, bs):
         return [i * bs for i in range(n)]
 
-    def flip(path, pos):
-        with open(path, "r+b") as f:
-            f.seek(pos)
-            b = f.read(1)
-            f.seek(pos)
-            f.write(bytes([b[0] ^ 0x01]))
+    sys.path.insert(0, os.path.join(os.getcwd(), "tests"))  # cwd: the repository root
+    from corrupt import flip_bit as flip
 
     def result(**kw):
         print("RESULT " + json.dumps(kw), flush=True)
