@@ -10,6 +10,10 @@ __version__ = "0.1.0"
 
 import importlib as _importlib
 
+from kvtier._env import check_dsa_env as _check_dsa_env
+
+_check_dsa_env()  # a KVTIER_DSA* value the C core would silently ignore: ValueError
+
 try:
     _C = _importlib.import_module("kvtier._C")
 except ImportError as _exc:  # C core missing: the fallback is explicit, never silent

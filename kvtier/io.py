@@ -235,29 +235,10 @@ def _choose_backend() -> str:
     return "c" if _c_module() is not None else "python"
 
 
-CRC_HELPER_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off")
-CRC_HELPER_POLL_US_MAX = 10_000_000  # 10 s (csrc/fs_io.c crc_helper_read_env)
+from kvtier._env import CRC_HELPER_POLL_US_MAX, SWITCH_WORDS as CRC_HELPER_WORDS  # noqa: E402,F401
+from kvtier._env import check_io_env as _check_io_env  # noqa: E402
 
-
-def _check_crc_helper_env() -> None:
-    """Refuse a KVTIER_CRC_COPY / KVTIER_CRC_HELPER / KVTIER_CRC_HELPER_POLL_US
-    the C core would not understand (it would silently use its default):
-    ValueError."""
-    v = os.environ.get("KVTIER_CRC_COPY", "")
-    if v and v.lower() not in CRC_HELPER_WORDS:
-        raise ValueError(f"KVTIER_CRC_COPY={v!r} is not valid; valid values: {', '.join(CRC_HELPER_WORDS)} "
-                         "(unset: on where the CPU has a fused kernel)")
-    v = os.environ.get("KVTIER_CRC_HELPER", "")
-    if v and v.lower() not in CRC_HELPER_WORDS:
-        raise ValueError(f"KVTIER_CRC_HELPER={v!r} is not valid; valid values: {', '.join(CRC_HELPER_WORDS)} "
-                         "(unset: on with >= 2 usable CPUs)")
-    p = os.environ.get("KVTIER_CRC_HELPER_POLL_US", "")
-    if p and not (p.isascii() and p.isdigit() and int(p) <= CRC_HELPER_POLL_US_MAX):
-        raise ValueError(f"KVTIER_CRC_HELPER_POLL_US={p!r} is not valid: microseconds, "
-                         f"a decimal integer 0..{CRC_HELPER_POLL_US_MAX} (default 1000)")
-
-
-_check_crc_helper_env()
+_check_io_env()  # a KVTIER_CRC_COPY / _CRC_HELPER / _CRC_HELPER_POLL_US the C core would ignore: ValueError
 _default = for_backend(_choose_backend())
 backend: str = _default.backend
 """Active backend: "c" (kvtier._C) or "python" (kvtier.fallback)."""
