@@ -7,7 +7,7 @@ verifies every byte loaded, and prints GB/s, p50/p99 job latency and process CPU
 with the checksum on/off ratios.  Exit status 1 if any byte differs or a job fails.
 
 Block geometry (bytes per block) = 2 (K and V) x layers x KV heads x head dim x dtype
-bytes x tokens per block: one file holds every layer's K and V for ``tokens`` tokens,
+bytes x tokens per block: one file holds every layer's K and V for ``--tokens`` tokens,
 as in vLLM's FS offload tier.
 """
 from __future__ import annotations
@@ -377,9 +377,11 @@ def plot(d: dict, path: str) -> None:
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand (options, preset list in the epilog) to ``sub``, an
     argparse subparsers object; returns the new parser (its ``func`` is :func:`cmd_bench`)."""
+    from kvtier.cli import plain_text
+
     p = sub.add_parser(
         "bench", help="store and load real-model KV blocks through the tier, checksum off vs on",
-        description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=plain_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="presets:\n" + "\n".join(
             f"  {n:<14} {pr.model}: {pr.source}" for n, pr in PRESETS.items()))
     p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS), help=f"model geometry (default {DEFAULT_PRESET})")
@@ -392,7 +394,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=16, help="read- and write-priority threads each (default 16)")
     p.add_argument("--no-o-direct", action="store_true", help="buffered I/O instead of O_DIRECT")
     p.add_argument("--repeat", type=int, default=DEFAULT_REPEAT, help=f"repeat every pass, report medians (default {DEFAULT_REPEAT})")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random block bytes and keys (default 0)")
     p.add_argument("--keep", action="store_true", help="keep the cache directory")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
     p.add_argument("--plot", metavar="FILE.png", help="draw the results into a PNG (matplotlib)")

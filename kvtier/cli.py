@@ -141,6 +141,16 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def plain_text(doc: str) -> str:
+    """A reST docstring as terminal text for --help: ``code`` and
+    :role:`target` (``~`` prefix dropped) become plain words; tables and
+    indentation stay as they are."""
+    import re
+
+    doc = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", doc)
+    return re.sub(r"``([^`]+)``", r"\1", doc)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvtier`` argument parser with its subcommands ``info``, ``bench`` and ``scrub``;
     each sets ``func``, the handler that takes the parsed Namespace and returns an exit status."""

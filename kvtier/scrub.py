@@ -372,8 +372,10 @@ def format_report(d: dict) -> str:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``scrub`` subcommand to ``sub`` (an argparse subparsers object); returns it."""
+    from kvtier.cli import plain_text
+
     p = sub.add_parser("scrub", help="verify every block of a cache against its CRC32C xattr and size",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=plain_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("root", metavar="ROOT", help="cache root directory (the tier's root_dir)")
     p.add_argument("--block-size", type=int, default=None,
                    help="expected bytes per block where kvtier.json does not record it")
