@@ -94,6 +94,11 @@ def _check_paths(paths, what="paths") -> list:
     for i, p in enumerate(paths):
         if not isinstance(p, (str, bytes)) and not hasattr(p, "__fspath__"):
             raise TypeError(f"{what}[{i}] must be str, bytes or os.PathLike, not {type(p).__name__}")
+        f = os.fspath(p)
+        if ("\0" if isinstance(f, str) else b"\0") in f:
+            raise ValueError(f"{what}[{i}]: embedded null byte")
+        if not f:
+            raise ValueError(f"{what}[{i}]: empty path")
     return paths
 
 
@@ -189,8 +194,11 @@ class BlockIO:
         the block. Returns the number of blocks that needed that re-read and
         then verified (int). On failure the OSError's ``num_retried`` (int)
         counts the blocks re-read before it stopped, the failing block
-        included (a condemned block was re-read once). Errors and which files
-        are removed: module docstring."""
+        included (a condemned block was re-read once). After a failure the
+        blocks before the failing one hold their data, the blocks after it are
+        untouched, and the failing block's slice holds whatever was read
+        (possibly the corrupt bytes, or part of them): do not use it. Errors
+        and which files are removed: module docstring."""
         paths, views = _check_blocks(paths, view, offsets, block_size, writable=True)
         return self.impl.batch_load_block(paths, views, bool(use_o_direct), bool(checksum))
 

@@ -555,6 +555,15 @@ def test_bad_arguments_io_layer(io_backend, tmp_path):
         load(paths, view.tobytes(), [0, bs], bs)  # read-only view for a load
     with pytest.raises(BufferError):
         load(paths, np.zeros((2, 2 * bs), dtype=np.uint8)[:, ::2], [0, bs], bs)  # not contiguous
+    # a NUL byte or an empty path: ValueError naming the caller's argument, both backends alike
+    for bad, msg in ((str(tmp_path / "a\0b"), r"^paths\[1\]: embedded null byte$"),
+                     (os.fsencode(tmp_path / "a\0b"), r"^paths\[1\]: embedded null byte$"),
+                     ("", r"^paths\[1\]: empty path$")):
+        for call in (lambda: store([paths[0], bad], view, [0, bs], bs, checksum=True),
+                     lambda: load([paths[0], bad], np.zeros(2 * bs, np.uint8), [0, bs], bs),
+                     lambda: io_backend.batch_lookup([paths[0], bad])):
+            with pytest.raises(ValueError, match=msg):
+                call()
     assert not os.listdir(tmp_path)  # nothing written by any of them
     io_backend.batch_store_block(paths, view.tobytes(), [0, bs], bs)  # read-only view is fine for a store
     multi = np.zeros((2, bs // 4), dtype=np.float32)  # any C-contiguous dtype/shape, counted in bytes
