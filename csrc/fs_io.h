@@ -13,16 +13,19 @@
 #define KVT_XATTR_LEN 4
 
 /* Bytes per read/write call; the CRC of each chunk is computed right after it
- * is read (or right before it is written) while it is in the CPU cache.
+ * is read (or right before it is written) while it is in the CPU cache, or,
+ * for checksummed buffered loads, folded into the copy out of the per-thread
+ * bounce buffer of this size (fs_io.c "Fused copy").
  * A multiple of every O_DIRECT alignment in use (<= 4096). */
 #ifndef KVT_IO_CHUNK
 #define KVT_IO_CHUNK (256u * 1024u)
 #endif
 
-/* Buffered loads of at least this many bytes have their CRC overlapped with
- * the copy out of the page cache by a helper thread (fs_io.c "CRC hook";
- * KVTIER_CRC_HELPER=0 turns it off); smaller ones are checksummed inline,
- * where the hand-off would cost more than it hides. */
+/* Buffered loads the fused copy does not take (no kernel for this CPU,
+ * KVTIER_CRC_COPY=0, a reused destination) of at least this many bytes have
+ * their CRC overlapped with the copy out of the page cache by a helper thread
+ * (fs_io.c "CRC hook"; KVTIER_CRC_HELPER=0 turns it off); smaller ones are
+ * checksummed inline, where the hand-off would cost more than it hides. */
 #ifndef KVT_CRC_HELPER_MIN
 #define KVT_CRC_HELPER_MIN (512u * 1024u)
 #endif
