@@ -1118,7 +1118,8 @@ static uint8_t *crc_copy_bounce(void)
  * range overlaps that of a buffered load followed by less than
  * KVT_COPY_REUSE_BYTES of other buffered loads takes the regular path
  * ("reused" in kvt_crc_copy_info). KVT_COPY_RING recent loads are kept: the
- * window is complete for blocks of >= 128 KiB. One mutex, process-wide (a
+ * window is complete for blocks of >= 128 KiB (smaller ones see the last 256
+ * loads only). One mutex, process-wide (a
  * staging buffer may be filled by any I/O thread); reset in a forked child. */
 #define KVT_COPY_REUSE_BYTES (32ull << 20)
 #define KVT_COPY_RING 256
@@ -1171,6 +1172,12 @@ void kvt_crc_copy_info(kvt_crc_copy_stats *out)
     out->blocks = atomic_load(&stat_copy_blocks);
     out->bytes = atomic_load(&stat_copy_bytes);
     out->reused = atomic_load(&stat_copy_reused);
+}
+
+/* See fs_io.h. */
+void kvt_crc_copy_dest_note(const void *buf, size_t len)
+{
+    dest_note(buf, len, 0);
 }
 
 /* See fs_io.h. */
@@ -1242,7 +1249,7 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int use_o_direct, size_
 
     int reused = 0;
     if (!direct) /* record every buffered load; only a checksummed one asks */
-        reused = have_rec ? kvt_crc_copy_dest_reused(buf, len) : dest_note(buf, len, 0);
+        reused = have_rec ? kvt_crc_copy_dest_reused(buf, len) : (kvt_crc_copy_dest_note(buf, len), 0);
     uint8_t *bounce = have_rec && !direct && !reused ? crc_copy_bounce() : NULL;
     if (bounce) {
         uint32_t got = 0;

@@ -729,20 +729,30 @@ static PyObject *kvt_py_crc_copy_status(PyObject *mod, PyObject *unused)
 }
 
 PyDoc_STRVAR(crc_copy_dest_reused_doc,
-"crc_copy_dest_reused($module, buffer, /)\n--\n\n"
-"Internal (kvtier.fallback): record a checksummed buffered load into\n"
-"`buffer` (writable, C-contiguous) for the fused copy's destination-reuse\n"
-"rule and return True if the load should take the regular path because a\n"
-"buffered load wrote an overlapping range within the last 32 MiB of\n"
-"buffered loads (counted in crc_copy_status()['reused']). Always False while\n"
-"the path is off. BufferError / TypeError for a bad buffer.");
+"crc_copy_dest_reused($module, buffer, checksummed=True, /)\n--\n\n"
+"Internal (kvtier.fallback): record a buffered load into `buffer` (writable,\n"
+"C-contiguous) for the fused copy's destination-reuse rule. For a\n"
+"checksummed load, return True if it should take the regular path because\n"
+"a buffered load wrote an overlapping range within the last 32 MiB of\n"
+"buffered loads (and the last 256 loads; counted in\n"
+"crc_copy_status()['reused']); always False while the path is off, and for\n"
+"an unchecksummed load (only recorded). BufferError / TypeError for a bad\n"
+"buffer.");
 
-static PyObject *kvt_py_crc_copy_dest_reused(PyObject *mod, PyObject *arg)
+static PyObject *kvt_py_crc_copy_dest_reused(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_buffer view;
-    if (get_contig_buffer(arg, &view, 1) < 0)
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "crc_copy_dest_reused() takes 1 or 2 positional arguments (%zd given)", nargs);
         return NULL;
-    int hot = kvt_crc_copy_dest_reused(view.buf, (size_t)view.len);
+    }
+    int checksummed = 1;
+    if (nargs > 1 && (checksummed = PyObject_IsTrue(args[1])) < 0)
+        return NULL;
+    Py_buffer view;
+    if (get_contig_buffer(args[0], &view, 1) < 0)
+        return NULL;
+    int hot = checksummed ? kvt_crc_copy_dest_reused(view.buf, (size_t)view.len)
+                          : (kvt_crc_copy_dest_note(view.buf, (size_t)view.len), 0);
     PyBuffer_Release(&view);
     return PyBool_FromLong(hot);
 }
@@ -1436,7 +1446,8 @@ static PyMethodDef kvt_methods[] = {
     {"checksum_stats", kvt_py_checksum_stats, METH_NOARGS, checksum_stats_doc},
     {"crc_helper_status", kvt_py_crc_helper_status, METH_NOARGS, crc_helper_status_doc},
     {"crc_copy_status", kvt_py_crc_copy_status, METH_NOARGS, crc_copy_status_doc},
-    {"crc_copy_dest_reused", kvt_py_crc_copy_dest_reused, METH_O, crc_copy_dest_reused_doc},
+    {"crc_copy_dest_reused", (PyCFunction)(void (*)(void))kvt_py_crc_copy_dest_reused, METH_FASTCALL,
+     crc_copy_dest_reused_doc},
     {"dsa_discover", (PyCFunction)(void (*)(void))kvt_py_dsa_discover, METH_VARARGS | METH_KEYWORDS, dsa_discover_doc},
     {"dsa_enable", (PyCFunction)(void (*)(void))kvt_py_dsa_enable, METH_VARARGS | METH_KEYWORDS, dsa_enable_doc},
     {"dsa_model_enable", (PyCFunction)(void (*)(void))kvt_py_dsa_model_enable, METH_VARARGS | METH_KEYWORDS, dsa_model_enable_doc},

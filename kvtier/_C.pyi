@@ -86,9 +86,10 @@ def crc_copy_status() -> dict[Literal["kernel", "enabled", "blocks", "bytes", "r
     left to the regular path because their destination was loaded into
     within the last 32 MiB of buffered loads); totals since import."""
 
-def crc_copy_dest_reused(buffer: Buffer, /) -> bool:
-    """Internal (kvtier.fallback): record a checksummed buffered load into
-    buffer; True if it should take the regular path (destination reuse)."""
+def crc_copy_dest_reused(buffer: Buffer, checksummed: bool = True, /) -> bool:
+    """Internal (kvtier.fallback): record a buffered load into buffer; for a
+    checksummed one, True if it should take the regular path (destination
+    reuse); an unchecksummed one is only recorded (False)."""
 
 # ---------------------------------------------------------------- Intel DSA (csrc/dsa/)
 

@@ -60,8 +60,9 @@ def info_dict() -> dict:
             d["crc_helper_error"] = str(e)
         if str(e).startswith("KVTIER_CRC_COPY"):
             d["crc_copy_error"] = str(e)
-    d["crc_helper"] = c.crc_helper_status() if c is not None else None
-    d["crc_copy"] = c.crc_copy_status() if c is not None else None
+    # A refused setting: no status next to the error (the C core would read it leniently).
+    d["crc_helper"] = c.crc_helper_status() if c is not None and "crc_helper_error" not in d else None
+    d["crc_copy"] = c.crc_copy_status() if c is not None and "crc_copy_error" not in d else None
     if c is not None:
         from kvtier import dsa
 
@@ -93,7 +94,8 @@ def _print_info(d: dict) -> None:
     print(f"ISA-L:          {isal if isal else 'not built in (libisal not found at build time, or KVTIER_NO_ISAL=1)'}")
     print(f"CPU features:   {' '.join(d['cpu_features']) or 'none of interest'}")
     h, cp = d["crc_helper"], d["crc_copy"]
-    not_c = "" if str(d["io_backend"]).startswith("c ") else " [not used: the block I/O backend is not the C core]"
+    fallback = str(d["io_backend"]).startswith("python ")
+    not_c = " [not used: the block I/O backend is the pure-Python fallback]" if fallback else ""
     if d.get("crc_copy_error"):
         print(f"CRC copy:       error: {d['crc_copy_error']}")
     elif cp is None:
@@ -101,7 +103,8 @@ def _print_info(d: dict) -> None:
     elif cp["enabled"]:
         print(f"CRC copy:       on ({cp['kernel']}); C-core checksummed buffered loads: bounce buffer, then one pass "
               f"of copy (non-temporal stores) + CRC32C: {cp['blocks']} blocks, {cp['bytes']} bytes; "
-              f"{cp['reused']} into a recently loaded destination left to the regular path{not_c}")
+              f"{cp['reused']} into a recently loaded destination left to the regular path"
+              + (" (the pure-Python fallback uses it too; blocks and bytes count C-core loads only)" if fallback else ""))
     else:
         if os.environ.get("KVTIER_CRC_COPY", "").lower() in ("0", "false", "no", "off"):
             why = "KVTIER_CRC_COPY"
@@ -109,7 +112,7 @@ def _print_info(d: dict) -> None:
             why = "no fused kernel for this CPU (x86-64 with PCLMULQDQ + SSE4.2 needed)"
         else:
             why = f"the CRC32C backend is forced to {d['crc32c_backend']}"
-        print(f"CRC copy:       off ({why}); kernel {cp['kernel']}{not_c}")
+        print(f"CRC copy:       off ({why}); kernel {cp['kernel']}")
     if d.get("crc_helper_error"):
         print(f"CRC helper:     error: {d['crc_helper_error']}")
     elif h is None:
@@ -132,13 +135,14 @@ def _print_info(d: dict) -> None:
 
 def cmd_info(args: argparse.Namespace) -> int:
     """``kvtier info``: print :func:`info_dict` as text, or as JSON with ``args.json``.
-    Returns 0 (a missing C core or DSA is reported, not an error)."""
+    Returns 0, or 1 when a KVTIER_* setting is refused (shown as an error); a
+    missing C core or DSA is reported, not an error."""
     d = info_dict()
     if args.json:
         print(json.dumps(d, indent=2))
     else:
         _print_info(d)
-    return 0
+    return 1 if str(d["io_backend"]).startswith("error: ") else 0
 
 
 def plain_text(doc: str) -> str:

@@ -118,22 +118,30 @@ def _block_copy_fn():
     return _copy_fn_cache[0]
 
 
-def _copy_dest_reused(mv):
-    """kvtier._C.crc_copy_dest_reused: records this load's destination and
-    says whether it was loaded into within the last 32 MiB of buffered loads
+def _copy_dest_reused(mv, checksummed):
+    """kvtier._C.crc_copy_dest_reused: records this buffered load's
+    destination (every one, as the C core does) and says whether a
+    checksummed one's was loaded into within the last 32 MiB of buffered loads
     (then the fused copy's non-temporal stores would cost more than they save;
     docs/block_io.md, "Fused copy")."""
     from kvtier import _C
 
-    return _C.crc_copy_dest_reused(mv)
+    return _C.crc_copy_dest_reused(mv, checksummed)
 
 
-def _bounce():
-    """This thread's IO_CHUNK-byte bounce buffer (memoryview)."""
-    b = getattr(_tls, "bounce", None)
-    if b is None:
-        b = _tls.bounce = memoryview(bytearray(IO_CHUNK))
-    return b
+def _bounce_take():
+    """An IO_CHUNK-byte bounce buffer (memoryview) from this thread's free
+    list, or a new one. Python code can run on this thread in the middle of a
+    load (a signal handler, a finalizer) and load too: each load holds its own
+    buffer until _bounce_give."""
+    free = getattr(_tls, "free", None)
+    if free is None:
+        free = _tls.free = []
+    return free.pop() if free else memoryview(bytearray(IO_CHUNK))
+
+
+def _bounce_give(b):
+    _tls.free.append(b)
 
 
 def _dio_align(fd):
@@ -398,20 +406,25 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn):
     if not direct and _fcntl.fcntl(fd, _fcntl.F_GETFL) & _os.O_DIRECT:
         _set_direct(fd, False)
     crc = 0
-    copy_fn = _block_copy_fn() if want is not None and not direct else None
-    if copy_fn is not None and _copy_dest_reused(mv):
-        copy_fn = None  # destination loaded into recently: likely cache-hot, plain path
-    if copy_fn is not None:  # read into the bounce buffer, then one pass of copy + CRC
-        bounce = _bounce()
-        for off in range(0, len(mv), IO_CHUNK):
-            n = min(IO_CHUNK, len(mv) - off)
-            b = bounce if n == IO_CHUNK else bounce[:n]
-            got = _os.preadv(fd, [b], off)  # buffered: only EINTR to retry, which os.preadv does (PEP 475)
-            if got < n:  # short read: finish it the general way
-                more, direct = _read_full(fd, b[got:], off + got, direct)
-                if got + more < n:
-                    return False, True
-            crc = copy_fn(mv[off : off + n], b, crc)
+    copy_fn = _block_copy_fn() if not direct else None
+    # every buffered load records its destination (the reuse rule); a checksummed one not
+    # loaded into recently (else likely cache-hot: plain path) goes through the fused copy
+    if copy_fn is not None and (_copy_dest_reused(mv, want is not None) or want is None):
+        copy_fn = None
+    if copy_fn is not None:  # read into a bounce buffer, then one pass of copy + CRC
+        bounce = _bounce_take()
+        try:
+            for off in range(0, len(mv), IO_CHUNK):
+                n = min(IO_CHUNK, len(mv) - off)
+                b = bounce if n == IO_CHUNK else bounce[:n]
+                got = _os.preadv(fd, [b], off)  # buffered: only EINTR to retry, which os.preadv does (PEP 475)
+                if got < n:  # short read: finish it the general way
+                    more, direct = _read_full(fd, b[got:], off + got, direct)
+                    if got + more < n:
+                        return False, True
+                crc = copy_fn(mv[off : off + n], b, crc)
+        finally:
+            _bounce_give(bounce)
         return crc != want, False
     for off in range(0, len(mv), IO_CHUNK):
         chunk = mv[off : off + IO_CHUNK]

@@ -81,6 +81,20 @@ def _expected_kernel() -> str:
 
 
 KERNEL = _expected_kernel()
+_SCRATCH = []
+
+
+def _age_out_reuse_ring():
+    """In-process tests: make the reuse rule forget the destinations of
+    earlier tests (a freed buffer's address comes back for a new one): record
+    256 unchecksummed loads of 256 KiB (64 MiB in all) into a scratch buffer
+    that stays alive, so no new buffer can overlap it. Bookkeeping only."""
+    np = pytest.importorskip("numpy")
+    if not _SCRATCH:
+        _SCRATCH.append(np.empty(256 * 1024, dtype=np.uint8))
+    for _ in range(256):
+        _C.crc_copy_dest_reused(_SCRATCH[0], False)
+
 needs_kernel = pytest.mark.skipif(KERNEL == "generic", reason="no fused CRC copy kernel for this CPU "
                                   "(x86-64 with PCLMULQDQ + SSE4.2 needed): the path is off here")
 
@@ -332,8 +346,10 @@ def test_fallback_loads_through_the_copy_path(tmp_path, monkeypatch):
     checksummed buffered loads read into its bounce buffer and move each
     256 KiB chunk with kvtier._C.crc32c_copy (a spy counts the calls): bytes
     right, neighbours untouched; a second load into the same destination
-    takes the plain path (reuse rule, counted); checksum-off loads do not call
-    it; a flipped bit is EBADMSG, checksum_failed, file removed."""
+    takes the plain path (reuse rule, counted), and so does a checksummed
+    load after an unchecksummed one into the same range (recorded too);
+    checksum-off loads do not call it; a flipped bit is EBADMSG,
+    checksum_failed, file removed."""
     np = pytest.importorskip("numpy")
     import errno
 
@@ -350,6 +366,7 @@ def test_fallback_loads_through_the_copy_path(tmp_path, monkeypatch):
         return _C.crc32c_copy(dst, src, value)
 
     monkeypatch.setattr(fallback, "_copy_fn_cache", [spy])
+    _age_out_reuse_ring()
     bs = (1 << 20) + 3
     src = np.random.default_rng(9).integers(0, 256, bs, dtype=np.uint8)
     p = str(tmp_path / "f.bin")
@@ -367,6 +384,9 @@ def test_fallback_loads_through_the_copy_path(tmp_path, monkeypatch):
     out2 = np.zeros(bs, dtype=np.uint8)
     io.batch_load_block([p], out2, [0], bs, use_o_direct=False, checksum=False)
     assert calls == []
+    io.batch_load_block([p], out2, [0], bs, use_o_direct=False, checksum=True)  # recorded by the one before
+    assert calls == [] and _C.crc_copy_status()["reused"] == reused0 + 2
+    assert np.array_equal(out2, src)
     out3 = np.zeros(bs, dtype=np.uint8)
     with open(p, "r+b") as f:
         f.seek(262144)
@@ -441,3 +461,42 @@ def test_reuse_rule_is_off_with_the_path(tmp_path):
     """, env={"KVTIER_CRC_COPY": "0"})
     assert r["ok"] and r["reused"] is False
     assert (r["copy"]["enabled"], r["copy"]["blocks"], r["copy"]["reused"]) == (False, 0, 0)
+
+
+@needs_kernel
+def test_fallback_load_nested_in_a_load_keeps_its_bounce_buffer(tmp_path, monkeypatch):
+    """Python code can run on the loading thread in the middle of a fallback
+    load (a signal handler, a finalizer) and load too. Here the first chunk
+    copy of the outer load runs a whole nested checksummed load first: the
+    outer load still verifies (no re-read, no condemned block) and both get
+    their bytes, because each load holds its own bounce buffer."""
+    np = pytest.importorskip("numpy")
+    from kvtier import io as kio
+
+    io = kio.for_backend("python")
+    fallback = sys.modules["kvtier.fallback"]
+    if not _C.crc_copy_status()["enabled"]:
+        pytest.skip("the copy path is off in this process (KVTIER_CRC_COPY or a forced CRC32C backend)")
+    bs, small = (1 << 20) + 3, 300 * 1024
+    a = np.random.default_rng(1).integers(0, 256, bs, dtype=np.uint8)
+    b = np.random.default_rng(2).integers(0, 256, small, dtype=np.uint8)
+    pa, pb = str(tmp_path / "a.bin"), str(tmp_path / "b.bin")
+    io.batch_store_block([pa], a, [0], bs, use_o_direct=False, checksum=True)
+    io.batch_store_block([pb], b, [0], small, use_o_direct=False, checksum=True)
+    nested_out = np.zeros(small, dtype=np.uint8)
+    nested, started = [], []
+
+    def spy(dst, src, value=0):
+        if not started:  # once: the nested load's own copies go straight through
+            started.append(1)
+            nested.append(io.batch_load_block([pb], nested_out, [0], small, use_o_direct=False, checksum=True))
+        return _C.crc32c_copy(dst, src, value)
+
+    monkeypatch.setattr(fallback, "_copy_fn_cache", [spy])
+    _age_out_reuse_ring()
+    out = np.zeros(bs, dtype=np.uint8)
+    before = io.checksum_stats()
+    assert io.batch_load_block([pa], out, [0], bs, use_o_direct=False, checksum=True) == 0  # no re-read
+    assert nested == [0]
+    assert np.array_equal(out, a) and np.array_equal(nested_out, b)
+    assert io.checksum_stats() == before and os.path.exists(pa)

@@ -11,10 +11,14 @@ import pytest
 import kvtier
 
 
-def run_info(*args, env=None):
+def run_info(*args, env=None, rc=0):
+    """`kvtier info ARGS` with env added; asserts its exit status is rc (1 when a
+    KVTIER_* setting is refused)."""
     e = dict(os.environ)
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "kvtier", "info", *args], capture_output=True, text=True, env=e, check=True)
+    r = subprocess.run([sys.executable, "-m", "kvtier", "info", *args], capture_output=True, text=True, env=e)
+    assert r.returncode == rc, (r.returncode, r.stdout, r.stderr[-2000:])
+    return r
 
 
 def test_info_json_matches_core():
@@ -85,7 +89,7 @@ def test_info_names_the_block_io_backend_and_a_bad_choice():
     assert "Block I/O:      c (kvtier._C)" in run_info().stdout
     assert json.loads(run_info("--json", env={"KVTIER_IO_BACKEND": "python"}).stdout)["io_backend"] == \
         "python (pure-Python fallback)"
-    out = run_info(env={"KVTIER_IO_BACKEND": "bogus"}).stdout
+    out = run_info(env={"KVTIER_IO_BACKEND": "bogus"}, rc=1).stdout
     assert "Block I/O:      error: KVTIER_IO_BACKEND='bogus' is not valid; valid values: c, python" in out
 
 
@@ -102,16 +106,21 @@ def test_info_reports_the_crc_helper():
     assert ("CRC helper:     on (KVTIER_CRC_HELPER); C-core buffered checksummed loads >= 512 KiB; polls 300 us "
             "before sleeping; not started yet: 0 blocks offered, 0 bytes checksummed on it, 0 back-offs\n") in on
     py = run_info(env={"KVTIER_CRC_HELPER": "1", "KVTIER_IO_BACKEND": "python"}).stdout
-    assert "[not used: the block I/O backend is not the C core]" in py
+    helper_line = next(line for line in py.splitlines() if line.startswith("CRC helper:"))
+    assert helper_line.endswith("[not used: the block I/O backend is the pure-Python fallback]")
+    copy_line = next(line for line in py.splitlines() if line.startswith("CRC copy:"))
+    assert "[not used" not in copy_line  # the fallback uses the fused copy too
     e = dict(os.environ, KVTIER_CRC_COPY="off")
     e.pop("KVTIER_CRC_HELPER", None)
     auto = subprocess.run([sys.executable, "-m", "kvtier", "info"], capture_output=True, text=True, env=e, check=True).stdout
     n = len(os.sched_getaffinity(0))
     want = "on" if n >= 2 else "off"
     assert f"CRC helper:     {want} (auto: {n} CPU(s) usable)" in auto
-    bad = run_info(env={"KVTIER_CRC_HELPER": "maybe"}).stdout
+    bad = run_info(env={"KVTIER_CRC_HELPER": "maybe"}, rc=1).stdout
     assert "CRC helper:     error: KVTIER_CRC_HELPER='maybe' is not valid; valid values: 1, true" in bad
-    bad_json = json.loads(run_info("--json", env={"KVTIER_CRC_HELPER_POLL_US": "-3"}).stdout)
+    assert "[not used" not in bad  # the backend is the C core; kvtier.io refused the setting
+    bad_json = json.loads(run_info("--json", env={"KVTIER_CRC_HELPER_POLL_US": "-3"}, rc=1).stdout)
+    assert bad_json["crc_helper"] is None  # no status next to the error
     assert bad_json["crc_helper_error"].startswith("KVTIER_CRC_HELPER_POLL_US='-3' is not valid")
 
 
@@ -159,7 +168,10 @@ def test_info_reports_the_crc_copy():
     forced = run_info(env={"KVTIER_CRC32C_BACKEND": "table", "KVTIER_CRC_COPY": ""}).stdout
     if kernel != "generic":
         assert "CRC copy:       off (the CRC32C backend is forced to table); kernel " + kernel in forced
-    bad = run_info(env={"KVTIER_CRC_COPY": "maybe"}).stdout
+    bad = run_info(env={"KVTIER_CRC_COPY": "maybe"}, rc=1).stdout
     assert "CRC copy:       error: KVTIER_CRC_COPY='maybe' is not valid; valid values: 1, true" in bad
-    assert json.loads(run_info("--json", env={"KVTIER_CRC_COPY": "2"}).stdout)["crc_copy_error"].startswith(
+    assert "[not used" not in bad
+    bad_json = json.loads(run_info("--json", env={"KVTIER_CRC_COPY": "2"}, rc=1).stdout)
+    assert bad_json["crc_copy"] is None
+    assert bad_json["crc_copy_error"].startswith(
         "KVTIER_CRC_COPY='2' is not valid")
