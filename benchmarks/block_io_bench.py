@@ -98,13 +98,24 @@ def timed_runs(repeat: int, call) -> "dict[bool, list[float]]":
     return times
 
 
-def bench_io(bio, directory, bs, repeat, use_o_direct, pool):
-    nslots = max(1, len(pool) // bs)
-    slot = [0]
+_next_byte = [0]  # where the next call's block starts in the pool, across cells
 
+
+def next_offset(pool, bs: int) -> int:
+    """Offset of the next block of `bs` bytes in the pool: the calls of all
+    cells walk the pool in turn (a cell that started over at offset 0 would
+    land on blocks the previous cell just loaded, which the fused copy's
+    reuse rule then treats as cache-hot)."""
+    off = _next_byte[0]
+    if off + bs > len(pool):
+        off = 0
+    _next_byte[0] = off + bs
+    return off
+
+
+def bench_io(bio, directory, bs, repeat, use_o_direct, pool):
     def next_off():
-        slot[0] = (slot[0] + 1) % nslots
-        return slot[0] * bs
+        return next_offset(pool, bs)
 
     paths = {}
     for ck in (False, True):
@@ -139,16 +150,12 @@ def bench_io(bio, directory, bs, repeat, use_o_direct, pool):
 
 def bench_idle_loads(bio, directory, bs, repeat, pool, idle_s):
     """Median buffered load latency (us) off / on, each load after idle_s."""
-    nslots = max(1, len(pool) // bs)
     paths = {}
     for ck in (False, True):
         paths[ck] = os.path.join(directory, f"idle_{ck}_{bs}.bin")
         bio.batch_store_block([paths[ck]], pool, [0], bs, use_o_direct=False, checksum=ck)
-    i = [0]
-
     def load(ck):
-        i[0] += 1
-        off = (i[0] % nslots) * bs
+        off = next_offset(pool, bs)
         time.sleep(idle_s)
         t = time.perf_counter()
         bio.batch_load_block([paths[ck]], pool, [off], bs, use_o_direct=False, checksum=ck)
@@ -215,11 +222,12 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="256K,1M,4M,16M", help="block sizes (default %(default)s)")
     ap.add_argument("--repeat", type=int, default=30, help="iterations per cell (default %(default)s)")
     ap.add_argument("--backends", default=",".join(kio.BACKENDS), help="I/O backends (default %(default)s)")
-    ap.add_argument("--quick", action="store_true", help="few iterations, 256K and 4M only")
+    ap.add_argument("--quick", action="store_true", help="few iterations (5), 256K and 4M only (overrides --sizes "
+                    "and --repeat)")
     ap.add_argument("--pool-mib", type=int, default=POOL_BYTES >> 20,
                     help="MiB of the CPU-tier buffer the calls cycle through (default %(default)s: cold, larger "
-                         "than any last-level cache; 1: one cache-hot block reused by every call; at least one "
-                         "block is used)")
+                         "than any last-level cache; 1: a pool as large as the largest block, the same "
+                         "cache-hot block for every call of that size)")
     ap.add_argument("--idle-ms", type=float, default=20.0,
                     help="quiet time before each load of Table 2 (default %(default)s; 0 skips Table 2)")
     args = ap.parse_args(argv)
