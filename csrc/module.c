@@ -714,8 +714,9 @@ PyDoc_STRVAR(crc_copy_status_doc,
 "forced to another one or to DSA), blocks (int: loads that went through it),\n"
 "bytes (int: bytes it copied and checksummed), reused (int: loads left to\n"
 "the regular path, inline or the CRC helper, because their destination was\n"
-"written by a buffered load within the last 32 MiB of buffered loads and is\n"
-"likely still in the CPU cache, where non-temporal stores would cost more).\n"
+"written by a buffered load within the last 32 MiB of buffered loads (and\n"
+"the last 256 loads) and is likely still in the CPU cache, where\n"
+"non-temporal stores would cost more).\n"
 "Counters are since import. The CRC helper thread takes only the loads the\n"
 "path does not.");
 
