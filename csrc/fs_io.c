@@ -1089,11 +1089,9 @@ static int crc_copy_enabled(void)
            kvt_crc32c_active() == kvt_crc32c_best_cpu();
 }
 
-/* This thread's bounce buffer, or NULL (path off, or out of memory: inline). */
-static uint8_t *crc_copy_bounce(void)
+/* This thread's bounce buffer, or NULL (out of memory). */
+static uint8_t *thread_bounce(void)
 {
-    if (!crc_copy_enabled())
-        return NULL;
     if (bounce_buf == NULL) {
         pthread_once(&bounce_once, bounce_make_key);
         void *p = NULL;
@@ -1106,6 +1104,13 @@ static uint8_t *crc_copy_bounce(void)
         bounce_buf = p;
     }
     return bounce_buf;
+}
+
+/* This thread's bounce buffer for the fused copy, or NULL (path off, or out
+ * of memory: the regular path). */
+static uint8_t *crc_copy_bounce(void)
+{
+    return crc_copy_enabled() ? thread_bounce() : NULL;
 }
 
 /* Destination reuse. Non-temporal stores suit a cold destination (a CPU tier
@@ -1189,9 +1194,11 @@ int kvt_crc_copy_dest_reused(const void *buf, size_t len)
     return hot;
 }
 
-/* The data loop of a checksummed buffered load through `bounce`. Returns 0
- * with *crc, or an errno value (*remove = 1 for a short read). */
-static int read_copy(int fd, uint8_t *buf, size_t len, uint8_t *bounce, uint32_t *crc, int *remove)
+/* The data loop of a checksummed buffered load through `bounce`: each chunk
+ * moved with the fused copy (`fused`), or checksummed in the bounce buffer
+ * by the active backend and then copied (a re-read, see read_verify).
+ * Returns 0 with *crc, or an errno value (*remove = 1 for a short read). */
+static int read_copy(int fd, uint8_t *buf, size_t len, uint8_t *bounce, int fused, uint32_t *crc, int *remove)
 {
     uint32_t c = 0;
     int direct = 0;
@@ -1203,11 +1210,18 @@ static int read_copy(int fd, uint8_t *buf, size_t len, uint8_t *bounce, uint32_t
                 *remove = 1; /* shrank after fstat: short read */
             return r < 0 ? errno : EIO;
         }
-        c = kvt_crc32c_copy(c, buf + off, bounce, n);
+        if (fused) {
+            c = kvt_crc32c_copy(c, buf + off, bounce, n);
+        } else {
+            c = kvt_crc32c(c, bounce, n);
+            memcpy(buf + off, bounce, n);
+        }
         off += n;
     }
-    atomic_fetch_add_explicit(&stat_copy_blocks, 1, memory_order_relaxed);
-    atomic_fetch_add_explicit(&stat_copy_bytes, len, memory_order_relaxed);
+    if (fused) {
+        atomic_fetch_add_explicit(&stat_copy_blocks, 1, memory_order_relaxed);
+        atomic_fetch_add_explicit(&stat_copy_bytes, len, memory_order_relaxed);
+    }
     *crc = c;
     return 0;
 }
@@ -1217,7 +1231,7 @@ static int read_copy(int fd, uint8_t *buf, size_t len, uint8_t *bounce, uint32_t
  * record, 0 with *mismatch = 0 when good (or legacy), or an errno value
  * (*remove = 1 when the file proved corrupt: short read). */
 static int read_verify(int fd, uint8_t *buf, size_t len, int use_o_direct, size_t mem_align, size_t off_align,
-                       int checksum, size_t batch_rest, int *mismatch, int *remove)
+                       int checksum, size_t batch_rest, int reread, int *mismatch, int *remove)
 {
     *mismatch = 0;
     /* Record first: a legacy block (ENODATA) needs no CRC at all. */
@@ -1241,11 +1255,25 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int use_o_direct, size_
         }
     }
 
+    /* The re-read after a mismatch is checksummed in a private buffer: the
+     * caller's buffer may be written by another of its threads meanwhile (a
+     * caller bug), and a block is condemned only on bytes nobody else can
+     * touch. Buffered, through this thread's bounce buffer. */
+    uint8_t *priv = reread && have_rec ? thread_bounce() : NULL;
     int direct = 0;
-    if (use_o_direct && dio_usable(buf, len, mem_align, off_align))
+    if (!priv && use_o_direct && dio_usable(buf, len, mem_align, off_align))
         direct = set_direct(fd, 1) == 0;
     else if (fcntl(fd, F_GETFL) & O_DIRECT)
         set_direct(fd, 0);
+    if (priv) {
+        if (!direct)
+            kvt_crc_copy_dest_note(buf, len);
+        uint32_t got = 0;
+        int err = read_copy(fd, buf, len, priv, 0, &got, remove);
+        if (err == 0 && got != want)
+            *mismatch = 1;
+        return err;
+    }
 
     int reused = 0;
     if (!direct) /* record every buffered load; only a checksummed one asks */
@@ -1253,7 +1281,7 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int use_o_direct, size_
     uint8_t *bounce = have_rec && !direct && !reused ? crc_copy_bounce() : NULL;
     if (bounce) {
         uint32_t got = 0;
-        int err = read_copy(fd, buf, len, bounce, &got, remove);
+        int err = read_copy(fd, buf, len, bounce, 1, &got, remove);
         if (err == 0 && got != want)
             *mismatch = 1;
         return err;
@@ -1379,7 +1407,8 @@ static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct,
     }
     for (int attempt = 0;; attempt++) {
         int mismatch = 0;
-        err = read_verify(fd, buf, len, use_o_direct, mem_align, off_align, checksum, batch_rest, &mismatch, &remove);
+        err = read_verify(fd, buf, len, use_o_direct, mem_align, off_align, checksum, batch_rest, attempt > 0,
+                          &mismatch, &remove);
         if (err || !mismatch)
             break;
         atomic_fetch_add(&stat_retries, attempt == 0);

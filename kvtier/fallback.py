@@ -129,6 +129,18 @@ def _copy_dest_reused(mv, checksummed):
     return _C.crc_copy_dest_reused(mv, checksummed)
 
 
+def _checksum_then_copy(crc_fn):
+    """The copy of a private re-read: CRC32C of the bounce buffer's chunk
+    (crc_fn), then the chunk copied to the caller's buffer."""
+
+    def copy(dst, src, value):
+        value = crc_fn(src, value)
+        dst[:] = src
+        return value
+
+    return copy
+
+
 def _bounce_take():
     """An IO_CHUNK-byte bounce buffer (memoryview) from this thread's free
     list, or a new one. Python code can run on this thread in the middle of a
@@ -384,10 +396,13 @@ def _whole_file_verifies(fd, size, crc_fn):
     return crc == _struct.unpack(">I", rec)[0]
 
 
-def _read_verify(fd, mv, use_o_direct, checksum, crc_fn):
+def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, reread=False):
     """Record then data. Returns (mismatch, short): mismatch for a CRC
     mismatch or malformed record; short for a short read. OSErrors from
-    getxattr other than ENODATA, or from read, propagate (file kept)."""
+    getxattr other than ENODATA, or from read, propagate (file kept).
+    ``reread`` (after a mismatch): buffered, each chunk checksummed in a
+    private bounce buffer and then copied, so the block is judged on bytes no
+    other thread of the caller can write (as the C core does)."""
     want = None
     if checksum:
         try:
@@ -402,14 +417,20 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn):
             if len(rec) != XATTR_LEN:
                 return True, False
             want = int.from_bytes(rec, "big")
-    direct = use_o_direct and _try_direct(fd, mv)
+    private = reread and want is not None
+    direct = not private and use_o_direct and _try_direct(fd, mv)
     if not direct and _fcntl.fcntl(fd, _fcntl.F_GETFL) & _os.O_DIRECT:
         _set_direct(fd, False)
     crc = 0
     copy_fn = _block_copy_fn() if not direct else None
-    # every buffered load records its destination (the reuse rule); a checksummed one not
-    # loaded into recently (else likely cache-hot: plain path) goes through the fused copy
-    if copy_fn is not None and (_copy_dest_reused(mv, want is not None) or want is None):
+    # Every buffered load records its destination (the reuse rule); a checksummed one not
+    # loaded into recently (else likely cache-hot: plain path) goes through the fused copy;
+    # a re-read always goes through a bounce buffer, checksummed there.
+    if private:
+        if copy_fn is not None:
+            _copy_dest_reused(mv, False)
+        copy_fn = _checksum_then_copy(crc_fn)
+    elif copy_fn is not None and (_copy_dest_reused(mv, want is not None) or want is None):
         copy_fn = None
     if copy_fn is not None:  # read into a bounce buffer, then one pass of copy + CRC
         bounce = _bounce_take()
@@ -458,7 +479,7 @@ def _load_one(src, mv, use_o_direct, checksum, crc_fn, retried_out):
             remove = not (checksum and _whole_file_verifies(fd, st.st_size, crc_fn))
             return (_errno.EIO, False), retried
         for attempt in range(2):
-            mismatch, short = _read_verify(fd, mv, use_o_direct, checksum, crc_fn)
+            mismatch, short = _read_verify(fd, mv, use_o_direct, checksum, crc_fn, attempt > 0)
             if short:
                 remove = True
                 return (_errno.EIO, False), retried
