@@ -20,6 +20,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from corrupt import flip_bit
 
 import kvtier
 
@@ -388,16 +389,12 @@ def test_fallback_loads_through_the_copy_path(tmp_path, monkeypatch):
     assert calls == [] and _C.crc_copy_status()["reused"] == reused0 + 2
     assert np.array_equal(out2, src)
     out3 = np.zeros(bs, dtype=np.uint8)
-    with open(p, "r+b") as f:
-        f.seek(262144)
-        b = f.read(1)
-        f.seek(262144)
-        f.write(bytes([b[0] ^ 0x80]))
+    flip_bit(p, 262144, 0x80)
     with pytest.raises(OSError) as ei:
         io.batch_load_block([p], out3, [0], bs, use_o_direct=False, checksum=True)
     assert (ei.value.errno, ei.value.checksum_failed, ei.value.num_succeeded) == (errno.EBADMSG, True, 0)
     assert not os.path.exists(p)
-    assert calls == [262144] * 4 + [3]  # read: mismatch; the re-read (same destination) took the plain path
+    assert calls == [262144] * 4 + [3]  # the read: mismatch; the re-read went through a private buffer
 
 
 @needs_kernel
@@ -574,11 +571,7 @@ def test_caller_race_on_the_destination_never_condemns_a_good_block_fallback(tmp
     after = io.checksum_stats()
     assert after["checksum_condemned"] == before["checksum_condemned"]
     # a block that is really bad is still condemned by the private re-read
-    with open(p, "r+b") as f:
-        f.seek(12345)
-        b = f.read(1)
-        f.seek(12345)
-        f.write(bytes([b[0] ^ 1]))
+    flip_bit(p, 12345)
     with pytest.raises(OSError) as ei:
         io.batch_load_block([p], out, [0], bs, use_o_direct=False, checksum=True)
     assert (ei.value.errno, ei.value.checksum_failed) == (errno.EBADMSG, True) and not os.path.exists(p)
