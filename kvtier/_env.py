@@ -36,7 +36,8 @@ def _word(name: str, words, default: str) -> None:
 
 def _integer(name: str, lo: int, hi: int, what: str, pattern=_DECIMAL) -> None:
     v = _get(name)
-    if v and not (v.isascii() and pattern.match(v) and lo <= int(v, 0) <= hi):
+    base = 10 if pattern is _DECIMAL else 0  # strtoull(s, &end, 10) or (.., 0)
+    if v and not (v.isascii() and pattern.match(v) and lo <= int(v, base) <= hi):
         raise ValueError(f"{name}={v!r} is not valid: {what}, an integer {lo}..{hi}")
 
 

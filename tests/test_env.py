@@ -48,6 +48,7 @@ GOOD = [
     ("KVTIER_DSA", "off"), ("KVTIER_DSA", ""), ("KVTIER_DSA_WAIT", "spin"), ("KVTIER_DSA_WAIT", "sleep"),
     ("KVTIER_DSA_MIN_SIZE", "0"), ("KVTIER_DSA_MIN_SIZE", "0x4000"), ("KVTIER_DSA_MIN_SIZE", str(2**64 - 1)),
     ("KVTIER_DSA_TIMEOUT_MS", "1"), ("KVTIER_DSA_TIMEOUT_MS", "18446744073708"),
+    ("KVTIER_DSA_TIMEOUT_MS", "0100"),  # decimal with a leading zero: strtoull base 10 reads 100
     ("KVTIER_DSA_SELFCHECK_TIMEOUT_MS", "100"), ("KVTIER_DSA_MODEL_LATENCY_NS", "999999999"),
 ]
 
@@ -68,6 +69,7 @@ def test_io_settings_fail_import_of_kvtier_io_only():
     assert "ValueError: KVTIER_CRC_COPY='enable' is not valid; valid values: 1, true, yes, on, 0, false, no, off" \
         in r.stderr
     assert _import({"KVTIER_CRC_COPY": "OFF", "KVTIER_CRC_HELPER": "Yes"}, "kvtier.io").returncode == 0
+    assert _import({"KVTIER_CRC_HELPER_POLL_US": "0250"}, "kvtier.io").returncode == 0  # base 10, as the C core
 
 
 def test_checks_in_process(monkeypatch):
