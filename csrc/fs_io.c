@@ -1180,15 +1180,9 @@ void kvt_crc_copy_info(kvt_crc_copy_stats *out)
 }
 
 /* See fs_io.h. */
-void kvt_crc_copy_dest_note(const void *buf, size_t len)
+int kvt_crc_copy_dest_reused(const void *buf, size_t len, int checksummed)
 {
-    dest_note(buf, len, 0);
-}
-
-/* See fs_io.h. */
-int kvt_crc_copy_dest_reused(const void *buf, size_t len)
-{
-    int hot = dest_note(buf, len, crc_copy_enabled());
+    int hot = dest_note(buf, len, checksummed && crc_copy_enabled());
     if (hot)
         atomic_fetch_add_explicit(&stat_copy_reused, 1, memory_order_relaxed);
     return hot;
@@ -1265,23 +1259,18 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int use_o_direct, size_
         direct = set_direct(fd, 1) == 0;
     else if (fcntl(fd, F_GETFL) & O_DIRECT)
         set_direct(fd, 0);
-    if (priv) {
-        if (!direct)
-            kvt_crc_copy_dest_note(buf, len);
-        uint32_t got = 0;
-        int err = read_copy(fd, buf, len, priv, 0, &got, remove);
-        if (err == 0 && got != want)
-            *mismatch = 1;
-        return err;
+    /* Every buffered load records its destination (the reuse rule); a
+     * checksummed first read whose destination was not loaded into recently
+     * goes through the fused copy, a re-read through the private buffer. */
+    uint8_t *bounce = priv;
+    if (!direct) {
+        int reused = kvt_crc_copy_dest_reused(buf, len, have_rec && !priv);
+        if (have_rec && !priv && !reused)
+            bounce = crc_copy_bounce();
     }
-
-    int reused = 0;
-    if (!direct) /* record every buffered load; only a checksummed one asks */
-        reused = have_rec ? kvt_crc_copy_dest_reused(buf, len) : (kvt_crc_copy_dest_note(buf, len), 0);
-    uint8_t *bounce = have_rec && !direct && !reused ? crc_copy_bounce() : NULL;
     if (bounce) {
         uint32_t got = 0;
-        int err = read_copy(fd, buf, len, bounce, 1, &got, remove);
+        int err = read_copy(fd, buf, len, bounce, bounce != priv, &got, remove);
         if (err == 0 && got != want)
             *mismatch = 1;
         return err;

@@ -121,16 +121,13 @@ typedef struct kvt_crc_copy_stats {
                            destination was loaded into recently (likely cache-hot) */
 } kvt_crc_copy_stats;
 void kvt_crc_copy_info(kvt_crc_copy_stats *out);
-/* Record a checksummed buffered load into [buf, buf + len) and return 1 if it
- * should take the regular path because a buffered load wrote an overlapping
- * range within the last KVT_COPY_REUSE_BYTES (32 MiB) of buffered loads
- * and the last KVT_COPY_RING (256) loads
- * (counted in `reused`); 0 otherwise, and always 0 while the path is off.
- * kvt_batch_load calls it; the Python fallback through kvtier._C. */
-int kvt_crc_copy_dest_reused(const void *buf, size_t len);
-/* Record an unchecksummed buffered load into [buf, buf + len) (the rule's
- * input only). */
-void kvt_crc_copy_dest_note(const void *buf, size_t len);
+/* Record a buffered load into [buf, buf + len). For a `checksummed` one,
+ * return 1 if it should take the regular path because a buffered load wrote
+ * an overlapping range within the last KVT_COPY_REUSE_BYTES (32 MiB) of
+ * buffered loads and the last KVT_COPY_RING (256) loads (counted in
+ * `reused`); 0 otherwise, always 0 while the path is off. kvt_batch_load
+ * calls it; the Python fallback through kvtier._C. */
+int kvt_crc_copy_dest_reused(const void *buf, size_t len, int checksummed);
 
 /* The xattr record parser of the load path, a pure function
  * (fuzzed by tests/fuzz/fuzz_xattr_record.c). `r` is what

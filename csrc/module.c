@@ -752,8 +752,7 @@ static PyObject *kvt_py_crc_copy_dest_reused(PyObject *mod, PyObject *const *arg
     Py_buffer view;
     if (get_contig_buffer(args[0], &view, 1) < 0)
         return NULL;
-    int hot = checksummed ? kvt_crc_copy_dest_reused(view.buf, (size_t)view.len)
-                          : (kvt_crc_copy_dest_note(view.buf, (size_t)view.len), 0);
+    int hot = kvt_crc_copy_dest_reused(view.buf, (size_t)view.len, checksummed);
     PyBuffer_Release(&view);
     return PyBool_FromLong(hot);
 }
