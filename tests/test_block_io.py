@@ -194,15 +194,22 @@ def test_cross_backend_compatible(tmp_path):
 # ---------------------------------------------------------------- xattr before rename
 
 
-@pytest.fixture(scope="module")
-def rename_spy(tmp_path_factory):
+def build_preload(tmp_path_factory, name: str) -> str:
+    """tests/c/<name>.c built as an LD_PRELOAD shim (-Wall -Werror); skips
+    without a C compiler. Returns the .so path."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        pytest.skip("no C compiler for the LD_PRELOAD rename spy")
-    out = tmp_path_factory.mktemp("spy") / "rename_spy.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(out), str(ROOT / "tests/c/rename_spy.c"), "-ldl"],
-                   check=True)
+        pytest.skip(f"no C compiler for the LD_PRELOAD shim tests/c/{name}.c")
+    out = tmp_path_factory.mktemp(name) / f"{name}.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-o", str(out),
+                    str(ROOT / "tests/c" / f"{name}.c"), "-ldl"], check=True)
     return str(out)
+
+
+@pytest.fixture(scope="module")
+def rename_spy(tmp_path_factory):
+    """tests/c/rename_spy.c built as an LD_PRELOAD shim (see its header)."""
+    return build_preload(tmp_path_factory, "rename_spy")
 
 
 @pytest.mark.parametrize("checksum", [True, False])
@@ -884,13 +891,7 @@ def test_condemned_block_republished_meanwhile_is_kept(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def io_fault(tmp_path_factory):
     """tests/c/io_fault.c built as an LD_PRELOAD shim (see its header)."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler for the LD_PRELOAD fault shim")
-    out = tmp_path_factory.mktemp("fault") / "io_fault.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-o", str(out),
-                    str(ROOT / "tests/c/io_fault.c"), "-ldl"], check=True)
-    return str(out)
+    return build_preload(tmp_path_factory, "io_fault")
 
 
 FAULT_BS, FAULT_N = 768 * 1024, 2  # 3 I/O chunks per block, page multiple (O_DIRECT-able)

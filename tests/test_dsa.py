@@ -439,23 +439,31 @@ print(json.dumps(out))
 """
 
 
-def test_tier_round_trip_on_dsa_model(tmp_path):
+def _tier_on_dsa_model(tmp_path, code, seed, timeout, **env_extra):
+    """Run a tier script on dsa-model in a fresh interpreter (skips where
+    user xattrs are unsupported). Returns (its JSON output, the view of the
+    4 blocks of 3 x 256 KiB + 4 KiB it stored from `seed`, block size)."""
+    import json
+
+    import numpy as np
+
     from kvtier.io import probe_xattr
 
     if not probe_xattr(str(tmp_path)):
         pytest.skip(f"user xattrs not supported under {tmp_path}")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     env["KVTIER_CRC32C_BACKEND"] = "dsa-model"
-    r = subprocess.run([sys.executable, "-c", _TIER_CODE, str(tmp_path)], env=env,
-                       capture_output=True, text=True, timeout=180)
+    env.update(env_extra)
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr
-    import json
-
-    import numpy as np
-
-    out = json.loads(r.stdout)
     bs, n = 3 * 256 * 1024 + 4096, 4
-    view = np.random.default_rng(5).integers(0, 256, n * bs, dtype=np.uint8)
+    return json.loads(r.stdout), np.random.default_rng(seed).integers(0, 256, n * bs, dtype=np.uint8), bs
+
+
+def test_tier_round_trip_on_dsa_model(tmp_path):
+    out, view, bs = _tier_on_dsa_model(tmp_path, _TIER_CODE, 5, 180)
+    n = len(view) // bs
     assert out["backend"] == "dsa-model"
     # the records are the standard CRC32C, big-endian
     assert out["xattrs"] == [oracle(view[i * bs:(i + 1) * bs]).to_bytes(4, "big").hex() for i in range(n)]
@@ -509,23 +517,8 @@ def test_tier_store_load_after_device_hang(tmp_path):
     """Checksummed store/load on dsa-model when the device stops completing
     descriptors: one timeout (KVTIER_DSA_TIMEOUT_MS), then the CPU; the
     records are right and the data round-trips."""
-    from kvtier.io import probe_xattr
-
-    if not probe_xattr(str(tmp_path)):
-        pytest.skip(f"user xattrs not supported under {tmp_path}")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    env["KVTIER_CRC32C_BACKEND"] = "dsa-model"
-    env["KVTIER_DSA_TIMEOUT_MS"] = "300"
-    r = subprocess.run([sys.executable, "-c", _HANG_TIER_CODE, str(tmp_path)], env=env,
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    import json
-
-    import numpy as np
-
-    out = json.loads(r.stdout)
-    bs, n = 3 * 256 * 1024 + 4096, 4
-    view = np.random.default_rng(6).integers(0, 256, n * bs, dtype=np.uint8)
+    out, view, bs = _tier_on_dsa_model(tmp_path, _HANG_TIER_CODE, 6, 120, KVTIER_DSA_TIMEOUT_MS="300")
+    n = len(view) // bs
     assert out["backend"] == "dsa-model" and out["timeout"] == pytest.approx(0.3)
     assert out["xattrs"] == [oracle(view[i * bs:(i + 1) * bs]).to_bytes(4, "big").hex() for i in range(n)]
     assert out["load_equal"] is True
