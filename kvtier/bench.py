@@ -159,9 +159,10 @@ def run_bench(preset: str = DEFAULT_PRESET, tokens: int = DEFAULT_TOKENS, blocks
               progress: bool = True, keep: bool = False) -> dict:
     """Run the benchmark; returns a dict (``rows``: list of :class:`Row` dicts, plus the setup).
 
-    Raises ValueError for bad arguments (unknown preset, non-positive sizes); OSError
-    ENOSPC (filename = the root) before any store when the root's filesystem has less free
-    space than ``blocks`` x block bytes x ``len(checksums)``.
+    Raises ValueError for bad arguments (unknown preset, non-positive sizes, or 2 x ``blocks``
+    x block bytes more than MemAvailable in /proc/meminfo); OSError ENOSPC (filename = the
+    root) before any store when the root's filesystem reports less free space than
+    ``len(checksums)`` x ``blocks`` x block bytes (rounded up to its blocks, plus metadata).
     """
     from tqdm import tqdm
 
@@ -180,6 +181,11 @@ def run_bench(preset: str = DEFAULT_PRESET, tokens: int = DEFAULT_TOKENS, blocks
     hash_bs = 16 if tokens % 16 == 0 else tokens
     groups = [{"block_size": hash_bs, "layer_names": [f"model.layers.{i}.self_attn.attn" for i in range(p.layers)]}]
 
+    # the source and the load buffer: refuse up front rather than fill a shared host's memory
+    need_ram, avail_ram = 2 * blocks * bs, _mem_available()
+    if avail_ram is not None and need_ram > avail_ram:
+        raise ValueError(f"needs {_fmt_bytes(need_ram)} of RAM (source and load buffers, 2 x {blocks} blocks of "
+                         f"{_fmt_bytes(bs)}), {_fmt_bytes(avail_ram)} available (MemAvailable); use --blocks")
     rng = np.random.default_rng(seed)
     src = np.frombuffer(rng.bytes(blocks * bs), dtype=np.uint8).reshape(blocks, bs)
     buf = np.empty_like(src)
@@ -199,10 +205,13 @@ def run_bench(preset: str = DEFAULT_PRESET, tokens: int = DEFAULT_TOKENS, blocks
     try:
         # every checksum mode keeps its own copy of the blocks: refuse up front rather than
         # time a run of ENOSPC failures
-        need = blocks * bs * len(checksums)
+        # (each block rounded up to whole filesystem blocks, plus one for its inode's xattr and
+        # 64 KiB per mode for config.json / kvtier.json and the directories)
         st = os.statvfs(base)
+        frag = st.f_frsize or 4096
+        need = len(checksums) * (blocks * (-(-bs // frag) + 1) * frag + 64 * 1024)
         free = st.f_bavail * st.f_frsize
-        if free < need:
+        if st.f_blocks and free < need:  # f_blocks 0: no size reported (ramfs): nothing to check
             raise OSError(errno.ENOSPC, f"needs {_fmt_bytes(need)} free ({len(checksums)} x {blocks} blocks of "
                           f"{_fmt_bytes(bs)}), {_fmt_bytes(free)} available; use --blocks or another --root",
                           root or os.path.dirname(base))
@@ -292,6 +301,18 @@ def _fmt_bytes(n: float) -> str:
     return f"{n}"
 
 
+def _mem_available() -> Optional[int]:
+    """MemAvailable from /proc/meminfo in bytes, or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def format_table(d: dict) -> str:
     """The text table for a :func:`run_bench` result ``d``: a setup header, then one line per
     (op, jobs) with GB/s, p50/p99 job latency (ms) and CPU seconds, checksum off and on, and
@@ -319,7 +340,7 @@ def format_table(d: dict) -> str:
     lines += [hdr, "-" * len(hdr)]
 
     def cell(v, fmt):
-        return format(v, fmt) if v is not None else "-"
+        return format(v, fmt) if v is not None else format("-", ">" + fmt.split(".")[0])
 
     for op, jobs in keys:
         off, on = by.get((op, jobs, False)), by.get((op, jobs, True))

@@ -102,16 +102,28 @@ def _check_paths(paths, what="paths") -> list:
     return paths
 
 
+def _as_int(v, what: str) -> int:
+    """v as an int (operator.index: numpy integers too), else TypeError naming `what`."""
+    if isinstance(v, bool):
+        raise TypeError(f"{what} must be int, not bool")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise TypeError(f"{what} must be int, not {type(v).__name__}") from None
+
+
 def _check_blocks(paths, view, offsets, block_size, writable):
     """Validate and slice: returns (paths list, list of per-block memoryviews)."""
     paths = _check_paths(paths)
-    if isinstance(block_size, bool):
-        raise TypeError("block_size must be int, not bool")
-    block_size = operator.index(block_size)  # TypeError for non-integers
+    block_size = _as_int(block_size, "block_size")
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0 bytes, got {block_size}")
     # torch: BufferError if not contiguous; torch's TypeError for a non-CPU tensor
-    mv = memoryview(torch_bytes_view(view) if _is_torch_tensor(view) else view)  # TypeError for a non-buffer
+    try:
+        mv = memoryview(torch_bytes_view(view) if _is_torch_tensor(view) else view)
+    except TypeError:
+        raise TypeError(f"view must be a buffer (bytes-like, numpy array, torch CPU tensor), "
+                        f"not {type(view).__name__}") from None
     if not mv.c_contiguous:
         raise BufferError(f"view must be C-contiguous ({type(view).__name__} is not)")
     if writable and mv.readonly:
@@ -125,9 +137,7 @@ def _check_blocks(paths, view, offsets, block_size, writable):
     limit = mv.nbytes - block_size
     views = []
     for i, off in enumerate(offsets):
-        if isinstance(off, bool):
-            raise TypeError(f"offsets[{i}] must be int, not bool")
-        off = operator.index(off)
+        off = _as_int(off, f"offsets[{i}]")
         if off < 0 or off > limit:
             raise ValueError(
                 f"offsets[{i}] = {off}: block [{off}, {off + block_size}) is outside the view of {mv.nbytes} bytes"

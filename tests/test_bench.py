@@ -1,15 +1,27 @@
 """`kvtier bench`: misses are not wrong bytes; --plot is checked before the run."""
 import json
 
+from kvtier import bench
 from kvtier.cli import main
 from mounts import mount_tmpfs
 
 TINY_BLOCK = 16 * 1024
 
 
-def test_bench_on_a_full_disk_counts_misses_as_failed_jobs_not_mismatches(capsys):
-    # exactly 64 x 16 KiB free: passes the bench's up-front space check, but config.json and
-    # kvtier.json take a page each, so the last stores hit ENOSPC mid-run
+def test_bench_on_a_full_disk_counts_misses_as_failed_jobs_not_mismatches(capsys, monkeypatch):
+    # the disk fills up during the run (another writer, or a filesystem that reports more
+    # room than it has): statvfs says 1 GiB free, so the up-front check passes, but the
+    # tmpfs holds 1 MiB and the last stores hit ENOSPC mid-run
+    import os
+
+    real_statvfs = os.statvfs
+
+    def roomy(path):
+        st = real_statvfs(path)
+        return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, st.f_bfree, (1 << 30) // st.f_frsize,
+                                  st.f_files, st.f_ffree, st.f_favail, st.f_flag, st.f_namemax))
+
+    monkeypatch.setattr(os, "statvfs", roomy)
     with mount_tmpfs(size="1m") as root:
         rc = main(["bench", "--preset", "tiny", "--blocks", "64", "--jobs", "4", "--repeat", "1",
                    "--root", str(root), "--no-progress", "--json", "--checksum", "on"])
@@ -32,7 +44,9 @@ def test_bench_refuses_a_root_without_room_before_storing(capsys):
         left = os.listdir(root)
     out, err = capsys.readouterr()
     assert rc == 2 and out == "" and left == []
-    assert err.startswith("kvtier bench: [Errno 28] needs 2.00 MiB free (2 x 64 blocks of 16.00 KiB)")
+    # 2 modes x (64 blocks x (4 pages + 1 for metadata) + 64 KiB for the config files)
+    need = bench._fmt_bytes(2 * (64 * 5 * 4096 + 64 * 1024))
+    assert err.startswith(f"kvtier bench: [Errno 28] needs {need} free (2 x 64 blocks of 16.00 KiB)"), err
     assert err.rstrip().endswith(f"use --blocks or another --root: {str(root)!r}")
 
 

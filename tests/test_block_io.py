@@ -562,6 +562,13 @@ def test_bad_arguments_io_layer(io_backend, tmp_path):
         load(paths, view.tobytes(), [0, bs], bs)  # read-only view for a load
     with pytest.raises(BufferError):
         load(paths, np.zeros((2, 2 * bs), dtype=np.uint8)[:, ::2], [0, bs], bs)  # not contiguous
+    # messages name the argument
+    for args, msg in (((paths, None, [0, bs], bs), r"^view must be a buffer .*not NoneType$"),
+                      ((paths, view, [0, "4096"], bs), r"^offsets\[1\] must be int, not str$"),
+                      ((paths, view, [0.0, bs], bs), r"^offsets\[0\] must be int, not float$"),
+                      ((paths, view, [0, bs], 4096.0), r"^block_size must be int, not float$")):
+        with pytest.raises(TypeError, match=msg):
+            store(*args)
     # a NUL byte or an empty path: ValueError naming the caller's argument, both backends alike
     for bad, msg in ((str(tmp_path / "a\0b"), r"^paths\[1\]: embedded null byte$"),
                      (os.fsencode(tmp_path / "a\0b"), r"^paths\[1\]: embedded null byte$"),

@@ -214,3 +214,37 @@ def test_plain_text():
     from kvtier.cli import plain_text
 
     assert plain_text("see :class:`~kvtier.x.Y` and ``--root`` or :func:`f`") == "see kvtier.x.Y and --root or f"
+
+
+def test_bench_refuses_more_blocks_than_ram(capsys):
+    """2 x blocks x block bytes above MemAvailable: exit 2 with one line, before any allocation."""
+    rc = main(["bench", "--preset", "llama-3.1-70b", "--blocks", "1000000", "--no-progress"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    bs = bench.PRESETS["llama-3.1-70b"].block_bytes(bench.DEFAULT_TOKENS)
+    assert err.startswith(f"kvtier bench: needs {bench._fmt_bytes(2 * 1000000 * bs)} of RAM (source and load "
+                          f"buffers, 2 x 1000000 blocks of {bench._fmt_bytes(bs)}), "), err
+    assert err.rstrip().endswith("available (MemAvailable); use --blocks")
+
+
+def test_bench_table_with_one_checksum_mode_keeps_its_columns(tmp_path, capsys):
+    rc = main(["bench", "--preset", "tiny", "--blocks", "4", "--jobs", "1", "--repeat", "1", "--root", str(tmp_path),
+               "--checksum", "on", "--no-progress"])
+    assert rc == 0
+    lines = capsys.readouterr().out.splitlines()
+    hdr = next(line for line in lines if line.startswith("op"))
+    for line in lines:
+        if line.startswith(("store", "load")):
+            assert len(line) == len(hdr) and [i for i, c in enumerate(line) if c == "|"] == \
+                [i for i, c in enumerate(hdr) if c == "|"], (hdr, line)
+            assert line.split("|")[1].split()[0] == "-"  # no off column
+
+
+def test_bench_on_ramfs_is_not_refused_for_space(ramfs_dir, capsys):
+    """ramfs reports no size (statvfs f_blocks 0): the free-space check must not read that as full."""
+    assert os.statvfs(ramfs_dir).f_blocks == 0
+    rc = main(["bench", "--preset", "tiny", "--blocks", "4", "--jobs", "1", "--repeat", "1", "--root", ramfs_dir,
+               "--checksum", "off", "--no-progress"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "0 mismatched, 0 failed jobs: OK" in out.out
