@@ -286,13 +286,30 @@ static const kvt_crc32c_backend *lookup_backend(const char *name)
         return b;
     PyObject *valid = backend_names_list(1);
     if (valid) {
-        /* The model is never unavailable "on this host", only not enabled. */
-        const char *why = !b ? "unknown"
-                          : strcmp(b->name, "dsa-model") == 0
-                              ? "not enabled (explicit only: KVTIER_DSA=model or KVTIER_CRC32C_BACKEND=dsa-model)"
-                              : "not available on this host";
-        PyErr_Format(PyExc_ValueError, "CRC32C backend '%s' is %s; available backends: %S",
-                     name, why, valid);
+        /* Names of backends another build or CPU has (crc32c.h), and numpy. */
+        const char *why = "unknown";
+        if (!b && strcmp(name, "armv8") == 0)
+            why = "not built: aarch64 only";
+        else if (!b && strcmp(name, "sse42") == 0)
+            why = "not built: x86-64 only";
+        else if (!b && strcmp(name, "isal") == 0)
+            why = "not built in (libisal not found at build time, or KVTIER_NO_ISAL=1)";
+        else if (!b && strcmp(name, "numpy") == 0)
+            why = "the pure-Python fallback, used only without the C core";
+        else if (b && strcmp(b->name, "dsa-model") == 0) /* never unavailable "on this host" */
+            why = "not enabled (explicit only: KVTIER_DSA=model or KVTIER_CRC32C_BACKEND=dsa-model)";
+        else if (b)
+            why = "not available on this host";
+        /* dsa-model is accepted by KVTIER_CRC32C_BACKEND even when not yet enabled */
+        int model = 0;
+        if (kvt_crc32c_find("dsa-model") != NULL) {
+            PyObject *m = PyUnicode_FromString("dsa-model");
+            model = m != NULL && PySequence_Contains(valid, m) == 0;
+            Py_XDECREF(m);
+            PyErr_Clear();
+        }
+        PyErr_Format(PyExc_ValueError, "CRC32C backend '%s' is %s; available backends: %S%s", name, why, valid,
+                     model ? " (and 'dsa-model' through KVTIER_CRC32C_BACKEND, the software model of DSA)" : "");
         Py_DECREF(valid);
     }
     return NULL;

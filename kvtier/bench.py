@@ -316,7 +316,8 @@ def _mem_available() -> Optional[int]:
 def format_table(d: dict) -> str:
     """The text table for a :func:`run_bench` result ``d``: a setup header, then one line per
     (op, jobs) with GB/s, p50/p99 job latency (ms) and CPU seconds, checksum off and on, and
-    the on/off ratios ("-" where a mode was not run).  Returns a str (no trailing newline).
+    the on/off ratios ("-" where a mode was not run, and for GB/s where a pass had failed
+    jobs).  Returns a str (no trailing newline).
     """
     g = d["geometry"]
     lines = [
@@ -345,13 +346,12 @@ def format_table(d: dict) -> str:
     for op, jobs in keys:
         off, on = by.get((op, jobs, False)), by.get((op, jobs, True))
 
-        def g_(r, f):
-            return None if r is None else r[f]
+        def g_(r, f):  # no GB/s for a pass with failed jobs: its bytes did not all move
+            return None if r is None or (f == "gbps" and r["failed_jobs"]) else r[f]
 
         def ratio(f):
-            if off is None or on is None or not off[f]:
-                return None
-            return on[f] / off[f]
+            a, b = g_(off, f), g_(on, f)
+            return None if a is None or b is None or not a else b / a
 
         lines.append(
             f"{op:<6}{jobs:>5} | {cell(g_(off, 'gbps'), '9.2f')}{cell(g_(on, 'gbps'), '7.2f')}"

@@ -206,6 +206,9 @@ class FileMapper:
             raise TypeError(f"model_name must be a str, got {type(model_name).__name__}")
         if not model_name:
             raise ValueError("model_name must not be empty")
+        for name, v in (("root_dir", root), ("model_name", model_name)):
+            if "\0" in v:
+                raise ValueError(f"{name} must not contain a NUL byte: {v!r}")
         if not isinstance(inference_engine, str) or not inference_engine:
             raise TypeError("inference_engine must be a non-empty str")
         _check_int("hash_block_size", hash_block_size, 1)

@@ -451,7 +451,9 @@ class FileSystemTierManager:
             raise ValueError(f"job {job.job_id!r}: {len(keys)} keys but {len(chunk_ids)} chunk_ids")
         offsets = []
         for c in chunk_ids:
-            if isinstance(c, bool) or not isinstance(c, int):
+            if isinstance(c, bool):
+                raise TypeError("chunk_ids must be ints, got bool")
+            if not isinstance(c, int):
                 try:
                     c = int(c.__index__())  # numpy integers
                 except (AttributeError, TypeError):

@@ -27,6 +27,13 @@ def test_bench_on_a_full_disk_counts_misses_as_failed_jobs_not_mismatches(capsys
                    "--root", str(root), "--no-progress", "--json", "--checksum", "on"])
     d = json.loads(capsys.readouterr().out)
     assert rc == 1 and d["ok"] is False
+    # the table shows no GB/s for a pass with failed jobs (checksum on only: off is "-" too)
+    table = bench.format_table(d).splitlines()
+    failed = [r for r in d["rows"] if r["failed_jobs"]]
+    assert failed
+    for r in failed:
+        line = next(x for x in table if x.startswith(f"{r['op']:<6}{r['jobs']:>5} |"))
+        assert line.split("|")[1].split() == ["-", "-", "-"], line
     assert d["failed_jobs"] > 0  # the stores hit ENOSPC; the loads of those blocks miss
     assert d["mismatched_bytes"] == 0  # ... and no loaded byte was wrong
     # only the blocks the tier reported loaded were compared

@@ -417,6 +417,25 @@ def test_forced_backend_env_bad_value(value):
         assert repr(name) in r.stderr, r.stderr
 
 
+def test_forced_backend_env_says_why():
+    """The reason fits the name: another CPU's backend, the Python fallback, or
+    unknown; dsa-model, accepted though not listed as available, is named."""
+    import platform
+
+    other = "armv8" if platform.machine() == "x86_64" else "sse42"
+    cases = {other: f"is not built: {'aarch64' if other == 'armv8' else 'x86-64'} only",
+             "numpy": "is the pure-Python fallback, used only without the C core",
+             "bogus": "is unknown"}
+    for value, why in cases.items():
+        r = _py("import kvtier", KVTIER_CRC32C_BACKEND=value)
+        assert r.returncode != 0
+        assert f"ValueError: KVTIER_CRC32C_BACKEND={value}: CRC32C backend '{value}' {why}; available backends: " \
+            in r.stderr, r.stderr
+        if "dsa-model" in [n for (n, _ok, _f) in kvtier._C.backends()] and "'dsa-model'" not in \
+                r.stderr.split("available backends: ")[1].split("]")[0]:
+            assert "(and 'dsa-model' through KVTIER_CRC32C_BACKEND, the software model of DSA)" in r.stderr
+
+
 def test_forced_backend_env_unavailable():
     unavailable = [n for (n, ok, _f) in kvtier._C.backends() if not ok]
     if not unavailable:

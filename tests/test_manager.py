@@ -392,6 +392,10 @@ def test_bad_config_raises_before_any_io(tmp_path):
         FileSystemTierManager(rand_buf()[:, ::2], str(root), "m")
     with pytest.raises(TypeError):
         FileSystemTierManager(object(), str(root), "m")
+    with pytest.raises(ValueError, match=r"^model_name must not contain a NUL byte: 'a\\x00b'$"):
+        FileSystemTierManager(buf, str(root), "a\0b")
+    with pytest.raises(ValueError, match=r"^root_dir must not contain a NUL byte"):
+        FileSystemTierManager(buf, str(root) + "\0x", "m")
     assert not root.exists()
     m = FileSystemTierManager.from_config(buf, {"root_dir": str(root), "model_name": "m",
                                                 "n_read_threads": 1, "n_write_threads": 1})
@@ -613,3 +617,11 @@ def test_no_dsa_metrics_with_the_default_backend(tier):
     names = {mf.name for mf in reg.collect()}
     assert "vllm:kv_offload_tiering_read_bytes" in names  # the scrape itself works
     assert not [n for n in names if n.startswith("kvtier:dsa_")]
+
+
+def test_bool_chunk_id_is_refused(tier):
+    """chunk_ids are ints, as kvtier.io's offsets: True is a TypeError, nothing queued."""
+    m, _ = tier()
+    with pytest.raises(TypeError, match="^chunk_ids must be ints, got bool$"):
+        m.submit_store(TransferJob(1, [(b"\x01" * 32, 0)], [True]))
+    assert m.drain_jobs(5) and m.get_finished_jobs() == []
