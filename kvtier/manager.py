@@ -369,7 +369,8 @@ class FileSystemTierManager:
             os.close(fd)
             os.unlink(probe)
         except OSError as e:
-            raise OSError(e.errno, f"tier root is not writable: {e.strerror}"
+            what = "cannot be created" if e.errno in (errno.ENOTDIR, errno.ENOENT) else "is not writable"
+            raise OSError(e.errno, f"tier root {what}: {e.strerror}"
                           f"{'' if e.filename in (None, root) else f' ({e.filename})'}", root) from e
 
     # ------------------------------------------------------------------ pool

@@ -625,3 +625,15 @@ def test_bool_chunk_id_is_refused(tier):
     with pytest.raises(TypeError, match="^chunk_ids must be ints, got bool$"):
         m.submit_store(TransferJob(1, [(b"\x01" * 32, 0)], [True]))
     assert m.drain_jobs(5) and m.get_finished_jobs() == []
+
+
+def test_root_under_a_regular_file_is_not_a_directory_error(tmp_path):
+    """A root below a regular file: NotADirectoryError naming the root, 'cannot be
+    created' (not 'not writable'); nothing created."""
+    f = tmp_path / "file"
+    f.write_bytes(b"x")
+    with pytest.raises(NotADirectoryError) as ei:
+        FileSystemTierManager(rand_buf(), str(f / "sub"), "m")
+    assert ei.value.errno == errno.ENOTDIR and ei.value.filename == str(f / "sub")
+    assert "tier root cannot be created: Not a directory" in str(ei.value)
+    assert sorted(os.listdir(tmp_path)) == ["file"]
