@@ -4,7 +4,7 @@ Each helper is a context manager that mounts a fresh filesystem on a new
 temporary directory, yields that directory (str), and always unmounts and
 removes it on exit. Where mounting is not permitted (not root, no loop
 devices, missing mkfs, container without CAP_SYS_ADMIN) it calls
-``pytest.skip(reason)`` with mount(8)'s message. Fixtures wrapping these live
+``ci.unavailable(reason)`` with mount(8)'s message (a skip; a failure under CI). Fixtures wrapping these live
 in tests/conftest.py.
 
     with mount_tmpfs(size="1m") as d: ...      # size-limited: ENOSPC tests
@@ -22,6 +22,8 @@ from typing import Iterator, Optional, Sequence
 
 import pytest
 
+from ci import unavailable
+
 _SCRATCH = os.environ.get("KVTIER_TEST_SCRATCH") or None  # parent dir for mount points / images
 
 
@@ -31,7 +33,7 @@ def _run(cmd: Sequence[str]) -> subprocess.CompletedProcess:
 
 def _skip_or_fail(what: str, proc: subprocess.CompletedProcess) -> None:
     msg = (proc.stderr or proc.stdout or "").strip() or f"exit status {proc.returncode}"
-    pytest.skip(f"cannot {what}: {msg}")
+    unavailable(f"cannot {what}: {msg}")
 
 
 def _umount(path: str) -> None:
@@ -42,7 +44,7 @@ def _umount(path: str) -> None:
 @contextlib.contextmanager
 def _mounted(args: Sequence[str], what: str) -> Iterator[str]:
     if shutil.which("mount") is None:
-        pytest.skip("mount(8) not installed")
+        unavailable("mount(8) not installed")
     mnt = tempfile.mkdtemp(prefix="kvtier-mnt-", dir=_SCRATCH)
     try:
         proc = _run(["mount", *args, mnt])
@@ -79,7 +81,7 @@ def mount_loop(fstype: str = "ext4", size_mb: int = 64, mkfs_args: Sequence[str]
     loop device. XFS needs size_mb >= 300 (mkfs.xfs minimum)."""
     mkfs = shutil.which(f"mkfs.{fstype}")
     if mkfs is None:
-        pytest.skip(f"mkfs.{fstype} not installed")
+        unavailable(f"mkfs.{fstype} not installed")
     if fstype == "xfs":
         size_mb = max(size_mb, 300)
     imgdir = tempfile.mkdtemp(prefix="kvtier-img-", dir=_SCRATCH)
