@@ -5,12 +5,12 @@ connector submits store ("cascade") jobs that copy blocks of the primary buffer 
 files, and load ("promotion") jobs that copy files back into the buffer, then polls
 :meth:`FileSystemTierManager.get_finished_jobs`.
 
-Threads: two queues (loads, stores) and two groups of threads.  Read-priority threads
-(``n_read_threads``) take a load job first and a store job when no load is queued;
-write-priority threads (``n_write_threads``) do the reverse, so neither queue starves
-and an idle group helps the busy one.  Each job is one call into the C core
-(``kvtier.io.batch_store_block`` / ``batch_load_block``), which runs the whole batch
-without the GIL.
+The pool, jobs, results and counters are the tier engine's (:mod:`kvtier.engine`), the
+same engine under kvtier's vLLM tier (:mod:`kvtier.vllm`); this module adds the standalone
+API: tuple keys and :class:`FileMapper` paths, :class:`TransferJob` / :class:`JobResult`,
+the startup checks, and a Prometheus tracker (:mod:`kvtier.metrics`) over the engine's
+counters.  Each job is one call into the C core (``kvtier.io.batch_store_block`` /
+``batch_load_block``), which runs the whole batch without the GIL.
 
 Partial keep: a load that fails at block ``n`` (``OSError.num_succeeded == n``) reports
 its first ``n`` keys in ``JobResult.successful_keys``; block ``n`` and the rest are misses.
@@ -20,7 +20,6 @@ filesystem...) keeps the file.  See ``docs/design.md`` ("On-disk contract").
 """
 from __future__ import annotations
 
-import collections
 import functools
 import errno
 import inspect
@@ -28,11 +27,11 @@ import logging
 import os
 import tempfile
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 from kvtier._fallback_crc import _is_torch_tensor, torch_bytes_view
+from kvtier.engine import TierEngine
 from kvtier.file_mapper import FileMapper, Key
 from kvtier.metrics import TieringMetricsTracker, tier_label
 from kvtier.metrics import CHECKSUM_CONDEMNED, CHECKSUM_RETRIES  # noqa: F401  (re-exported)
@@ -62,9 +61,9 @@ class JobResult:
 
     ``successful_keys``: keys transferred (all on success; on a failed load the first
     ``num_succeeded`` keys, partial keep; on a failed store the blocks stored before the
-    failure).  ``transfer_time``: seconds from submission to completion (queueing + I/O).
-    ``transfer_bytes``: ``len(successful_keys) * block_size``.  ``checksum_failed``: a
-    block failed CRC32C verification (its file was removed).  ``error``: the OSError (or
+    failure).  ``transfer_time``: seconds from submission to completion (queueing + I/O;
+    the metrics count the I/O time only).  ``transfer_bytes``: ``len(successful_keys) *
+    block_size``.  ``checksum_failed``: a block failed CRC32C verification (its file was removed).  ``error``: the OSError (or
     other exception) that failed the job, None on success.  ``checksum_retries``: blocks
     of a load re-read once after a first CRC32C mismatch (transient corruption; the
     condemned block included), from ``kvtier.io.batch_load_block``'s return value or
@@ -80,16 +79,6 @@ class JobResult:
     is_promotion: bool = False
     error: Optional[BaseException] = field(default=None, compare=False)
     checksum_retries: int = 0
-
-
-@dataclass
-class _Job:
-    job_id: Hashable
-    keys: Tuple[Key, ...]
-    paths: List[str]
-    offsets: List[int]
-    is_promotion: bool
-    submitted_at: float
 
 
 def filesystem_type(path: "str | os.PathLike") -> Tuple[str, str]:
@@ -123,10 +112,34 @@ def filesystem_type(path: "str | os.PathLike") -> Tuple[str, str]:
     return best
 
 
-def _io():
+def prepare_root(root: str, rank_path: str, checksum_blocks: bool) -> None:
+    """Startup checks of a tier root, before anything else is written into it: create
+    ``root`` and ``rank_path`` (the directory of this rank's block files), prove a file
+    can be created there, and with ``checksum_blocks`` that the filesystem keeps user
+    xattrs.  Raises OSError naming ``root`` (ENOTDIR, ENOENT, EACCES, EROFS...) or
+    ValueError naming the filesystem type when it has no user xattrs."""
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise NotADirectoryError(errno.ENOTDIR, f"tier root is not a directory: {os.strerror(errno.ENOTDIR)}", root)
+    try:
+        os.makedirs(root, exist_ok=True)
+        os.makedirs(rank_path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".kvtier_probe_", dir=rank_path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        what = "cannot be created" if e.errno in (errno.ENOTDIR, errno.ENOENT) else "is not writable"
+        raise OSError(e.errno, f"tier root {what}: {e.strerror}"
+                      f"{'' if e.filename in (None, root) else f' ({e.filename})'}", root) from e
     from kvtier import io as kio
 
-    return kio
+    if checksum_blocks and not kio.probe_xattr(rank_path):
+        fstype, mnt = filesystem_type(root)
+        raise ValueError(
+            f"checksum_blocks=True needs extended attributes (user xattr "
+            f"'user.vllm.kv_crc32c'), but the tier root {root!r} is on a {fstype} "
+            f"filesystem (mounted at {mnt!r}) that does not support them; use another "
+            f"filesystem (ext4, xfs, btrfs, tmpfs) or set checksum_blocks=False"
+        )
 
 
 def _primary_view(primary: Any, block_size: Optional[int]) -> Tuple[memoryview, int, int]:
@@ -280,17 +293,9 @@ class FileSystemTierManager:
         self.n_write_threads = n_write_threads
 
         # ---- startup checks that touch the filesystem ----
-        kio = _io()
-        self._check_writable()
-        # xattrs before anything is written into the root: a refused tier leaves no files
-        if checksum_blocks and not kio.probe_xattr(self.file_mapper.rank_path):
-            fstype, mnt = filesystem_type(self.root_dir)
-            raise ValueError(
-                f"checksum_blocks=True needs extended attributes (user xattr "
-                f"'user.vllm.kv_crc32c'), but the tier root {self.root_dir!r} is on a {fstype} "
-                f"filesystem (mounted at {mnt!r}) that does not support them; use another "
-                f"filesystem (ext4, xfs, btrfs, tmpfs) or set checksum_blocks=False"
-            )
+        from kvtier import io as kio
+
+        prepare_root(self.root_dir, self.file_mapper.rank_path, checksum_blocks)
         self.last_sweep = None  # kvtier.sweep.SweepResult of the startup sweep, if any
         if sweep_stale_temps_after is not None:
             from kvtier.sweep import sweep_stale_temps
@@ -308,19 +313,12 @@ class FileSystemTierManager:
             label, checksums=checksum_blocks, registry=registry)
         self._export_dsa_counters()
 
-        # ---- pool ----
-        self._cond = threading.Condition(threading.Lock())
-        self._load_q: "collections.deque[_Job]" = collections.deque()
-        self._store_q: "collections.deque[_Job]" = collections.deque()
-        self._finished: "collections.deque[JobResult]" = collections.deque()
-        self._live: set = set()  # submitted, not yet returned by get_finished_jobs
-        self._inflight = 0  # queued or running
-        self._stop = False
-        self._threads: List[threading.Thread] = []
-        for i in range(n_read_threads):
-            self._start_thread(f"kvtier_fs_r{i}", True)
-        for i in range(n_write_threads):
-            self._start_thread(f"kvtier_fs_w{i}", False)
+        # ---- the engine: pools, jobs, results; counts into the tracker's counters ----
+        self._engine = TierEngine(
+            self._view, self.block_size, self._path_of, n_read_threads=n_read_threads,
+            n_write_threads=n_write_threads, checksum=checksum_blocks,
+            use_o_direct=self.use_o_direct, durable=durable, counters=self.metrics.counters,
+            thread_name="kvtier_fs")
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -358,83 +356,15 @@ class FileSystemTierManager:
         self.metrics.add_counter_source(functools.partial(dsa.prometheus_counters, backend),
                                         labels={"backend": backend})
 
-    def _check_writable(self) -> None:
-        root = self.root_dir
-        if os.path.exists(root) and not os.path.isdir(root):
-            raise NotADirectoryError(errno.ENOTDIR, f"tier root is not a directory: {os.strerror(errno.ENOTDIR)}", root)
-        try:
-            os.makedirs(root, exist_ok=True)
-            os.makedirs(self.file_mapper.rank_path, exist_ok=True)
-            fd, probe = tempfile.mkstemp(prefix=".kvtier_probe_", dir=self.file_mapper.rank_path)
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as e:
-            what = "cannot be created" if e.errno in (errno.ENOTDIR, errno.ENOENT) else "is not writable"
-            raise OSError(e.errno, f"tier root {what}: {e.strerror}"
-                          f"{'' if e.filename in (None, root) else f' ({e.filename})'}", root) from e
+    @property
+    def _threads(self) -> List[threading.Thread]:
+        return self._engine.threads
 
-    # ------------------------------------------------------------------ pool
-    def _start_thread(self, name: str, load_priority: bool) -> None:
-        t = threading.Thread(target=self._worker, args=(load_priority,), name=name, daemon=True)
-        t.start()
-        self._threads.append(t)
-
-    def _worker(self, load_priority: bool) -> None:
-        first, second = (self._load_q, self._store_q) if load_priority else (self._store_q, self._load_q)
-        while True:
-            with self._cond:
-                while not (self._stop or first or second):
-                    self._cond.wait()
-                if self._stop:
-                    return
-                job = first.popleft() if first else second.popleft()
-            result = self._run(job)
-            self._account(result, len(job.keys))
-            with self._cond:
-                self._finished.append(result)
-                self._inflight -= 1
-                self._cond.notify_all()
-
-    def _run(self, job: _Job) -> JobResult:
-        kio = _io()
-        fn = kio.batch_load_block if job.is_promotion else kio.batch_store_block
-        err: Optional[BaseException] = None
-        n_ok = len(job.keys)
-        checksum_failed = False
-        retries = 0  # this job's retry-once re-reads, counted per tier
-        extra = {} if job.is_promotion or not self.durable else {"durable": True}
-        try:
-            ret = fn(job.paths, self._view, job.offsets, self.block_size,
-                     use_o_direct=self.use_o_direct, checksum=self.checksum_blocks, **extra)
-            if job.is_promotion:
-                retries = int(ret or 0)
-        except OSError as e:
-            err = e
-            n_ok = getattr(e, "num_succeeded", 0) or 0
-            n_ok = max(0, min(int(n_ok), len(job.keys)))
-            checksum_failed = bool(getattr(e, "checksum_failed", False))
-            retries = int(getattr(e, "num_retried", 0) or 0)
-        except Exception as e:  # BufferError/ValueError from the I/O layer: nothing moved
-            err = e
-            n_ok = 0
-        elapsed = time.monotonic() - job.submitted_at
-        if err is not None:
-            logger.warning("%s job %r failed at block %d of %d: %s",
-                           "load" if job.is_promotion else "store", job.job_id, n_ok, len(job.keys), err)
-        keys = job.keys if err is None else job.keys[:n_ok]
-        return JobResult(job.job_id, err is None, tuple(keys), elapsed, len(keys) * self.block_size,
-                         checksum_failed, job.is_promotion, err, retries)
-
-    def _account(self, r: JobResult, n_keys: int) -> None:
-        try:
-            self.metrics.on_job_finished(r.is_promotion, r.success, n_keys, len(r.successful_keys),
-                                         self.block_size, r.transfer_time, r.checksum_failed,
-                                         r.checksum_retries)
-        except Exception:  # metrics must never break the data path
-            logger.exception("metrics accounting failed")
+    def _path_of(self, key: Key) -> str:
+        return self.file_mapper._file_name(*key)  # keys went through FileMapper.check_key
 
     # ------------------------------------------------------------------ jobs
-    def _prepare(self, job: TransferJob, is_promotion: bool) -> _Job:
+    def _prepare(self, job: TransferJob, is_promotion: bool) -> Tuple[Tuple[Key, ...], List[int]]:
         if not isinstance(job, TransferJob):
             raise TypeError(f"job must be a TransferJob, got {type(job).__name__}")
         if job.is_promotion is not None and bool(job.is_promotion) != is_promotion:
@@ -463,26 +393,15 @@ class FileSystemTierManager:
                 raise ValueError(f"job {job.job_id!r}: chunk_id {c} out of range [0, {self.num_blocks})")
             offsets.append(c * self.block_size)
         keys = tuple(FileMapper.check_key(k) for k in keys)  # once per key: paths reuse it
-        paths = [self.file_mapper._file_name(h, g) for h, g in keys]
         if is_promotion and self._view.readonly:
             raise BufferError("primary buffer is read-only; loads need a writable buffer")
-        return _Job(job.job_id, keys, paths, offsets, is_promotion, 0.0)
+        return keys, offsets
 
     def _submit(self, job: TransferJob, is_promotion: bool) -> None:
-        j = self._prepare(job, is_promotion)
-        with self._cond:
-            if self._stop:
-                raise RuntimeError("FileSystemTierManager is shut down")
-            if j.job_id in self._live:
-                raise ValueError(f"job id {j.job_id!r} is already in use by a job not yet collected")
-            self._live.add(j.job_id)
-            j.submitted_at = time.monotonic()
-            if not j.keys:
-                self._finished.append(JobResult(j.job_id, True, (), 0.0, 0, False, is_promotion))
-                return
-            self._inflight += 1
-            (self._load_q if is_promotion else self._store_q).append(j)
-            self._cond.notify()
+        keys, offsets = self._prepare(job, is_promotion)
+        if self._engine.is_shut_down:
+            raise RuntimeError("FileSystemTierManager is shut down")
+        self._engine.submit(job.job_id, keys, offsets, is_promotion)
 
     def submit_store(self, job: TransferJob) -> None:
         """Queue a store (cascade): block ``chunk_ids[i]`` of the buffer -> file of ``keys[i]``.
@@ -504,51 +423,36 @@ class FileSystemTierManager:
     def get_finished_jobs(self) -> List[JobResult]:
         """Results of the jobs finished since the last call, in completion order.  Their ids
         become free for reuse."""
-        out = []
-        with self._cond:
-            while self._finished:
-                r = self._finished.popleft()
-                self._live.discard(r.job_id)
-                out.append(r)
-        return out
+        bs = self.block_size
+        return [JobResult(f.job_id, f.success, f.successful_keys, f.elapsed, f.n_ok * bs,
+                          f.checksum_failed, f.is_promotion, f.error, f.checksum_retries)
+                for f in self._engine.take_finished()]
 
     def lookup(self, keys: Sequence[Key]) -> List[bool]:
         """For each key, True if its block file exists (one C call for all keys)."""
         paths = self.file_mapper.get_file_names(list(keys))
         if not paths:
             return []
-        return [bool(x) for x in _io().batch_lookup(paths)]
+        from kvtier import io as kio
+
+        return [bool(x) for x in kio.batch_lookup(paths)]
 
     def drain_jobs(self, timeout: Optional[float] = None) -> bool:
         """Block until every submitted job has finished (results stay available from
         :meth:`get_finished_jobs`).  Returns False if ``timeout`` (seconds) expired."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._inflight == 0, timeout)
+        return self._engine.drain(timeout)
 
     def shutdown(self, wait: bool = True) -> List[Hashable]:
         """Stop the tier: queued jobs are discarded (never run, never reported), running
         jobs finish, threads are joined (``wait``).  Returns the discarded job ids.
         Idempotent; later submits raise RuntimeError."""
-        with self._cond:
-            discarded = [j.job_id for j in list(self._load_q) + list(self._store_q)]
-            self._inflight -= len(discarded)
-            for jid in discarded:
-                self._live.discard(jid)
-            self._load_q.clear()
-            self._store_q.clear()
-            self._stop = True
-            self._cond.notify_all()
-        if wait:
-            for t in self._threads:
-                if t is not threading.current_thread():
-                    t.join()
-        return discarded
+        return self._engine.shutdown(wait)
 
     @property
     def is_shut_down(self) -> bool:
         """True once :meth:`shutdown` has been called (also via ``with``); submits then
         raise RuntimeError.  Running jobs may still be finishing if ``wait=False``."""
-        return self._stop
+        return self._engine.is_shut_down
 
     def __enter__(self) -> "FileSystemTierManager":
         return self

@@ -30,11 +30,12 @@ Registry: by default each tracker registers into its own fresh
 never collide.  Pass ``registry=prometheus_client.REGISTRY`` to export on the process's
 default ``/metrics`` (only one tracker per tier label may do so).
 
-Counting rules (as vLLM's ``TieringMetricsTracker``): a failed job counts one failure;
-a failed promotion that kept ``n`` blocks (partial keep) still counts ``n`` blocks'
-bytes and its time; a failed cascade counts no bytes.  A checksum failure
-(``JobResult.checksum_failed``) counts once per job; an EBADMSG reported by the filesystem
-itself has ``checksum_failed=False`` and is not counted.
+The values are a tier engine's :class:`kvtier.engine.Counters`, read at scrape time; the
+counting rules live there (as vLLM's ``TieringMetricsTracker``): a failed job counts one
+failure; a failed promotion that kept ``n`` blocks (partial keep) still counts ``n``
+blocks' bytes and its time; a failed cascade counts no bytes; times are I/O seconds.  A
+checksum failure (``JobResult.checksum_failed``) counts once per job; an EBADMSG
+reported by the filesystem itself has ``checksum_failed=False`` and is not counted.
 
 Extra counters (e.g. the DSA engine's, from ``kvtier.dsa``) are exported with
 :meth:`TieringMetricsTracker.add_counter_source`, optionally with constant extra labels
@@ -43,11 +44,12 @@ and one per-sample label (the DSA CPU redos by ``status``).
 from __future__ import annotations
 
 import re
-import threading
 from typing import Callable, Iterable, Mapping, Optional, Tuple, Union
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
+
+from kvtier.engine import Counters
 
 READ_BYTES = "vllm:kv_offload_tiering_read_bytes"
 READ_TIME = "vllm:kv_offload_tiering_read_time"
@@ -119,8 +121,44 @@ class _SourceCollector:
             yield fam
 
 
+#: Exported metric name -> the :class:`kvtier.engine.Counters` counter it reads.
+COUNTER_OF = {
+    READ_BYTES: "bytes_read",
+    READ_TIME: "read_time",
+    WRITE_BYTES: "bytes_written",
+    WRITE_TIME: "write_time",
+    PROMOTION_JOB_FAILURES: "load_failures",
+    CASCADE_JOB_FAILURES: "store_failures",
+    CHECKSUM_FAILURES: "checksum_failures",
+    CHECKSUM_RETRIES: "checksum_retries",
+    CHECKSUM_CONDEMNED: "blocks_condemned",
+}
+
+
+class _CountersCollector:
+    """Exports the tracker's counters, read from its Counters snapshot at scrape time."""
+
+    def __init__(self, tracker: "TieringMetricsTracker") -> None:
+        self._t = tracker
+
+    def _families(self, with_values: bool) -> Iterable[CounterMetricFamily]:
+        snap = self._t.counters.snapshot() if with_values else {}
+        for name in self._t._names:
+            fam = CounterMetricFamily(name, _DOCS[name], labels=LABELNAMES)
+            if with_values:
+                fam.add_metric([self._t.tier], float(snap[COUNTER_OF[name]]))
+            yield fam
+
+    def describe(self) -> Iterable[CounterMetricFamily]:
+        return self._families(False)
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        return self._families(True)
+
+
 class TieringMetricsTracker:
-    """Counts one tier's traffic in prometheus_client counters.
+    """Exports one tier's counters (a :class:`kvtier.engine.Counters`) as Prometheus
+    counters, read at scrape time.
 
     Args:
         tier: label value (default ``"1:fs"``, see :func:`tier_label`).
@@ -129,67 +167,62 @@ class TieringMetricsTracker:
             verifies checksums; absent otherwise).
         registry: a :class:`prometheus_client.CollectorRegistry`; default a fresh one
             (see module docstring).
+        counters: the counters to export (a tier engine's ``counters``); default new ones,
+            fed by :meth:`on_job_finished`.
 
     Thread-safe: :meth:`on_job_finished` may be called from any thread.
     """
 
     def __init__(self, tier: str = "1:fs", checksums: bool = False,
-                 registry: Optional[CollectorRegistry] = None) -> None:
+                 registry: Optional[CollectorRegistry] = None,
+                 counters: Optional[Counters] = None) -> None:
         if not isinstance(tier, str) or not tier:
             raise ValueError("tier must be a non-empty label string such as '1:fs'")
+        if counters is not None and not isinstance(counters, Counters):
+            raise TypeError("counters must be a kvtier.engine.Counters")
         self.tier = tier
         self.checksums = bool(checksums)
         self.registry = registry if registry is not None else CollectorRegistry()
-        self._lock = threading.Lock()
+        self.counters = counters if counters is not None else Counters()
         names = [READ_BYTES, READ_TIME, WRITE_BYTES, WRITE_TIME, PROMOTION_JOB_FAILURES, CASCADE_JOB_FAILURES]
         if self.checksums:
             names += [CHECKSUM_FAILURES, CHECKSUM_RETRIES, CHECKSUM_CONDEMNED]
-        self._parents = {n: Counter(n, _DOCS[n], labelnames=LABELNAMES, registry=self.registry) for n in names}
-        self._counters = {n: c.labels(tier=tier) for n, c in self._parents.items()}
+        self._names = names
+        self._collector: Optional[_CountersCollector] = _CountersCollector(self)
+        self.registry.register(self._collector)
         self._sources: list = []
 
     def has(self, name: str) -> bool:
-        """True if counter ``name`` (without ``_total``) is registered by this tracker."""
-        return name in self._counters
+        """True if counter ``name`` (without ``_total``) is exported by this tracker."""
+        return self._collector is not None and name in self._names
 
     def value(self, name: str) -> float:
-        """Current value of counter ``name`` for this tier (KeyError if not registered)."""
-        return self._counters[name]._value.get()
+        """Current value of counter ``name`` for this tier (KeyError if not exported)."""
+        if not self.has(name):
+            raise KeyError(name)
+        return self.counters.snapshot()[COUNTER_OF[name]]
 
     def inc(self, name: str, amount: float = 1.0) -> None:
-        """Add ``amount`` (>= 0) to counter ``name`` (KeyError if not registered)."""
-        self._counters[name].inc(amount)
+        """Add ``amount`` (>= 0) to counter ``name`` (KeyError if not exported)."""
+        if not self.has(name):
+            raise KeyError(name)
+        self.counters.add(COUNTER_OF[name], amount)
 
     def on_job_finished(self, is_promotion: bool, success: bool, n_keys: int,
                         n_successful_keys: int, block_bytes: int,
                         transfer_time: Optional[float], checksum_failed: bool = False,
                         checksum_retries: int = 0) -> None:
-        """Account one finished job.
+        """Account one finished job (rules: :class:`kvtier.engine.Counters`).
 
         ``n_keys`` blocks were in the job, ``n_successful_keys`` of them transferred
         (partial keep); ``block_bytes`` is the size of one block in bytes;
         ``transfer_time`` in seconds (None: not measured).  ``checksum_failed``: the job
-        stopped at a condemned block (counted in checksum_failures and
-        checksum_condemned); ``checksum_retries``: blocks of the job re-read after a
-        first mismatch (the load's return value or ``OSError.num_retried``).  Both are
-        ignored when the tracker has no checksum counters.
+        stopped at a condemned block; ``checksum_retries``: blocks of the job re-read
+        after a first mismatch.  A tier engine counts its jobs itself: call this only
+        for counters no engine feeds.
         """
-        with self._lock:
-            count = n_keys
-            if checksum_retries and self.checksums:
-                self._counters[CHECKSUM_RETRIES].inc(checksum_retries)
-            if not success:
-                self._counters[PROMOTION_JOB_FAILURES if is_promotion else CASCADE_JOB_FAILURES].inc()
-                if checksum_failed and self.checksums:
-                    self._counters[CHECKSUM_FAILURES].inc()
-                    self._counters[CHECKSUM_CONDEMNED].inc()
-                if is_promotion and n_successful_keys:
-                    count = n_successful_keys
-                else:
-                    return
-            self._counters[READ_BYTES if is_promotion else WRITE_BYTES].inc(count * block_bytes)
-            if transfer_time is not None:
-                self._counters[READ_TIME if is_promotion else WRITE_TIME].inc(transfer_time)
+        self.counters.count_job(is_promotion, success, n_keys, n_successful_keys, block_bytes,
+                                transfer_time, checksum_failed, checksum_retries)
 
     def add_counter_source(self, fn: Callable[[], Mapping[str, SourceEntry]],
                            labels: Optional[Mapping[str, str]] = None) -> None:
@@ -218,7 +251,6 @@ class TieringMetricsTracker:
         for c in list(self._sources):
             self.registry.unregister(c)
         self._sources.clear()
-        for c in self._parents.values():
-            self.registry.unregister(c)
-        self._parents.clear()
-        self._counters.clear()
+        if self._collector is not None:
+            self.registry.unregister(self._collector)
+            self._collector = None
