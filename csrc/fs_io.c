@@ -45,6 +45,7 @@
 
 #include "crc32c.h"
 #include "dsa.h" /* third CRC engine (csrc/dsa) */
+#include "job_state.h"
 
 /* ------------------------------------------------------------------ */
 /* CRC hook: inline, or overlapped on a helper thread                  */
@@ -942,9 +943,11 @@ static int fsync_parent(const char *path)
 
 /* Store one block. Returns 0, or an errno value (the temp is removed). */
 static int store_one(const char *tmp, const char *dest, const uint8_t *buf, size_t len, int use_o_direct,
-                     int checksum, int durable)
+                     int checksum, int durable, kvt_job_state *js)
 {
     struct stat st;
+    if (!kvt_job_live(js))
+        return ETIMEDOUT; /* expired before this block began: nothing created */
     if (stat(dest, &st) == 0)
         return 0; /* already stored (by us or a peer): nothing to do */
 
@@ -1006,8 +1009,15 @@ static int store_one(const char *tmp, const char *dest, const uint8_t *buf, size
         err = errno;
     if (close_r(fd) != 0 && !err)
         err = errno;
-    if (!err && rename_r(tmp, dest) != 0)
-        err = errno;
+    /* Publish only while the job is live (job_state.h): an expired store
+     * unlinks its temp below instead. */
+    if (!err && !kvt_job_commit_begin(js))
+        err = ETIMEDOUT;
+    else if (!err) {
+        if (rename_r(tmp, dest) != 0)
+            err = errno;
+        kvt_job_commit_end(js);
+    }
     if (err) {
         unlink(tmp);
         return err;
@@ -1024,7 +1034,7 @@ static int store_one(const char *tmp, const char *dest, const uint8_t *buf, size
 
 int kvt_batch_store(const char *const *tmp_paths, const char *const *dest_paths, const void *const *bufs,
                     const size_t *lens, size_t n, int use_o_direct, int checksum, int durable,
-                    kvt_batch_result *res)
+                    kvt_job_state *js, kvt_batch_result *res)
 {
     res->err = 0;
     res->index = n;
@@ -1032,7 +1042,7 @@ int kvt_batch_store(const char *const *tmp_paths, const char *const *dest_paths,
     res->retried = 0;
     for (size_t i = 0; i < n; i++) {
         int e = store_one(tmp_paths[i], dest_paths[i], (const uint8_t *)bufs[i], lens[i], use_o_direct, checksum,
-                          durable);
+                          durable, js);
         if (e) {
             set_fail(res, e, i, 0);
             return -1;
@@ -1095,7 +1105,7 @@ static uint8_t *thread_bounce(void)
     if (bounce_buf == NULL) {
         pthread_once(&bounce_once, bounce_make_key);
         void *p = NULL;
-        if (!bounce_key_ok || posix_memalign(&p, 64, KVT_IO_CHUNK) != 0)
+        if (!bounce_key_ok || posix_memalign(&p, 4096, KVT_PRIV_BYTES) != 0)
             return NULL;
         if (pthread_setspecific(bounce_key, p) != 0) {
             free(p);
@@ -1188,31 +1198,42 @@ int kvt_crc_copy_dest_reused(const void *buf, size_t len, int checksummed)
     return hot;
 }
 
-/* The data loop of a checksummed buffered load through `bounce`: each chunk
- * moved with the fused copy (`fused`), or checksummed in the bounce buffer
- * by the active backend and then copied (a re-read, see read_verify).
+/* How a private-buffer load moves each piece into the caller's buffer. */
+enum { MOVE_COPY = 0, MOVE_FUSED = 1, MOVE_CRC_COPY = 2 };
+
+/* The data loop of a load through the private per-thread buffer `priv`:
+ * each piece of at most `piece` bytes is read into it (O_DIRECT when
+ * *direct), then moved into the caller's buffer: with the fused copy + CRC
+ * (MOVE_FUSED), checksummed there by the active backend and then copied
+ * (MOVE_CRC_COPY: a re-read, a forced backend), or copied (MOVE_COPY). With
+ * a job state each move is a commit section (job_state.h): a job that is no
+ * longer LIVE stops the load before a byte of the piece is written (ETIMEDOUT).
  * Returns 0 with *crc, or an errno value (*remove = 1 for a short read). */
-static int read_copy(int fd, uint8_t *buf, size_t len, uint8_t *bounce, int fused, uint32_t *crc, int *remove)
+static int read_copy(int fd, uint8_t *buf, size_t len, uint8_t *priv, size_t piece, int *direct, int move,
+                     kvt_job_state *js, uint32_t *crc, int *remove)
 {
     uint32_t c = 0;
-    int direct = 0;
     for (size_t off = 0; off < len;) {
-        size_t n = len - off < KVT_IO_CHUNK ? len - off : KVT_IO_CHUNK;
-        ssize_t r = read_full(fd, bounce, n, off, &direct);
+        size_t n = len - off < piece ? len - off : piece;
+        ssize_t r = read_full(fd, priv, n, off, direct);
         if (r < 0 || (size_t)r < n) {
             if (r >= 0)
                 *remove = 1; /* shrank after fstat: short read */
             return r < 0 ? errno : EIO;
         }
-        if (fused) {
-            c = kvt_crc32c_copy(c, buf + off, bounce, n);
+        if (!kvt_job_commit_begin(js))
+            return ETIMEDOUT; /* expired: not a byte of this piece enters buf */
+        if (move == MOVE_FUSED) {
+            c = kvt_crc32c_copy(c, buf + off, priv, n);
         } else {
-            c = kvt_crc32c(c, bounce, n);
-            memcpy(buf + off, bounce, n);
+            if (move == MOVE_CRC_COPY)
+                c = kvt_crc32c(c, priv, n);
+            memcpy(buf + off, priv, n);
         }
+        kvt_job_commit_end(js);
         off += n;
     }
-    if (fused) {
+    if (move == MOVE_FUSED) {
         atomic_fetch_add_explicit(&stat_copy_blocks, 1, memory_order_relaxed);
         atomic_fetch_add_explicit(&stat_copy_bytes, len, memory_order_relaxed);
     }
@@ -1225,7 +1246,7 @@ static int read_copy(int fd, uint8_t *buf, size_t len, uint8_t *bounce, int fuse
  * record, 0 with *mismatch = 0 when good (or legacy), or an errno value
  * (*remove = 1 when the file proved corrupt: short read). */
 static int read_verify(int fd, uint8_t *buf, size_t len, int use_o_direct, size_t mem_align, size_t off_align,
-                       int checksum, size_t batch_rest, int reread, int *mismatch, int *remove)
+                       int checksum, size_t batch_rest, int reread, kvt_job_state *js, int *mismatch, int *remove)
 {
     *mismatch = 0;
     /* Record first: a legacy block (ENODATA) needs no CRC at all. */
@@ -1253,6 +1274,28 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int use_o_direct, size_
      * caller's buffer may be written by another of its threads meanwhile (a
      * caller bug), and a block is condemned only on bytes nobody else can
      * touch. Buffered, through this thread's bounce buffer. */
+    if (js != NULL) {
+        /* Under a job state every byte lands in private memory first and
+         * enters buf only in commit sections (job_state.h): O_DIRECT pieces of
+         * up to KVT_PRIV_BYTES DMA'd into the private buffer, buffered ones
+         * KVT_IO_CHUNK at a time (cache-resident), each then moved with the
+         * fused copy + CRC, which is the verify pass. */
+        uint8_t *pbuf = thread_bounce();
+        if (pbuf == NULL)
+            return ENOMEM;
+        int pdirect = 0;
+        if (!reread && use_o_direct && dio_usable(pbuf, len, mem_align, off_align))
+            pdirect = set_direct(fd, 1) == 0;
+        else if (reread)
+            set_direct(fd, 0);
+        int move = !have_rec ? MOVE_COPY : (!reread && crc_copy_enabled()) ? MOVE_FUSED : MOVE_CRC_COPY;
+        uint32_t got = 0;
+        int err = read_copy(fd, buf, len, pbuf, pdirect ? KVT_PRIV_BYTES : KVT_IO_CHUNK, &pdirect, move, js, &got,
+                            remove);
+        if (err == 0 && have_rec && got != want)
+            *mismatch = 1;
+        return err;
+    }
     uint8_t *priv = reread && have_rec ? thread_bounce() : NULL;
     int direct = 0;
     if (!priv && use_o_direct && dio_usable(buf, len, mem_align, off_align))
@@ -1270,7 +1313,8 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int use_o_direct, size_
     }
     if (bounce) {
         uint32_t got = 0;
-        int err = read_copy(fd, buf, len, bounce, bounce != priv, &got, remove);
+        int err = read_copy(fd, buf, len, bounce, KVT_IO_CHUNK, &direct, bounce != priv ? MOVE_FUSED : MOVE_CRC_COPY,
+                            NULL, &got, remove);
         if (err == 0 && got != want)
             *mismatch = 1;
         return err;
@@ -1359,10 +1403,12 @@ static void unlink_if_same(const char *path, int fd)
  * from a bad block; a second condemns it. Removes the file when condemned
  * or of the wrong size (the table in design.md). *retried = 1 if re-read. */
 static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct, int checksum, size_t batch_rest,
-                    int *checksum_failed, int *retried)
+                    kvt_job_state *js, int *checksum_failed, int *retried)
 {
     *checksum_failed = 0;
     *retried = 0;
+    if (!kvt_job_live(js))
+        return ETIMEDOUT; /* expired before this block began */
     /* O_NOFOLLOW: a block is never a symlink (ELOOP, kept: nothing outside the
      * cache is read or removed). O_NONBLOCK: a FIFO or device at a block path
      * must not block the batch; a regular file ignores it. */
@@ -1396,7 +1442,7 @@ static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct,
     }
     for (int attempt = 0;; attempt++) {
         int mismatch = 0;
-        err = read_verify(fd, buf, len, use_o_direct, mem_align, off_align, checksum, batch_rest, attempt > 0,
+        err = read_verify(fd, buf, len, use_o_direct, mem_align, off_align, checksum, batch_rest, attempt > 0, js,
                           &mismatch, &remove);
         if (err || !mismatch)
             break;
@@ -1420,7 +1466,7 @@ out:
 }
 
 int kvt_batch_load(const char *const *src_paths, void *const *bufs, const size_t *lens, size_t n, int use_o_direct,
-                   int checksum, kvt_batch_result *res)
+                   int checksum, kvt_job_state *js, kvt_batch_result *res)
 {
     res->err = 0;
     res->index = n;
@@ -1431,7 +1477,7 @@ int kvt_batch_load(const char *const *src_paths, void *const *bufs, const size_t
         rest = lens[i] > SIZE_MAX - rest ? SIZE_MAX : rest + lens[i];
     for (size_t i = 0; i < n; i++) {
         int cf = 0, retried = 0;
-        int e = load_one(src_paths[i], (uint8_t *)bufs[i], lens[i], use_o_direct, checksum, rest, &cf, &retried);
+        int e = load_one(src_paths[i], (uint8_t *)bufs[i], lens[i], use_o_direct, checksum, rest, js, &cf, &retried);
         rest -= rest == SIZE_MAX ? 0 : lens[i];
         res->retried += (size_t)retried;
         if (e) {

@@ -9,6 +9,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "job_state.h"
+
 #define KVT_XATTR_NAME "user.vllm.kv_crc32c"
 #define KVT_XATTR_LEN 4
 
@@ -26,6 +28,13 @@
  * their CRC overlapped with the copy out of the page cache by a helper thread
  * (fs_io.c "CRC hook"; KVTIER_CRC_HELPER=0 turns it off); smaller ones are
  * checksummed inline, where the hand-off would cost more than it hides. */
+/* Per-thread private buffer (page aligned): loads under a job state read
+ * into it (O_DIRECT pieces of up to this size; buffered ones KVT_IO_CHUNK at
+ * a time) and copy into the caller's buffer in commit sections. */
+#ifndef KVT_PRIV_BYTES
+#define KVT_PRIV_BYTES (2u * 1024u * 1024u)
+#endif
+
 #ifndef KVT_CRC_HELPER_MIN
 #define KVT_CRC_HELPER_MIN (512u * 1024u)
 #endif
@@ -88,13 +97,20 @@ typedef struct kvt_batch_result {
  * close returning EINTR counts as success (Linux releases the fd). Load: open, size must equal lens[i] (else EIO
  * and removed), read, with `checksum` verify (design.md table).
  * Both stop at the first failing block.
+ * With a job state `js` (job_state.h; NULL: none): a block begins only while
+ * it is LIVE; a load reads into a private per-thread buffer and copies into
+ * bufs[i] only inside commit sections (LIVE -> COMMITTING -> LIVE, per
+ * piece); a store renames inside one. A job no longer LIVE stops the batch
+ * with ETIMEDOUT at that block (a store's temp removed, no byte of a load
+ * written after the state left LIVE); index = blocks fully done.
  * Returns 0 on success, -1 on failure with *res filled. */
 int kvt_batch_store(const char *const *tmp_paths, const char *const *dest_paths,
                     const void *const *bufs, const size_t *lens, size_t n,
-                    int use_o_direct, int checksum, int durable, kvt_batch_result *res);
+                    int use_o_direct, int checksum, int durable, kvt_job_state *js,
+                    kvt_batch_result *res);
 int kvt_batch_load(const char *const *src_paths, void *const *bufs,
                    const size_t *lens, size_t n, int use_o_direct, int checksum,
-                   kvt_batch_result *res);
+                   kvt_job_state *js, kvt_batch_result *res);
 /* Process-wide counters since load: checksum mismatches retried (re-read
  * once) and blocks condemned (mismatch again: EBADMSG, removed). */
 void kvt_checksum_stats(uint64_t *retries, uint64_t *condemned);

@@ -637,7 +637,7 @@ done:
 
 PyDoc_STRVAR(batch_store_block_doc,
 "batch_store_block($module, tmp_paths, dest_paths, buffers, /, use_o_direct=True,\n"
-"                  checksum=False, durable=False)\n--\n\n"
+"                  checksum=False, durable=False, *, job_state=None)\n--\n\n"
 "Store each buffers[i] (C-contiguous, its whole length in bytes) as the file\n"
 "dest_paths[i] through the temp tmp_paths[i]: skip if dest exists; create\n"
 "the temp with O_CREAT|O_EXCL (missing parents are created), write it (with\n"
@@ -651,11 +651,15 @@ PyDoc_STRVAR(batch_store_block_doc,
 "lengths, NUL in a path), BufferError (non-contiguous buffer) before any\n"
 "I/O. The batch stops at the first failing block: OSError with its errno,\n"
 "filename = its dest path, num_succeeded = its index, checksum_failed =\n"
-"False, num_retried = 0; its temp is removed, earlier blocks stay stored.");
+"False, num_retried = 0; its temp is removed, earlier blocks stay stored.\n\n"
+"job_state: None, or the job's state word (see job_state_cas): a block\n"
+"begins only while it is JOB_LIVE and is renamed in a commit section (LIVE\n"
+"-> COMMITTING -> LIVE); a job no longer LIVE stops the batch with\n"
+"OSError(ETIMEDOUT), its temp removed, nothing published after that.");
 
 PyDoc_STRVAR(batch_load_block_doc,
 "batch_load_block($module, source_paths, buffers, /, use_o_direct=True,\n"
-"                 checksum=False)\n--\n\n"
+"                 checksum=False, *, job_state=None)\n--\n\n"
 "Load each file source_paths[i] into buffers[i] (writable, C-contiguous; its\n"
 "length in bytes is the block size). O_DIRECT when use_o_direct and the\n"
 "buffer address and length meet the filesystem's alignment, else buffered.\n"
@@ -675,7 +679,13 @@ PyDoc_STRVAR(batch_load_block_doc,
 "    (file removed);\n"
 "  errno EIO: file size != buffer length (file removed);\n"
 "  any other errno (ENOENT, ELOOP, EACCES, EIO, EOPNOTSUPP from getxattr,\n"
-"    EBADMSG from the filesystem ...): checksum_failed=False, file kept.");
+"    EBADMSG from the filesystem ...): checksum_failed=False, file kept.\n\n"
+"job_state: None, or the job's state word (see job_state_cas): the bytes\n"
+"are read into a private per-thread buffer and copied into buffers[i]\n"
+"(with the fused copy + CRC where available) only in commit sections\n"
+"(JOB_LIVE -> JOB_COMMITTING -> JOB_LIVE, per piece). A job no longer LIVE\n"
+"at a commit point stops the batch with OSError(ETIMEDOUT), num_succeeded =\n"
+"blocks fully loaded; no byte is written into a buffer after that.");
 
 PyDoc_STRVAR(checksum_stats_doc,
 "checksum_stats($module, /)\n--\n\n"
@@ -774,10 +784,83 @@ static PyObject *kvt_py_crc_copy_dest_reused(PyObject *mod, PyObject *const *arg
     return PyBool_FromLong(hot);
 }
 
+/* ------------------------------------------------------------------ */
+/* Job state (job_state.h)                                             */
+/* ------------------------------------------------------------------ */
+
+/* The state word of `obj` (a writable buffer of >= 4 bytes whose address is
+ * 4-byte aligned: bytearray(8), numpy int32[2] ...), kept acquired in *view.
+ * TypeError / BufferError / ValueError naming `what`. */
+static kvt_job_state *get_job_state(PyObject *obj, Py_buffer *view, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError) || PyErr_ExceptionMatches(PyExc_BufferError)) {
+            PyObject *t, *v, *tb;
+            PyErr_Fetch(&t, &v, &tb);
+            PyErr_Format(PyErr_GivenExceptionMatches(t, PyExc_BufferError) ? PyExc_BufferError : PyExc_TypeError,
+                         "%s must be a writable buffer of >= 4 bytes (e.g. bytearray(8)), not %.200s: %S", what,
+                         Py_TYPE(obj)->tp_name, v ? v : Py_None);
+            Py_XDECREF(t);
+            Py_XDECREF(v);
+            Py_XDECREF(tb);
+        }
+        return NULL;
+    }
+    if (view->len < 4 || ((uintptr_t)view->buf & 3u) != 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be >= 4 bytes at a 4-byte aligned address (%zd bytes at %p)", what,
+                     view->len, view->buf);
+        PyBuffer_Release(view);
+        return NULL;
+    }
+    return (kvt_job_state *)view->buf;
+}
+
+PyDoc_STRVAR(job_state_cas_doc,
+"job_state_cas($module, buf, old, new, /)\n--\n\n"
+"Atomically (C11, sequentially consistent) replace the 32-bit job state word\n"
+"at the start of `buf` (a writable buffer of >= 4 bytes, 4-byte aligned, e.g.\n"
+"bytearray(8)) by `new` if it holds `old`. Returns True if it did, False if\n"
+"it held another value. States: JOB_LIVE, JOB_COMMITTING, JOB_EXPIRED,\n"
+"JOB_DONE (module constants); the load/store commit sections of\n"
+"batch_load_block / batch_store_block(job_state=buf) take LIVE ->\n"
+"COMMITTING -> LIVE. ValueError for a value outside 0..2**32-1.");
+
+static PyObject *kvt_py_job_state_cas(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "job_state_cas() takes 3 positional arguments (%zd given)", nargs);
+        return NULL;
+    }
+    uint32_t v[2];
+    for (int i = 0; i < 2; i++) {
+        unsigned long long x = PyLong_AsUnsignedLongLong(args[1 + i]);
+        if (x == (unsigned long long)-1 && PyErr_Occurred()) {
+            if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                PyErr_Clear();
+                x = 1ull << 32;
+            } else
+                return NULL;
+        }
+        if (x > 0xffffffffull) {
+            PyErr_Format(PyExc_ValueError, "job_state_cas(): %s must be in 0..2**32-1", i ? "new" : "old");
+            return NULL;
+        }
+        v[i] = (uint32_t)x;
+    }
+    Py_buffer view;
+    kvt_job_state *js = get_job_state(args[0], &view, "buf");
+    if (js == NULL)
+        return NULL;
+    int ok = kvt_job_cas(js, v[0], v[1]);
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(ok);
+}
+
 /* durable == NULL: the call has no `durable` flag (loads). */
 static int parse_io_flags(PyObject *kwnames, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t npos,
-                          const char *fname, int *use_o_direct, int *checksum, int *durable)
+                          const char *fname, int *use_o_direct, int *checksum, int *durable, PyObject **job_state)
 {
+    *job_state = NULL;
     *use_o_direct = 1;
     *checksum = 0;
     if (durable)
@@ -801,7 +884,10 @@ static int parse_io_flags(PyObject *kwnames, PyObject *const *args, Py_ssize_t n
             idx = 1;
         else if (durable && PyUnicode_CompareWithASCIIString(name, "durable") == 0)
             idx = 2;
-        else {
+        else if (PyUnicode_CompareWithASCIIString(name, "job_state") == 0) {
+            *job_state = args[nargs + k] == Py_None ? NULL : args[nargs + k];
+            continue;
+        } else {
             PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument %R", fname, name);
             return -1;
         }
@@ -824,7 +910,8 @@ static PyObject *kvt_py_batch_store_block(PyObject *mod, PyObject *const *args, 
                                           PyObject *kwnames)
 {
     int use_o_direct, checksum, durable;
-    if (parse_io_flags(kwnames, args, nargs, 3, "batch_store_block", &use_o_direct, &checksum, &durable) < 0)
+    PyObject *js_obj;
+    if (parse_io_flags(kwnames, args, nargs, 3, "batch_store_block", &use_o_direct, &checksum, &durable, &js_obj) < 0)
         return NULL;
     if (check_list(args[0], "tmp_paths") < 0 || check_list(args[1], "dest_paths") < 0 ||
         check_list(args[2], "buffers") < 0)
@@ -842,7 +929,11 @@ static PyObject *kvt_py_batch_store_block(PyObject *mod, PyObject *const *args, 
     PyObject *ret = NULL;
     kvt_batch_args a;
     memset(&a, 0, sizeof a);
+    Py_buffer js_view;
+    kvt_job_state *js = NULL;
     if (!s0 || !s1 || !s2)
+        goto done;
+    if (js_obj && (js = get_job_state(js_obj, &js_view, "job_state")) == NULL)
         goto done;
     if (alloc_args(&a, n, 1, 1) < 0 || convert_paths(s0, n, a.paths_a, a.ca, "tmp_paths") < 0 ||
         convert_paths(s1, n, a.paths_b, a.cb, "dest_paths") < 0 || gather_buffers(&a, s2, 0) < 0)
@@ -851,7 +942,7 @@ static PyObject *kvt_py_batch_store_block(PyObject *mod, PyObject *const *args, 
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = kvt_batch_store(a.ca, a.cb, (const void *const *)a.bufs, a.lens, (size_t)n, use_o_direct,
-                         checksum, durable, &res);
+                         checksum, durable, js, &res);
     Py_END_ALLOW_THREADS
     if (rc != 0) {
         raise_batch_error(&res, PySequence_Fast_GET_ITEM(s1, (Py_ssize_t)res.index));
@@ -860,6 +951,8 @@ static PyObject *kvt_py_batch_store_block(PyObject *mod, PyObject *const *args, 
     Py_INCREF(Py_None);
     ret = Py_None;
 done:
+    if (js)
+        PyBuffer_Release(&js_view);
     batch_args_free(&a);
     Py_XDECREF(s0);
     Py_XDECREF(s1);
@@ -871,7 +964,8 @@ static PyObject *kvt_py_batch_load_block(PyObject *mod, PyObject *const *args, P
                                          PyObject *kwnames)
 {
     int use_o_direct, checksum;
-    if (parse_io_flags(kwnames, args, nargs, 2, "batch_load_block", &use_o_direct, &checksum, NULL) < 0)
+    PyObject *js_obj;
+    if (parse_io_flags(kwnames, args, nargs, 2, "batch_load_block", &use_o_direct, &checksum, NULL, &js_obj) < 0)
         return NULL;
     if (check_list(args[0], "source_paths") < 0 || check_list(args[1], "buffers") < 0)
         return NULL;
@@ -885,7 +979,11 @@ static PyObject *kvt_py_batch_load_block(PyObject *mod, PyObject *const *args, P
     PyObject *ret = NULL;
     kvt_batch_args a;
     memset(&a, 0, sizeof a);
+    Py_buffer js_view;
+    kvt_job_state *js = NULL;
     if (!s0 || !s1)
+        goto done;
+    if (js_obj && (js = get_job_state(js_obj, &js_view, "job_state")) == NULL)
         goto done;
     if (alloc_args(&a, n, 0, 1) < 0 || convert_paths(s0, n, a.paths_a, a.ca, "source_paths") < 0 ||
         gather_buffers(&a, s1, 1) < 0)
@@ -893,7 +991,7 @@ static PyObject *kvt_py_batch_load_block(PyObject *mod, PyObject *const *args, P
     kvt_batch_result res;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = kvt_batch_load(a.ca, a.bufs, a.lens, (size_t)n, use_o_direct, checksum, &res);
+    rc = kvt_batch_load(a.ca, a.bufs, a.lens, (size_t)n, use_o_direct, checksum, js, &res);
     Py_END_ALLOW_THREADS
     if (rc != 0) {
         raise_batch_error(&res, PySequence_Fast_GET_ITEM(s0, (Py_ssize_t)res.index));
@@ -901,6 +999,8 @@ static PyObject *kvt_py_batch_load_block(PyObject *mod, PyObject *const *args, P
     }
     ret = PyLong_FromSize_t(res.retried);
 done:
+    if (js)
+        PyBuffer_Release(&js_view);
     batch_args_free(&a);
     Py_XDECREF(s0);
     Py_XDECREF(s1);
@@ -1461,6 +1561,7 @@ static PyMethodDef kvt_methods[] = {
     {"batch_store_block", (PyCFunction)(void (*)(void))kvt_py_batch_store_block, METH_FASTCALL | METH_KEYWORDS, batch_store_block_doc},
     {"batch_load_block", (PyCFunction)(void (*)(void))kvt_py_batch_load_block, METH_FASTCALL | METH_KEYWORDS, batch_load_block_doc},
     {"checksum_stats", kvt_py_checksum_stats, METH_NOARGS, checksum_stats_doc},
+    {"job_state_cas", (PyCFunction)(void (*)(void))kvt_py_job_state_cas, METH_FASTCALL, job_state_cas_doc},
     {"crc_helper_status", kvt_py_crc_helper_status, METH_NOARGS, crc_helper_status_doc},
     {"crc_copy_status", kvt_py_crc_copy_status, METH_NOARGS, crc_copy_status_doc},
     {"crc_copy_dest_reused", (PyCFunction)(void (*)(void))kvt_py_crc_copy_dest_reused, METH_FASTCALL,
@@ -1504,6 +1605,11 @@ static int kvt_exec(PyObject *mod)
     if (PyModule_AddIntConstant(mod, "GIL_RELEASE_MIN", KVT_GIL_RELEASE_MIN) < 0)
         return -1;
     if (PyModule_AddStringConstant(mod, "XATTR_NAME", KVT_XATTR_NAME) < 0)
+        return -1;
+    if (PyModule_AddIntConstant(mod, "JOB_LIVE", KVT_JOB_LIVE) < 0 ||
+        PyModule_AddIntConstant(mod, "JOB_COMMITTING", KVT_JOB_COMMITTING) < 0 ||
+        PyModule_AddIntConstant(mod, "JOB_EXPIRED", KVT_JOB_EXPIRED) < 0 ||
+        PyModule_AddIntConstant(mod, "JOB_DONE", KVT_JOB_DONE) < 0)
         return -1;
     return 0;
 }

@@ -44,6 +44,8 @@ def batch_store_block(
     use_o_direct: bool = True,
     checksum: bool = False,
     durable: bool = False,
+    *,
+    job_state: Optional[Buffer] = None,
 ) -> None:
     """Raises OSError(errno, strerror, dest) with num_succeeded: int,
     checksum_failed: bool and num_retried: int (0) attributes at the first
@@ -55,11 +57,21 @@ def batch_load_block(
     /,
     use_o_direct: bool = True,
     checksum: bool = False,
+    *,
+    job_state: Optional[Buffer] = None,
 ) -> int:
     """Returns the number of blocks re-read once after a first checksum
     mismatch. Raises OSError with num_succeeded: int, checksum_failed: bool
     and num_retried: int (blocks re-read before the batch stopped, the
     failing block included: 1 for a block condemned on its re-read)."""
+
+JOB_LIVE: int  # 0: job state words (job_state_cas, batch_*(job_state=...))
+JOB_COMMITTING: int  # 1
+JOB_EXPIRED: int  # 2
+JOB_DONE: int  # 3
+
+def job_state_cas(buf: Buffer, old: int, new: int, /) -> bool:
+    """Atomically set the 32-bit word at buf[0:4] to `new` if it holds `old`."""
 
 def checksum_stats() -> dict[Literal["checksum_retries", "checksum_condemned"], int]:
     """Process-wide totals since import (diagnostic); per-call counts are

@@ -173,6 +173,7 @@ class BlockIO:
         use_o_direct: bool = True,
         checksum: bool = False,
         durable: bool = False,
+        job_state=None,
     ) -> None:
         """Store ``view[offsets[i] : offsets[i] + block_size]`` as file
         ``paths[i]`` for each i (bytes; ``view`` any C-contiguous buffer or a
@@ -182,10 +183,15 @@ class BlockIO:
         fdatasync'ed before its rename and the directory fsync'ed after, so a
         stored block survives power loss (one device flush per block; cost:
         docs/reliability.md). Errors: module docstring; a store OSError names
-        the destination and leaves no temp (and no destination) behind."""
+        the destination and leaves no temp (and no destination) behind.
+        ``job_state``: None, or the job's state word (a writable buffer of
+        >= 4 bytes, 4-byte aligned; kvtier._C.job_state_cas): each rename
+        happens only while it is LIVE; else OSError(ETIMEDOUT), temp removed."""
         paths, views = _check_blocks(paths, view, offsets, block_size, writable=False)
         tmps = [tmp_path_for(p) for p in paths]
-        self.impl.batch_store_block(tmps, paths, views, bool(use_o_direct), bool(checksum), durable=bool(durable))
+        kw = {} if job_state is None else {"job_state": job_state}
+        self.impl.batch_store_block(tmps, paths, views, bool(use_o_direct), bool(checksum), durable=bool(durable),
+                                    **kw)
 
     def batch_load_block(
         self,
@@ -195,6 +201,7 @@ class BlockIO:
         block_size: int,
         use_o_direct: bool = True,
         checksum: bool = False,
+        job_state=None,
     ) -> int:
         """Load file ``paths[i]`` into ``view[offsets[i] : offsets[i] +
         block_size]`` for each i (``view`` writable, C-contiguous; a torch CPU
@@ -208,9 +215,15 @@ class BlockIO:
         blocks before the failing one hold their data, the blocks after it are
         untouched, and the failing block's slice holds whatever was read
         (possibly the corrupt bytes, or part of them): do not use it. Errors
-        and which files are removed: module docstring."""
+        and which files are removed: module docstring.
+        ``job_state``: None, or the job's state word (see batch_store_block):
+        bytes enter ``view`` only in commit sections while it is LIVE; once it
+        is not, OSError(ETIMEDOUT) with num_succeeded = blocks fully loaded
+        and no byte written into ``view`` after the state left LIVE."""
         paths, views = _check_blocks(paths, view, offsets, block_size, writable=True)
-        return self.impl.batch_load_block(paths, views, bool(use_o_direct), bool(checksum))
+        if job_state is None:
+            return self.impl.batch_load_block(paths, views, bool(use_o_direct), bool(checksum))
+        return self.impl.batch_load_block(paths, views, bool(use_o_direct), bool(checksum), job_state=job_state)
 
     def batch_lookup(self, paths: Sequence[PathT]) -> list:
         """list[bool]: whether each path exists."""

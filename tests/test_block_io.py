@@ -665,9 +665,9 @@ def test_c_signatures():
 
     C = pytest.importorskip("kvtier._C")
     assert str(inspect.signature(C.batch_store_block)) == \
-        "(tmp_paths, dest_paths, buffers, /, use_o_direct=True, checksum=False, durable=False)"
+        "(tmp_paths, dest_paths, buffers, /, use_o_direct=True, checksum=False, durable=False, *, job_state=None)"
     assert str(inspect.signature(C.batch_load_block)) == \
-        "(source_paths, buffers, /, use_o_direct=True, checksum=False)"
+        "(source_paths, buffers, /, use_o_direct=True, checksum=False, *, job_state=None)"
     assert str(inspect.signature(C.batch_lookup)) == "(paths, /)"
 
 

@@ -144,7 +144,7 @@ static int store_one(const char *path, const void *buf, size_t len, int direct)
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
     const char *tp = tmp, *dp = path;
     kvt_batch_result res;
-    int rc = kvt_batch_store(&tp, &dp, &buf, &len, 1, direct, 1, 0, &res);
+    int rc = kvt_batch_store(&tp, &dp, &buf, &len, 1, direct, 1, 0, NULL, &res);
     CHECK(rc == 0, "store %s: err %d", path, res.err);
     return rc;
 }
@@ -200,7 +200,7 @@ static void load_verify(const int *idx, size_t n, uint8_t **bufs, uint8_t poison
         memset(bufs[idx[i]], poison, lens[i]);
     }
     kvt_batch_result res;
-    int rc = kvt_batch_load(paths, outs, lens, n, 0, 1, &res);
+    int rc = kvt_batch_load(paths, outs, lens, n, 0, 1, NULL, &res);
     for (size_t i = 0; i < n; i++)
         atomic_fetch_add(&eligible_bytes, lens[i]);
     CHECK(rc == 0 && res.err == 0 && res.index == n && res.retried == 0,
@@ -235,7 +235,7 @@ static void corrupt_case(int b, size_t pos, const char *tag, uint8_t *goodbuf, u
     lens[n++] = blocks[b].len;
     kvt_batch_result res;
     memset(&res, 0x5a, sizeof res);
-    int rc = kvt_batch_load(paths, outs, lens, n, 0, 1, &res);
+    int rc = kvt_batch_load(paths, outs, lens, n, 0, 1, NULL, &res);
     atomic_fetch_add(&eligible_bytes, (good >= 0 ? blocks[good].len : 0) + 2 * blocks[b].len);
     CHECK(rc == -1 && res.err == EBADMSG && res.checksum_failed == 1 && res.index == n - 1 && res.retried == 1,
           "%s: bit flip at %zu of %zu B: rc %d err %d cf %d index %zu retried %zu", tag, pos, blocks[b].len, rc,
@@ -395,7 +395,7 @@ static void control_load(void)
     void *out = control_buf;
     size_t len = blocks[B_16M].len;
     kvt_batch_result res;
-    CHECK(kvt_batch_load(&path, &out, &len, 1, 0, 1, &res) == 0, "control load: err %d", res.err);
+    CHECK(kvt_batch_load(&path, &out, &len, 1, 0, 1, NULL, &res) == 0, "control load: err %d", res.err);
     atomic_fetch_add(&eligible_bytes, len);
 }
 
@@ -444,7 +444,7 @@ static void op_load(void *p)
         memset(outs[i], 0xcd, lens[i]);
     }
     kvt_batch_result res;
-    int rc = kvt_batch_load(paths, outs, lens, a->n, a->direct, 1, &res);
+    int rc = kvt_batch_load(paths, outs, lens, a->n, a->direct, 1, NULL, &res);
     for (size_t i = 0; i < a->n; i++) /* O_DIRECT: only odd lengths are read buffered */
         atomic_fetch_add(&eligible_bytes, lens[i]);
     CHECK(rc == 0, "load (O_DIRECT %d) of %zu blocks: err %d", a->direct, a->n, res.err);
@@ -460,7 +460,7 @@ static void op_load_nochecksum(void *p)
     size_t len = blocks[a->idx[0]].len;
     memset(out, 0, len);
     kvt_batch_result res;
-    CHECK(kvt_batch_load(&path, &out, &len, 1, 0, 0, &res) == 0, "unchecksummed load: err %d", res.err);
+    CHECK(kvt_batch_load(&path, &out, &len, 1, 0, 0, NULL, &res) == 0, "unchecksummed load: err %d", res.err);
     CHECK(memcmp(out, blocks[a->idx[0]].data, len) == 0, "unchecksummed bytes");
 }
 
