@@ -1,11 +1,13 @@
 """Build of kvtier._C, the C core.
 
 libisal is found through pkg-config (Debian: libisal-dev). Without it the
-extension is built without the ISA-L backend and says so. Switches
-(environment variables read at build time):
+extension is built without the ISA-L backend and says so. liburing likewise
+(Debian: liburing-dev): without it block I/O uses plain pread/pwrite only
+(csrc/uring.h). Switches (environment variables read at build time):
 
   KVTIER_NO_ISAL=1     build without ISA-L even if it is installed
   KVTIER_REQUIRE_ISAL=1  fail the build if ISA-L is not found
+  KVTIER_NO_LIBURING=1 build without liburing even if it is installed
   KVTIER_SANITIZE=1    build with -fsanitize=address,undefined (tests only)
   KVTIER_DEBUG=1       -O0 -g
 
@@ -52,6 +54,21 @@ def _isal():
     return version, cflags, libs
 
 
+def _liburing():
+    if _flag("KVTIER_NO_LIBURING"):
+        print("kvtier: building WITHOUT liburing (KVTIER_NO_LIBURING=1): plain pread/pwrite only", file=sys.stderr)
+        return None
+    version = _pkg_config("--modversion", "liburing")
+    if version is None:
+        print("kvtier: liburing not found by pkg-config; building WITHOUT io_uring, plain pread/pwrite only "
+              "(apt-get install liburing-dev)", file=sys.stderr)
+        return None
+    cflags = (_pkg_config("--cflags", "liburing") or "").split()
+    libs = (_pkg_config("--libs", "liburing") or "-luring").split()
+    print(f"kvtier: building with liburing {version}", file=sys.stderr)
+    return version, cflags, libs
+
+
 sources = sorted(glob.glob("csrc/*.c") + glob.glob("csrc/crc32c/*.c") + glob.glob("csrc/dsa/*.c"))
 define_macros = []
 extra_compile_args = ["-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=hidden"]
@@ -62,6 +79,13 @@ isal = _isal()
 if isal is not None:
     version, cflags, libs = isal
     define_macros += [("KVTIER_HAVE_ISAL", "1"), ("KVTIER_ISAL_VERSION", f'"{version}"')]
+    extra_compile_args += cflags
+    extra_link_args += libs
+
+uring = _liburing()
+if uring is not None:
+    version, cflags, libs = uring
+    define_macros += [("KVTIER_HAVE_LIBURING", "1"), ("KVTIER_LIBURING_VERSION", f'"{version}"')]
     extra_compile_args += cflags
     extra_link_args += libs
 

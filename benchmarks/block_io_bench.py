@@ -27,16 +27,14 @@ file was just written); O_DIRECT loads go to the device.
 
 Table 2 (C core, buffered, --idle-ms > 0): the same loads of one block, each
 after --idle-ms of quiet (runs as in Table 1): the latency of an isolated
-load. Where the CRC helper thread is in use (no fused copy kernel, or
-KVTIER_CRC_COPY=0; docs/block_io.md) it has gone to sleep by then, where
-Table 1 has loads arriving within its poll window.
+load.
 
 Table 3: CRC32C time per block for each CRC backend, over cold data.
 
-The header says which path checksums buffered loads (the fused copy kernel or
-the CRC helper); the footer how much each did and the process CPU time (all
-threads: the helper polls up to its poll window after its last piece) against
-the wall time of the run.
+The header says which I/O engine (io_uring or plain) and which copy path the C
+core uses; the footer how much each did and the process CPU time (all
+threads) against the wall time of the run. benchmarks/vs_vllm.py measures
+against vLLM's own C block I/O.
 """
 from __future__ import annotations
 
@@ -186,13 +184,13 @@ def fs_type(path: str) -> str:
     return fstype
 
 
-def helper_status() -> "dict | None":
-    """kvtier._C.crc_helper_status(), or None without the C core."""
+def engine_status() -> "dict | None":
+    """kvtier._C.io_engine_status(), or None without the C core."""
     try:
         from kvtier import _C
     except ImportError:
         return None
-    return _C.crc_helper_status()
+    return _C.io_engine_status()
 
 
 def copy_status() -> "dict | None":
@@ -248,13 +246,10 @@ def main(argv=None) -> int:
     print(f"# kvtier block I/O benchmark: dir={directory} fs={fs} O_DIRECT={'yes' if odirect_ok else 'no'} "
           f"xattr={'yes' if xattr_ok else 'no'} CRC32C backend={kvtier.crc32c_backend} "
           f"chunk=256 KiB repeat={repeat} pool={len(pool) >> 20} MiB python={sys.version.split()[0]}")
-    hs, cs = helper_status(), copy_status()
+    hs, cs = engine_status(), copy_status()
     if cs is not None:
-        helper = (f"CRC helper (>= 512 KiB) " + (f"on, polls {hs['poll_us']} us" if hs["enabled"] else "off")
-                  + f"; CPUs usable: {len(os.sched_getaffinity(0))}")
-        print(f"# checksummed buffered loads (C core): "
-              + (f"fused copy ({cs['kernel']}); into a destination loaded into within 32 MiB of loads: {helper}"
-                 if cs["enabled"] else f"fused copy off (kernel {cs['kernel']}); {helper}"))
+        print(f"# C core: I/O engine {hs['engine']}; checksummed loads: "
+              + (f"fused copy ({cs['kernel']})" if cs["enabled"] else f"fused copy off (kernel {cs['kernel']})"))
     wall0, cpu0 = time.perf_counter(), time.process_time()
     if not xattr_ok:
         print("# xattrs unsupported here: checksum runs would fail; use --dir on another filesystem")
@@ -293,13 +288,11 @@ def main(argv=None) -> int:
                     lo, ln = bench_idle_loads(bio, directory, bs, max(5, repeat // 2), pool, args.idle_ms / 1e3)
                     print(f"| {fmt_size(bs):>7} | {lo:9.1f} | {ln:9.1f} | {ln / lo:5.2f} |")
                     sys.stdout.flush()
-        hs, cs = helper_status(), copy_status()
+        hs, cs = engine_status(), copy_status()
         if hs is not None:
             wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
-            print(f"\n# fused copy: {cs['blocks']} blocks, {cs['bytes'] / 2**20:.0f} MiB, {cs['reused']} left to the "
-                  "regular path (destination reused); "
-                  f"CRC helper: {hs['blocks']} blocks offered, {hs['bytes'] / 2**20:.0f} MiB checksummed on it, "
-                  f"{hs['late']} back-offs; process CPU {cpu:.2f} s over {wall:.2f} s wall (I/O tables)")
+            print(f"\n# fused copy: {cs['blocks']} blocks, {cs['bytes'] / 2**20:.0f} MiB; io_uring ops "
+                  f"{hs['uring_ops']}; process CPU {cpu:.2f} s over {wall:.2f} s wall (I/O tables)")
 
         cold = len(pool) >= POOL_BYTES
         print(f"\n## CRC32C per block, {'cold data' if cold else f'data cycled in a {len(pool) >> 20} MiB pool'}: "

@@ -9,6 +9,7 @@
 
 #include "crc32c.h"
 #include "fs_io.h"
+#include "uring.h"
 
 /* Below this many bytes the CRC runs with the GIL held. Measured with
  * `python benchmarks/gil_threshold.py` (docs/crc32c.md): one uncontended
@@ -703,85 +704,45 @@ static PyObject *kvt_py_checksum_stats(PyObject *mod, PyObject *unused)
                          (unsigned long long)c);
 }
 
-PyDoc_STRVAR(crc_helper_status_doc,
-"crc_helper_status($module, /)\n--\n\n"
-"The CRC helper thread of the C core's checksummed buffered loads of\n"
-">= 512 KiB, as a dict:\n"
-"enabled (bool: KVTIER_CRC_HELPER 1/true/yes/on or 0/false/no/off; unset:\n"
-"at least 2 CPUs in the process's affinity mask), running (bool: this\n"
-"process started the thread), poll_us (int: microseconds it polls for work\n"
-"before sleeping; KVTIER_CRC_HELPER_POLL_US), blocks (int: blocks offered to\n"
-"it; the loading thread takes back what it has not reached), bytes (int:\n"
-"bytes it checksummed), late (int: back-offs: found descheduled >= 250 us by\n"
-"itself or by a load waiting for it, a 64 KiB piece that took >= 250 us, or\n"
-"three jobs close together with preemptions or never reached; each is\n"
-"followed by 1 s of inline CRCs, doubled while it recurs within a minute,\n"
-"up to 64 s). Counters are since import; a forked child starts with its\n"
-"parent's values and running False.");
+PyDoc_STRVAR(io_engine_status_doc,
+"io_engine_status($module, /)\n--\n\n"
+"The block I/O engine, as a dict: engine (str: 'io_uring' or 'plain', what\n"
+"O_DIRECT blocks use), liburing (bool: built with liburing), setting (str:\n"
+"KVTIER_IO_URING as read: 'unset', '0' or '1'), setup_errno (int: why the\n"
+"kernel refused a ring, e.g. ENOSYS under seccomp or EPERM with\n"
+"kernel.io_uring_disabled; 0 if it did not), uring_ops (int: reads/writes\n"
+"completed through io_uring), plain_blocks (int: O_DIRECT blocks that took\n"
+"plain pread/pwrite because no ring was available). Counters since import.");
 
-static PyObject *kvt_py_crc_helper_status(PyObject *mod, PyObject *unused)
+static PyObject *kvt_py_io_engine_status(PyObject *mod, PyObject *unused)
 {
-    kvt_crc_helper_stats st;
-    kvt_crc_helper_info(&st);
-    return Py_BuildValue("{sOsOsKsKsKsK}", "enabled", st.enabled ? Py_True : Py_False, "running",
-                         st.running ? Py_True : Py_False, "poll_us", (unsigned long long)(st.poll_ns / 1000u),
-                         "blocks", (unsigned long long)st.blocks, "bytes", (unsigned long long)st.bytes, "late",
-                         (unsigned long long)st.late);
+    kvt_uring_stats st;
+    kvt_uring_info(&st);
+    return Py_BuildValue("{sssOsssisKsK}", "engine", st.active ? "io_uring" : "plain", "liburing",
+                         st.built ? Py_True : Py_False, "setting",
+                         st.setting < 0 ? "unset" : (st.setting ? "1" : "0"), "setup_errno", st.setup_errno,
+                         "uring_ops", (unsigned long long)st.ops, "plain_blocks", (unsigned long long)st.plain);
 }
 
 PyDoc_STRVAR(crc_copy_status_doc,
 "crc_copy_status($module, /)\n--\n\n"
-"The fused copy path of the C core's checksummed buffered loads (each\n"
-"256 KiB chunk read into a per-thread bounce buffer, then copied to the\n"
-"caller's buffer with non-temporal stores while its CRC32C is folded in, one\n"
-"pass; csrc/crc32c/copy.c), as a dict: kernel (str: 'avx512-vpclmulqdq',\n"
-"'pclmulqdq' or 'generic', the best this CPU runs), enabled (bool: the path\n"
-"is used: KVTIER_CRC_COPY is not 0/false/no/off, the kernel is not\n"
-"'generic', and the active CRC32C backend is the best CPU backend, i.e. not\n"
-"forced to another one or to DSA), blocks (int: loads that went through it),\n"
-"bytes (int: bytes it copied and checksummed), reused (int: loads left to\n"
-"the regular path, inline or the CRC helper, because their destination was\n"
-"written by a buffered load within the last 32 MiB of buffered loads (and\n"
-"the last 256 loads) and is likely still in the CPU cache, where\n"
-"non-temporal stores would cost more).\n"
-"Counters are since import. The CRC helper thread takes only the loads the\n"
-"path does not.");
+"The fused copy + CRC that moves the C core's checksummed loads from private\n"
+"memory into the caller's buffer (copy with non-temporal stores while the\n"
+"CRC32C is folded in, one pass; csrc/crc32c/copy.c), as a dict: kernel (str:\n"
+"'avx512-vpclmulqdq', 'pclmulqdq' or 'generic', the best this CPU runs),\n"
+"enabled (bool: the path is used: KVTIER_CRC_COPY is not 0/false/no/off, the\n"
+"kernel is not 'generic', and the active CRC32C backend is the best CPU\n"
+"backend, i.e. not forced to another one or to DSA; otherwise each piece is\n"
+"checksummed by the active backend, then copied), blocks (int: loads that\n"
+"went through it), bytes (int: bytes it copied and checksummed). Counters\n"
+"are since import.");
 
 static PyObject *kvt_py_crc_copy_status(PyObject *mod, PyObject *unused)
 {
     kvt_crc_copy_stats st;
     kvt_crc_copy_info(&st);
-    return Py_BuildValue("{sssOsKsKsK}", "kernel", st.kernel, "enabled", st.enabled ? Py_True : Py_False, "blocks",
-                         (unsigned long long)st.blocks, "bytes", (unsigned long long)st.bytes, "reused",
-                         (unsigned long long)st.reused);
-}
-
-PyDoc_STRVAR(crc_copy_dest_reused_doc,
-"crc_copy_dest_reused($module, buffer, checksummed=True, /)\n--\n\n"
-"Internal (kvtier.fallback): record a buffered load into `buffer` (writable,\n"
-"C-contiguous) for the fused copy's destination-reuse rule. For a\n"
-"checksummed load, return True if it should take the regular path because\n"
-"a buffered load wrote an overlapping range within the last 32 MiB of\n"
-"buffered loads (and the last 256 loads; counted in\n"
-"crc_copy_status()['reused']); always False while the path is off, and for\n"
-"an unchecksummed load (only recorded). BufferError / TypeError for a bad\n"
-"buffer.");
-
-static PyObject *kvt_py_crc_copy_dest_reused(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs < 1 || nargs > 2) {
-        PyErr_Format(PyExc_TypeError, "crc_copy_dest_reused() takes 1 or 2 positional arguments (%zd given)", nargs);
-        return NULL;
-    }
-    int checksummed = 1;
-    if (nargs > 1 && (checksummed = PyObject_IsTrue(args[1])) < 0)
-        return NULL;
-    Py_buffer view;
-    if (get_contig_buffer(args[0], &view, 1) < 0)
-        return NULL;
-    int hot = kvt_crc_copy_dest_reused(view.buf, (size_t)view.len, checksummed);
-    PyBuffer_Release(&view);
-    return PyBool_FromLong(hot);
+    return Py_BuildValue("{sssOsKsK}", "kernel", st.kernel, "enabled", st.enabled ? Py_True : Py_False, "blocks",
+                         (unsigned long long)st.blocks, "bytes", (unsigned long long)st.bytes);
 }
 
 /* ------------------------------------------------------------------ */
@@ -1562,10 +1523,8 @@ static PyMethodDef kvt_methods[] = {
     {"batch_load_block", (PyCFunction)(void (*)(void))kvt_py_batch_load_block, METH_FASTCALL | METH_KEYWORDS, batch_load_block_doc},
     {"checksum_stats", kvt_py_checksum_stats, METH_NOARGS, checksum_stats_doc},
     {"job_state_cas", (PyCFunction)(void (*)(void))kvt_py_job_state_cas, METH_FASTCALL, job_state_cas_doc},
-    {"crc_helper_status", kvt_py_crc_helper_status, METH_NOARGS, crc_helper_status_doc},
+    {"io_engine_status", kvt_py_io_engine_status, METH_NOARGS, io_engine_status_doc},
     {"crc_copy_status", kvt_py_crc_copy_status, METH_NOARGS, crc_copy_status_doc},
-    {"crc_copy_dest_reused", (PyCFunction)(void (*)(void))kvt_py_crc_copy_dest_reused, METH_FASTCALL,
-     crc_copy_dest_reused_doc},
     {"dsa_discover", (PyCFunction)(void (*)(void))kvt_py_dsa_discover, METH_VARARGS | METH_KEYWORDS, dsa_discover_doc},
     {"dsa_enable", (PyCFunction)(void (*)(void))kvt_py_dsa_enable, METH_VARARGS | METH_KEYWORDS, dsa_enable_doc},
     {"dsa_model_enable", (PyCFunction)(void (*)(void))kvt_py_dsa_model_enable, METH_VARARGS | METH_KEYWORDS, dsa_model_enable_doc},

@@ -77,12 +77,12 @@ def checksum_stats() -> dict[Literal["checksum_retries", "checksum_condemned"], 
     """Process-wide totals since import (diagnostic); per-call counts are
     batch_load_block's return value and OSError.num_retried."""
 
-def crc_helper_status() -> dict[Literal["enabled", "running", "poll_us", "blocks", "bytes", "late"], Union[bool, int]]:
-    """The CRC helper thread of checksummed buffered loads (C core, blocks
-    >= 512 KiB): enabled / running (bool), poll_us (int, microseconds),
-    blocks (int: blocks offered to it), bytes (int: bytes it checksummed),
-    late (int: back-offs, each 1-64 s of inline CRCs); totals since import.
-    Not used while crc_copy_status()["enabled"]."""
+def io_engine_status() -> dict[Literal["engine", "liburing", "setting", "setup_errno", "uring_ops", "plain_blocks"],
+                                 Union[str, bool, int]]:
+    """The block I/O engine: engine ("io_uring" or "plain"), liburing (bool:
+    built with it), setting (KVTIER_IO_URING: "unset", "0", "1"), setup_errno
+    (int: why the kernel refused a ring, or 0), uring_ops (int), plain_blocks
+    (int: O_DIRECT blocks done with plain pread/pwrite); totals since import."""
 
 def crc32c_copy(dst: Buffer, src: Buffer, value: int = 0, /) -> int:
     """Copy src into dst (same length, no overlap) and return the CRC-32C of
@@ -90,18 +90,12 @@ def crc32c_copy(dst: Buffer, src: Buffer, value: int = 0, /) -> int:
     crc_copy_status()). TypeError / BufferError (read-only dst) / ValueError
     (lengths differ, overlap, value out of range); GIL released from 32 KiB."""
 
-def crc_copy_status() -> dict[Literal["kernel", "enabled", "blocks", "bytes", "reused"], Union[str, bool, int]]:
-    """The fused copy path of checksummed buffered loads (C core): kernel
-    (str: "avx512-vpclmulqdq", "pclmulqdq" or "generic"), enabled (bool:
-    KVTIER_CRC_COPY not off, a fused kernel, the best CPU CRC32C backend
-    active), blocks (int: loads through it), bytes (int), reused (int: loads
-    left to the regular path because their destination was loaded into
-    within the last 32 MiB of buffered loads); totals since import."""
-
-def crc_copy_dest_reused(buffer: Buffer, checksummed: bool = True, /) -> bool:
-    """Internal (kvtier.fallback): record a buffered load into buffer; for a
-    checksummed one, True if it should take the regular path (destination
-    reuse); an unchecksummed one is only recorded (False)."""
+def crc_copy_status() -> dict[Literal["kernel", "enabled", "blocks", "bytes"], Union[str, bool, int]]:
+    """The fused copy + CRC of checksummed loads (C core; from private memory
+    into the caller's buffer): kernel (str: "avx512-vpclmulqdq", "pclmulqdq"
+    or "generic"), enabled (bool: KVTIER_CRC_COPY not off, a fused kernel,
+    the best CPU CRC32C backend active), blocks (int: loads through it),
+    bytes (int); totals since import."""
 
 # ---------------------------------------------------------------- Intel DSA (csrc/dsa/)
 

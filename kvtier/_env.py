@@ -1,7 +1,7 @@
 """Checks of the KVTIER_* settings that the C core reads with getenv(3).
 
 The C core falls back to its default, silently, on a value it does not
-understand (csrc/fs_io.c crc_helper_read_env, csrc/dsa/ops.c). These checks
+understand (csrc/fs_io.c crc_copy_read_env, csrc/uring.c, csrc/dsa/ops.c). These checks
 turn such a value into a ValueError naming the variable, the value and what
 is valid: ``check_dsa_env`` when ``kvtier`` is imported (before the C core
 selects its CRC32C backend), ``check_io_env`` when ``kvtier.io`` is imported.
@@ -13,7 +13,6 @@ import os
 import re
 
 SWITCH_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off")
-CRC_HELPER_POLL_US_MAX = 10_000_000  # 10 s (csrc/fs_io.c crc_helper_read_env)
 DSA_MODES = ("model", "off")  # KVTIER_DSA (csrc/dsa/ops.c try_device_once / try_model_once)
 DSA_WAIT_MODES = ("spin", "yield", "sleep")  # KVTIER_DSA_WAIT (csrc/dsa/ops.c WAIT_NAMES)
 DSA_TIMEOUT_MS_MAX = (2**64 - 1) // 1_000_000 - 1  # kept in ns as uint64 (csrc/dsa/ops.c)
@@ -42,11 +41,9 @@ def _integer(name: str, lo: int, hi: int, what: str, pattern=_DECIMAL) -> None:
 
 
 def check_io_env() -> None:
-    """KVTIER_CRC_COPY, KVTIER_CRC_HELPER (switch words, any case) and
-    KVTIER_CRC_HELPER_POLL_US (decimal microseconds 0..10 s). ValueError."""
+    """KVTIER_CRC_COPY and KVTIER_IO_URING (switch words, any case). ValueError."""
     _word("KVTIER_CRC_COPY", SWITCH_WORDS, "unset: on where the CPU has a fused kernel")
-    _word("KVTIER_CRC_HELPER", SWITCH_WORDS, "unset: on with >= 2 usable CPUs")
-    _integer("KVTIER_CRC_HELPER_POLL_US", 0, CRC_HELPER_POLL_US_MAX, "microseconds, decimal (default 1000)")
+    _word("KVTIER_IO_URING", SWITCH_WORDS, "unset: io_uring where built with liburing and the kernel allows it")
 
 
 def check_dsa_env() -> None:

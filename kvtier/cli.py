@@ -54,14 +54,14 @@ def info_dict() -> dict:
         from kvtier import io as kio
 
         d["io_backend"] = {"c": "c (kvtier._C)", "python": "python (pure-Python fallback)"}[kio.backend]
-    except ValueError as e:  # a bad KVTIER_IO_BACKEND / KVTIER_CRC_HELPER*: say so rather than crash
+    except ValueError as e:  # a bad KVTIER_IO_BACKEND / KVTIER_IO_URING / KVTIER_CRC_COPY: say so rather than crash
         d["io_backend"] = f"error: {e}"
-        if str(e).startswith("KVTIER_CRC_HELPER"):
-            d["crc_helper_error"] = str(e)
+        if str(e).startswith("KVTIER_IO_URING"):
+            d["io_engine_error"] = str(e)
         if str(e).startswith("KVTIER_CRC_COPY"):
             d["crc_copy_error"] = str(e)
     # A refused setting: no status next to the error (the C core would read it leniently).
-    d["crc_helper"] = c.crc_helper_status() if c is not None and "crc_helper_error" not in d else None
+    d["io_engine"] = c.io_engine_status() if c is not None and "io_engine_error" not in d else None
     d["crc_copy"] = c.crc_copy_status() if c is not None and "crc_copy_error" not in d else None
     if c is not None:
         from kvtier import dsa
@@ -93,17 +93,31 @@ def _print_info(d: dict) -> None:
     isal = d["isal_version"]
     print(f"ISA-L:          {isal if isal else 'not built in (libisal not found at build time, or KVTIER_NO_ISAL=1)'}")
     print(f"CPU features:   {' '.join(d['cpu_features']) or 'none of interest'}")
-    h, cp = d["crc_helper"], d["crc_copy"]
+    eng, cp = d["io_engine"], d["crc_copy"]
     fallback = str(d["io_backend"]).startswith("python ")
     not_c = " [not used: the block I/O backend is the pure-Python fallback]" if fallback else ""
+    if d.get("io_engine_error"):
+        print(f"I/O engine:     error: {d['io_engine_error']}")
+    elif eng is None:
+        print("I/O engine:     not available: the C core is not built")
+    else:
+        if eng["engine"] == "io_uring":
+            how = "io_uring (liburing): O_DIRECT blocks in pieces in flight, CRC overlapped"
+        elif not eng["liburing"]:
+            how = "plain pread/pwrite (built without liburing: apt-get install liburing-dev and rebuild)"
+        elif eng["setting"] == "0":
+            how = "plain pread/pwrite (KVTIER_IO_URING=0)"
+        else:
+            how = f"plain pread/pwrite (the kernel refused io_uring: {os.strerror(eng['setup_errno'])})"
+        print(f"I/O engine:     {how}; {eng['uring_ops']} io_uring ops, {eng['plain_blocks']} plain O_DIRECT "
+              f"blocks{not_c}")
     if d.get("crc_copy_error"):
         print(f"CRC copy:       error: {d['crc_copy_error']}")
     elif cp is None:
         print("CRC copy:       not available: the C core is not built")
     elif cp["enabled"]:
-        print(f"CRC copy:       on ({cp['kernel']}); C-core checksummed buffered loads: bounce buffer, then one pass "
-              f"of copy (non-temporal stores) + CRC32C: {cp['blocks']} blocks, {cp['bytes']} bytes; "
-              f"{cp['reused']} into a recently loaded destination left to the regular path"
+        print(f"CRC copy:       on ({cp['kernel']}); C-core checksummed loads: private memory, then one pass "
+              f"of copy (non-temporal stores) + CRC32C: {cp['blocks']} blocks, {cp['bytes']} bytes"
               + (" (the pure-Python fallback uses it too; blocks and bytes count C-core loads only)" if fallback else ""))
     else:
         if os.environ.get("KVTIER_CRC_COPY", "").lower() in ("0", "false", "no", "off"):
@@ -113,22 +127,6 @@ def _print_info(d: dict) -> None:
         else:
             why = f"the CRC32C backend is forced to {d['crc32c_backend']}"
         print(f"CRC copy:       off ({why}); kernel {cp['kernel']}")
-    if d.get("crc_helper_error"):
-        print(f"CRC helper:     error: {d['crc_helper_error']}")
-    elif h is None:
-        print("CRC helper:     not available: the C core is not built")
-    elif cp is not None and cp["enabled"] and h["enabled"]:
-        print(f"CRC helper:     on for what the CRC copy leaves (recently loaded destinations; all with "
-              f"KVTIER_CRC_COPY=0): {h['blocks']} blocks offered, {h['late']} back-offs{not_c}")
-    else:
-        why = "KVTIER_CRC_HELPER" if os.environ.get("KVTIER_CRC_HELPER") else f"auto: {len(os.sched_getaffinity(0))} CPU(s) usable"
-        if h["enabled"]:
-            line = (f"on ({why}); C-core buffered checksummed loads >= 512 KiB; polls {h['poll_us']} us before sleeping; "
-                    f"{'running' if h['running'] else 'not started yet'}: {h['blocks']} blocks offered, "
-                    f"{h['bytes']} bytes checksummed on it, {h['late']} back-offs")
-        else:
-            line = f"off ({why})"
-        print(f"CRC helper:     {line}{not_c}")
     for i, line in enumerate(d["dsa"].splitlines()):
         print(("DSA:            " if i == 0 else "                ") + line)
 

@@ -102,9 +102,9 @@ def _block_copy_fn():
     """The C core's fused copy + CRC32C (kvtier._C.crc32c_copy) when the C
     core is importable and its copy path is enabled (crc_copy_status(): a
     fused kernel, KVTIER_CRC_COPY not off, the best CPU backend active), else
-    None. Checksummed buffered loads whose destination was not loaded into
-    recently then read each chunk into a per-thread bounce buffer and move it
-    with it, as the C core does (docs/block_io.md, "Fused copy")."""
+    None. Checksummed buffered loads then read each chunk into a per-thread
+    bounce buffer and move it with it, as the C core does (docs/block_io.md,
+    "Fused copy")."""
     if not _copy_fn_cache:
         fn = None
         try:
@@ -116,17 +116,6 @@ def _block_copy_fn():
             pass
         _copy_fn_cache.append(fn)
     return _copy_fn_cache[0]
-
-
-def _copy_dest_reused(mv, checksummed):
-    """kvtier._C.crc_copy_dest_reused: records this buffered load's
-    destination (every one, as the C core does) and says whether a
-    checksummed one's was loaded into within the last 32 MiB of buffered loads
-    (then the fused copy's non-temporal stores would cost more than they save;
-    docs/block_io.md, "Fused copy")."""
-    from kvtier import _C
-
-    return _C.crc_copy_dest_reused(mv, checksummed)
 
 
 def _checksum_then_copy(crc_fn):
@@ -423,14 +412,11 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, reread=False):
         _set_direct(fd, False)
     crc = 0
     copy_fn = _block_copy_fn() if not direct else None
-    # Every buffered load records its destination (the reuse rule); a checksummed one not
-    # loaded into recently (else likely cache-hot: plain path) goes through the fused copy;
-    # a re-read always goes through a bounce buffer, checksummed there.
+    # A checksummed buffered load goes through the fused copy; a re-read always goes through
+    # a bounce buffer, checksummed there.
     if private:
-        if copy_fn is not None:
-            _copy_dest_reused(mv, False)
         copy_fn = _checksum_then_copy(crc_fn)
-    elif copy_fn is not None and (_copy_dest_reused(mv, want is not None) or want is None):
+    elif want is None:
         copy_fn = None
     if copy_fn is not None:  # read into a bounce buffer, then one pass of copy + CRC
         bounce = _bounce_take()

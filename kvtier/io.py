@@ -80,8 +80,11 @@ def _fallback_module():
 def tmp_path_for(dest: PathT) -> Union[str, bytes]:
     """Temp file name for storing ``dest``: ``f"{dest}_{16 random hex}.tmp"``
     (design.md), next to it so the final rename stays on one filesystem."""
+    return _tmp_with(dest, secrets.token_hex(8))
+
+
+def _tmp_with(dest, tag: str):
     d = os.fspath(dest)
-    tag = secrets.token_hex(8)
     if isinstance(d, bytes):
         return d + b"_" + tag.encode() + b".tmp"
     return f"{d}_{tag}.tmp"
@@ -91,6 +94,9 @@ def _check_paths(paths, what="paths") -> list:
     if isinstance(paths, (str, bytes)) or not isinstance(paths, Sequence):
         raise TypeError(f"{what} must be a sequence of paths, not {type(paths).__name__}")
     paths = list(paths)
+    # fast path (the engine's str paths): one scan for NUL and empties, per-path checks only on a hit
+    if all(type(p) is str for p in paths) and "\0" not in "".join(paths) and all(paths):
+        return paths
     for i, p in enumerate(paths):
         if not isinstance(p, (str, bytes)) and not hasattr(p, "__fspath__"):
             raise TypeError(f"{what}[{i}] must be str, bytes or os.PathLike, not {type(p).__name__}")
@@ -135,6 +141,9 @@ def _check_blocks(paths, view, offsets, block_size, writable):
     if len(offsets) != len(paths):
         raise ValueError(f"paths and offsets must have equal lengths ({len(paths)}, {len(offsets)})")
     limit = mv.nbytes - block_size
+    # fast path: plain ints in range (one pass each); the checks below name the first bad one
+    if offsets and all(type(o) is int for o in offsets) and min(offsets) >= 0 and max(offsets) <= limit:
+        return paths, [mv[o : o + block_size] for o in offsets]
     views = []
     for i, off in enumerate(offsets):
         off = _as_int(off, f"offsets[{i}]")
@@ -188,7 +197,8 @@ class BlockIO:
         >= 4 bytes, 4-byte aligned; kvtier._C.job_state_cas): each rename
         happens only while it is LIVE; else OSError(ETIMEDOUT), temp removed."""
         paths, views = _check_blocks(paths, view, offsets, block_size, writable=False)
-        tmps = [tmp_path_for(p) for p in paths]
+        tag = secrets.token_hex(8)  # one per call: the destinations of a batch differ already
+        tmps = [_tmp_with(p, tag) for p in paths]
         kw = {} if job_state is None else {"job_state": job_state}
         self.impl.batch_store_block(tmps, paths, views, bool(use_o_direct), bool(checksum), durable=bool(durable),
                                     **kw)
@@ -266,10 +276,9 @@ def _choose_backend() -> str:
     return "c" if _c_module() is not None else "python"
 
 
-from kvtier._env import CRC_HELPER_POLL_US_MAX, SWITCH_WORDS as CRC_HELPER_WORDS  # noqa: E402,F401
 from kvtier._env import check_io_env as _check_io_env  # noqa: E402
 
-_check_io_env()  # a KVTIER_CRC_COPY / _CRC_HELPER / _CRC_HELPER_POLL_US the C core would ignore: ValueError
+_check_io_env()  # a KVTIER_CRC_COPY / KVTIER_IO_URING the C core would read leniently: ValueError
 _default = for_backend(_choose_backend())
 backend: str = _default.backend
 """Active backend: "c" (kvtier._C) or "python" (kvtier.fallback)."""

@@ -1,12 +1,12 @@
-"""The fused copy path of checksummed buffered loads (csrc/fs_io.c "Fused
-copy", kernels in csrc/crc32c/copy.c; the kernels themselves are tested
+"""The fused copy + CRC that moves checksummed loads from private memory into
+the caller's buffer (csrc/io_engine.c, kernels in csrc/crc32c/copy.c; the kernels themselves are tested
 against the bit-at-a-time reference by tests/c/test_crc32c.c).
 
 Each test runs a fresh interpreter (the C core reads KVTIER_CRC_COPY once per
 process) with the C block I/O backend and a clean KVTIER_* environment, and
 checks bytes round-tripped, the bytes around each block untouched, corruption
 caught (EBADMSG, checksum_failed, file removed), and the counters of
-kvtier._C.crc_copy_status() / crc_helper_status() against the loads made.
+kvtier._C.crc_copy_status() against the loads made.
 Where this CPU has no fused kernel the path is off: those tests check that it
 says so and the loads still verify.
 """
@@ -82,20 +82,6 @@ def _expected_kernel() -> str:
 
 
 KERNEL = _expected_kernel()
-_SCRATCH = []
-
-
-def _age_out_reuse_ring():
-    """In-process tests: make the reuse rule forget the destinations of
-    earlier tests (a freed buffer's address comes back for a new one): record
-    256 unchecksummed loads of 256 KiB (64 MiB in all) into a scratch buffer
-    that stays alive, so no new buffer can overlap it. Bookkeeping only."""
-    np = pytest.importorskip("numpy")
-    if not _SCRATCH:
-        _SCRATCH.append(np.empty(256 * 1024, dtype=np.uint8))
-    for _ in range(256):
-        _C.crc_copy_dest_reused(_SCRATCH[0], False)
-
 needs_kernel = pytest.mark.skipif(KERNEL == "generic", reason="no fused CRC copy kernel for this CPU "
                                   "(x86-64 with PCLMULQDQ + SSE4.2 needed): the path is off here")
 
@@ -103,7 +89,7 @@ ROUND_TRIP = """
     sizes = json.loads(os.environ["T_SIZES"])
     direct_ok = kio.probe_o_direct(d)
     mismatched, outside, n_loads, n_bytes = [], [], 0, 0
-    keep = []  # every destination stays alive: no address is reused (that is the reuse rule's input)
+    keep = []
     for k, bs in enumerate(sizes):
         src = data(bs, k)
         p = os.path.join(d, f"b{k}.bin")
@@ -131,47 +117,41 @@ ROUND_TRIP = """
             keep.append(m)
             view = np.frombuffer(m, dtype=np.uint8)
             io.batch_load_block([p], view, [0], bs, use_o_direct=True, checksum=True)
-            if bs % 4096 == 0 and not np.array_equal(view[:bs], src):
+            if not np.array_equal(view[:bs], src):
                 mismatched.append([bs, "direct"])
-            if bs % 4096 != 0:  # misaligned length: buffered, so through the copy path
-                n_loads += 1
-                n_bytes += bs
+            n_loads += 1  # O_DIRECT into private memory, then the fused copy too
+            n_bytes += bs
             del view
-    result(copy=_C.crc_copy_status(), helper=_C.crc_helper_status(), mismatched=mismatched, outside=outside,
+    result(copy=_C.crc_copy_status(), mismatched=mismatched, outside=outside,
            n_loads=n_loads, n_bytes=n_bytes, direct_ok=direct_ok)
 """
 
 
 @needs_kernel
 def test_round_trip_through_the_copy_path(tmp_path):
-    """Checksummed buffered loads of every size round-trip through the fused
-    copy (slices at offsets 0, 3 and 81 of the buffer, the bytes around them
-    untouched); the counters count exactly those loads and bytes; stores,
-    unchecksummed loads and O_DIRECT loads do not go through it, and the CRC
-    helper gets nothing."""
+    """Checksummed loads of every size, buffered and O_DIRECT, round-trip
+    through the fused copy (slices at offsets 0, 3 and 81 of the buffer, the
+    bytes around them untouched); the counters count exactly those loads and
+    bytes; stores and unchecksummed loads do not go through it."""
     r = _py(tmp_path, ROUND_TRIP, env={"T_SIZES": json.dumps(SIZES)})
     assert r["mismatched"] == [] and r["outside"] == []
-    assert r["copy"] == {"kernel": KERNEL, "enabled": True, "blocks": r["n_loads"], "bytes": r["n_bytes"], "reused": 0}
+    assert r["copy"] == {"kernel": KERNEL, "enabled": True, "blocks": r["n_loads"], "bytes": r["n_bytes"]}
     assert r["n_loads"] >= 3 * len(SIZES)
-    assert r["helper"]["blocks"] == 0 and r["helper"]["bytes"] == 0
 
 
 def test_copy_path_off_loads_still_verify(tmp_path):
     """KVTIER_CRC_COPY=0 (any of 0/false/no/off) and a forced CRC32C backend
-    turn the path off: the same loads round-trip, nothing is counted on it,
-    and 1 MiB+ loads go to the CRC helper instead when the helper is on."""
+    turn the path off: the same loads round-trip (each piece checksummed by
+    the active backend, then copied), nothing is counted on it."""
     for env in ({"KVTIER_CRC_COPY": "0"}, {"KVTIER_CRC_COPY": "OFF"},
                 {"KVTIER_CRC32C_BACKEND": "table"}, {"KVTIER_CRC32C_BACKEND": "sse42"}):
         if env.get("KVTIER_CRC32C_BACKEND") == "sse42" and "sse42" not in kvtier.crc32c_backends():
             continue
-        r = _py(tmp_path, ROUND_TRIP, env={**env, "KVTIER_CRC_HELPER": "1",
-                                           "T_SIZES": json.dumps([4097, (1 << 20) + 3])})
+        r = _py(tmp_path, ROUND_TRIP, env={**env, "T_SIZES": json.dumps([4097, (1 << 20) + 3])})
         assert r["mismatched"] == [] and r["outside"] == [], env
         if env.get("KVTIER_CRC32C_BACKEND") == kvtier.crc32c_backend:
             continue  # forcing the best CPU backend changes nothing (a build without ISA-L: sse42)
-        assert r["copy"] == {"kernel": KERNEL, "enabled": False, "blocks": 0, "bytes": 0, "reused": 0}, env
-        assert r["helper"]["enabled"] is True
-        assert r["helper"]["blocks"] >= 1, (env, r["helper"])  # the 1 MiB + 3 loads were offered to it
+        assert r["copy"] == {"kernel": KERNEL, "enabled": False, "blocks": 0, "bytes": 0}, env
 
 
 @needs_kernel
@@ -202,7 +182,7 @@ def test_corruption_caught_on_the_copy_path(tmp_path, pos):
     assert r["fn"].endswith("b.bin") and r["a_ok"] and r["a_exists"] and not r["b_exists"]
     bs = (1 << 20) + 3
     # a and b through the fused copy; b's re-read checksummed in a private buffer (neither counted)
-    assert (r["copy"]["blocks"], r["copy"]["bytes"], r["copy"]["reused"]) == (2, 2 * bs, 0)
+    assert (r["copy"]["blocks"], r["copy"]["bytes"]) == (2, 2 * bs)
 
 
 @needs_kernel
@@ -216,7 +196,7 @@ def test_threads_each_use_their_own_bounce_buffer(tmp_path):
         paths = [os.path.join(d, f"t{i}.bin") for i in range(nb)]
         io.batch_store_block(paths, src, [i * bs for i in range(nb)], bs, use_o_direct=False, checksum=True)
         bad, errors = [], []
-        keep = []  # a fresh destination per load, alive to the end (a reused one takes the regular path)
+        keep = []
         def worker(t):
             for k in range(rounds):
                 out = np.zeros(bs, dtype=np.uint8)
@@ -234,7 +214,7 @@ def test_threads_each_use_their_own_bounce_buffer(tmp_path):
         result(bad=bad, errors=errors, copy=_C.crc_copy_status(), n=nt * rounds, bs=bs)
     """)
     assert r["bad"] == [] and r["errors"] == []
-    assert r["copy"]["blocks"] == r["n"] and r["copy"]["bytes"] == r["n"] * r["bs"] and r["copy"]["reused"] == 0
+    assert r["copy"]["blocks"] == r["n"] and r["copy"]["bytes"] == r["n"] * r["bs"]
 
 
 @needs_kernel
@@ -346,10 +326,8 @@ def test_fallback_loads_through_the_copy_path(tmp_path, monkeypatch):
     """With the C core importable and its copy path on, the fallback's
     checksummed buffered loads read into its bounce buffer and move each
     256 KiB chunk with kvtier._C.crc32c_copy (a spy counts the calls): bytes
-    right, neighbours untouched; a second load into the same destination
-    takes the plain path (reuse rule, counted), and so does a checksummed
-    load after an unchecksummed one into the same range (recorded too);
-    checksum-off loads do not call it; a flipped bit is EBADMSG,
+    right, neighbours untouched, a second load into the same destination
+    too; checksum-off loads do not call it; a flipped bit is EBADMSG,
     checksum_failed, file removed."""
     np = pytest.importorskip("numpy")
     import errno
@@ -367,7 +345,6 @@ def test_fallback_loads_through_the_copy_path(tmp_path, monkeypatch):
         return _C.crc32c_copy(dst, src, value)
 
     monkeypatch.setattr(fallback, "_copy_fn_cache", [spy])
-    _age_out_reuse_ring()
     bs = (1 << 20) + 3
     src = np.random.default_rng(9).integers(0, 256, bs, dtype=np.uint8)
     p = str(tmp_path / "f.bin")
@@ -378,16 +355,14 @@ def test_fallback_loads_through_the_copy_path(tmp_path, monkeypatch):
     assert calls == [262144] * 4 + [3]
     assert np.array_equal(out[5:5 + bs], src) and (out[:5] == 0xA5).all() and (out[5 + bs:] == 0xA5).all()
     calls.clear()
-    reused0 = _C.crc_copy_status()["reused"]
     io.batch_load_block([p], out, [5], bs, use_o_direct=False, checksum=True)  # same destination again
-    assert calls == [] and _C.crc_copy_status()["reused"] == reused0 + 1
+    assert calls == [262144] * 4 + [3]
     assert np.array_equal(out[5:5 + bs], src)
+    calls.clear()
     out2 = np.zeros(bs, dtype=np.uint8)
     io.batch_load_block([p], out2, [0], bs, use_o_direct=False, checksum=False)
-    assert calls == []
-    io.batch_load_block([p], out2, [0], bs, use_o_direct=False, checksum=True)  # recorded by the one before
-    assert calls == [] and _C.crc_copy_status()["reused"] == reused0 + 2
-    assert np.array_equal(out2, src)
+    assert calls == [] and np.array_equal(out2, src)
+    calls.clear()
     out3 = np.zeros(bs, dtype=np.uint8)
     flip_bit(p, 262144, 0x80)
     with pytest.raises(OSError) as ei:
@@ -395,69 +370,6 @@ def test_fallback_loads_through_the_copy_path(tmp_path, monkeypatch):
     assert (ei.value.errno, ei.value.checksum_failed, ei.value.num_succeeded) == (errno.EBADMSG, True, 0)
     assert not os.path.exists(p)
     assert calls == [262144] * 4 + [3]  # the read: mismatch; the re-read went through a private buffer
-
-
-@needs_kernel
-def test_reused_destination_takes_the_regular_path(tmp_path):
-    """The reuse rule: a checksummed buffered load into a range that a
-    buffered load (checksummed or not) wrote within the last 32 MiB of
-    buffered loads takes the regular path (counted in `reused`, bytes right);
-    overlapping counts, adjacent does not; after 40 MiB of loads elsewhere
-    the range is cold again; O_DIRECT loads are not recorded."""
-    r = _py(tmp_path, """
-        bs = 1 << 20
-        src = data(bs, 11)
-        p = os.path.join(d, "r.bin")
-        io.batch_store_block([p], src, [0], bs, use_o_direct=False, checksum=True)
-        big = np.zeros(4 * bs, dtype=np.uint8)
-        steps, ok = [], True
-        def load(buf, off, ck=True, direct=False):
-            global ok
-            io.batch_load_block([p], buf, [off], bs, use_o_direct=direct, checksum=ck)
-            ok = ok and bool(np.array_equal(buf[off:off + bs], src))
-            s = _C.crc_copy_status()
-            steps.append([s["blocks"], s["reused"]])
-        load(big, 0)                     # first time: fused
-        load(big, 0)                     # same range: reused
-        load(big, bs // 2)               # overlaps the first: reused
-        load(big, 2 * bs)                # adjacent to nothing loaded: fused
-        load(big, 3 * bs, ck=False)      # unchecksummed: recorded, not counted
-        load(big, 3 * bs)                # ... so this one is reused
-        keep = [np.zeros(bs, dtype=np.uint8) for _ in range(40)]
-        for b in keep:                   # 40 MiB of loads elsewhere
-            load(b, 0)
-        load(big, 0)                     # cold again: fused
-        direct = None
-        if kio.probe_o_direct(d):
-            import mmap
-            m = mmap.mmap(-1, bs)
-            direct = np.frombuffer(m, dtype=np.uint8)
-            load(direct, 0, direct=True)  # O_DIRECT: neither counted nor recorded
-            load(direct, 0)               # so this one is fused
-        result(steps=steps, ok=ok, direct=direct is not None)
-    """)
-    assert r["ok"]
-    want = [[1, 0], [1, 1], [1, 2], [2, 2], [2, 2], [2, 3]] + [[3 + i, 3] for i in range(40)] + [[43, 3]]
-    if r["direct"]:
-        want += [[43, 3], [44, 3]]
-    assert r["steps"] == want
-
-
-def test_reuse_rule_is_off_with_the_path(tmp_path):
-    """KVTIER_CRC_COPY=0: the same loads into one buffer count nothing."""
-    r = _py(tmp_path, """
-        bs = 1 << 20
-        src = data(bs, 12)
-        p = os.path.join(d, "r.bin")
-        io.batch_store_block([p], src, [0], bs, use_o_direct=False, checksum=True)
-        out = np.zeros(bs, dtype=np.uint8)
-        for _ in range(3):
-            io.batch_load_block([p], out, [0], bs, use_o_direct=False, checksum=True)
-        result(copy=_C.crc_copy_status(), ok=bool(np.array_equal(out, src)),
-               reused=_C.crc_copy_dest_reused(out))
-    """, env={"KVTIER_CRC_COPY": "0"})
-    assert r["ok"] and r["reused"] is False
-    assert (r["copy"]["enabled"], r["copy"]["blocks"], r["copy"]["reused"]) == (False, 0, 0)
 
 
 @needs_kernel
@@ -490,7 +402,6 @@ def test_fallback_load_nested_in_a_load_keeps_its_bounce_buffer(tmp_path, monkey
         return _C.crc32c_copy(dst, src, value)
 
     monkeypatch.setattr(fallback, "_copy_fn_cache", [spy])
-    _age_out_reuse_ring()
     out = np.zeros(bs, dtype=np.uint8)
     before = io.checksum_stats()
     assert io.batch_load_block([pa], out, [0], bs, use_o_direct=False, checksum=True) == 0  # no re-read

@@ -61,15 +61,13 @@ def test_valid_dsa_setting_imports(name, value):
 
 def test_io_settings_fail_import_of_kvtier_io_only():
     """The block I/O switches are checked by kvtier.io, not by kvtier."""
-    assert _import({"KVTIER_CRC_HELPER_POLL_US": "1e3"}).returncode == 0
-    r = _import({"KVTIER_CRC_HELPER_POLL_US": "1e3"}, "kvtier.io")
-    assert "ValueError: KVTIER_CRC_HELPER_POLL_US='1e3' is not valid: microseconds, decimal (default 1000), " \
-           "an integer 0..10000000" in r.stderr
+    assert _import({"KVTIER_IO_URING": "2"}).returncode == 0
+    r = _import({"KVTIER_IO_URING": "2"}, "kvtier.io")
+    assert "ValueError: KVTIER_IO_URING='2' is not valid; valid values: 1, true, yes, on, 0, false, no, off" in r.stderr
     r = _import({"KVTIER_CRC_COPY": "enable"}, "kvtier.io")
     assert "ValueError: KVTIER_CRC_COPY='enable' is not valid; valid values: 1, true, yes, on, 0, false, no, off" \
         in r.stderr
-    assert _import({"KVTIER_CRC_COPY": "OFF", "KVTIER_CRC_HELPER": "Yes"}, "kvtier.io").returncode == 0
-    assert _import({"KVTIER_CRC_HELPER_POLL_US": "0250"}, "kvtier.io").returncode == 0  # base 10, as the C core
+    assert _import({"KVTIER_CRC_COPY": "OFF", "KVTIER_IO_URING": "Yes"}, "kvtier.io").returncode == 0
 
 
 def test_checks_in_process(monkeypatch):

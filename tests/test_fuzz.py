@@ -6,7 +6,7 @@ undefined) run for a bounded time, and hypothesis property tests.
   data flush against the end of its allocation; a second build also drives
   the software DSA device ("dsa-model") for every length.
 - fuzz_xattr_record: the xattr record parser of the load path
-  (kvt_xattr_parse in csrc/fs_io.c) on arbitrary records.
+  (kvt_xattr_parse in csrc/xattr_record.c) on arbitrary records.
 - hypothesis: the same differential properties through the Python API for
   each backend, and arbitrary xattr records on stored blocks through both
   block I/O implementations (only the exact 4-byte big-endian CRC32C loads).
@@ -149,11 +149,7 @@ def test_libfuzzer_crc32c_dsa_model(tmp_path):
 
 
 def test_libfuzzer_xattr_record_parser(tmp_path):
-    fs_io = os.path.join(ROOT, "csrc", "fs_io.c")
-    with open(fs_io) as f:
-        if "kvt_xattr_parse" not in f.read():
-            pytest.skip("csrc/fs_io.c has no kvt_xattr_parse")
-    srcs = [fs_io] + crc_sources() + sorted(glob.glob(os.path.join(ROOT, "csrc", "dsa", "*.c")))
+    srcs = [os.path.join(ROOT, "csrc", "xattr_record.c")]
     exe = build_fuzzer("fuzz_xattr_record", srcs + [os.path.join(FUZZ_DIR, "fuzz_xattr_record.c")])
     seeds = [b"\x00\x00\x12\x34\x56\x78", b"\x01" + bytes([errno.ENODATA]), b"\x01" + bytes([errno.ERANGE]),
              b"\x01" + bytes([errno.EIO]), b"\x00\x00", b"\x00\x00" + bytes(40)]

@@ -93,35 +93,37 @@ def test_info_names_the_block_io_backend_and_a_bad_choice():
     assert "Block I/O:      error: KVTIER_IO_BACKEND='bogus' is not valid; valid values: c, python" in out
 
 
-def test_info_reports_the_crc_helper():
-    """The CRC helper line and JSON follow KVTIER_CRC_HELPER / _POLL_US, and
-    the automatic choice follows the CPUs this process may use (with the
-    fused CRC copy off: when on, the helper gets only what it leaves,
-    test_info_reports_the_crc_copy)."""
-    off = json.loads(run_info("--json", env={"KVTIER_CRC_HELPER": "0", "KVTIER_CRC_HELPER_POLL_US": "250"}).stdout)
-    assert off["crc_helper"] == {"enabled": False, "running": False, "poll_us": 250, "blocks": 0, "bytes": 0, "late": 0}
-    text = run_info(env={"KVTIER_CRC_HELPER": "0"}).stdout
-    assert "CRC helper:     off (KVTIER_CRC_HELPER)\n" in text
-    on = run_info(env={"KVTIER_CRC_HELPER": "yes", "KVTIER_CRC_HELPER_POLL_US": "300", "KVTIER_CRC_COPY": "0"}).stdout
-    assert ("CRC helper:     on (KVTIER_CRC_HELPER); C-core buffered checksummed loads >= 512 KiB; polls 300 us "
-            "before sleeping; not started yet: 0 blocks offered, 0 bytes checksummed on it, 0 back-offs\n") in on
-    py = run_info(env={"KVTIER_CRC_HELPER": "1", "KVTIER_IO_BACKEND": "python"}).stdout
-    helper_line = next(line for line in py.splitlines() if line.startswith("CRC helper:"))
-    assert helper_line.endswith("[not used: the block I/O backend is the pure-Python fallback]")
-    copy_line = next(line for line in py.splitlines() if line.startswith("CRC copy:"))
-    assert "[not used" not in copy_line  # the fallback uses the fused copy too
-    e = dict(os.environ, KVTIER_CRC_COPY="off")
-    e.pop("KVTIER_CRC_HELPER", None)
-    auto = subprocess.run([sys.executable, "-m", "kvtier", "info"], capture_output=True, text=True, env=e, check=True).stdout
-    n = len(os.sched_getaffinity(0))
-    want = "on" if n >= 2 else "off"
-    assert f"CRC helper:     {want} (auto: {n} CPU(s) usable)" in auto
-    bad = run_info(env={"KVTIER_CRC_HELPER": "maybe"}, rc=1).stdout
-    assert "CRC helper:     error: KVTIER_CRC_HELPER='maybe' is not valid; valid values: 1, true" in bad
-    assert "[not used" not in bad  # the backend is the C core; kvtier.io refused the setting
-    bad_json = json.loads(run_info("--json", env={"KVTIER_CRC_HELPER_POLL_US": "-3"}, rc=1).stdout)
-    assert bad_json["crc_helper"] is None  # no status next to the error
-    assert bad_json["crc_helper_error"].startswith("KVTIER_CRC_HELPER_POLL_US='-3' is not valid")
+def test_info_reports_the_io_engine():
+    """The I/O engine line and JSON follow the build (liburing) and
+    KVTIER_IO_URING: io_uring when built with liburing and the kernel gives a
+    ring, plain with KVTIER_IO_URING=0, an error for a bad value."""
+    from kvtier import _C
+
+    built = _C.io_engine_status()["liburing"]
+    d = json.loads(run_info("--json", env={"KVTIER_IO_URING": ""}).stdout)
+    assert d["io_engine"]["liburing"] is built and d["io_engine"]["setting"] == "unset"
+    assert d["io_engine"]["uring_ops"] == 0 and d["io_engine"]["plain_blocks"] == 0
+    text = run_info(env={"KVTIER_IO_URING": ""}).stdout
+    if not built:
+        assert d["io_engine"]["engine"] == "plain"
+        assert "I/O engine:     plain pread/pwrite (built without liburing" in text
+    elif d["io_engine"]["engine"] == "io_uring":
+        assert "I/O engine:     io_uring (liburing): O_DIRECT blocks in pieces in flight, CRC overlapped; 0 io_uring " \
+               "ops, 0 plain O_DIRECT blocks\n" in text
+    else:  # the kernel refused a ring here
+        assert d["io_engine"]["setup_errno"] > 0
+        assert "I/O engine:     plain pread/pwrite (the kernel refused io_uring: " in text
+    off = json.loads(run_info("--json", env={"KVTIER_IO_URING": "0"}).stdout)["io_engine"]
+    assert (off["engine"], off["setting"]) == ("plain", "0")
+    if built:
+        assert "I/O engine:     plain pread/pwrite (KVTIER_IO_URING=0)" in run_info(env={"KVTIER_IO_URING": "off"}).stdout
+    py = run_info(env={"KVTIER_IO_BACKEND": "python"}).stdout
+    line = next(ln for ln in py.splitlines() if ln.startswith("I/O engine:"))
+    assert line.endswith("[not used: the block I/O backend is the pure-Python fallback]")
+    bad = run_info(env={"KVTIER_IO_URING": "maybe"}, rc=1).stdout
+    assert "I/O engine:     error: KVTIER_IO_URING='maybe' is not valid; valid values: 1, true" in bad
+    bad_json = json.loads(run_info("--json", env={"KVTIER_IO_URING": "2"}, rc=1).stdout)
+    assert bad_json["io_engine"] is None and bad_json["io_engine_error"].startswith("KVTIER_IO_URING='2'")
 
 
 def _cpu_flags() -> set:
@@ -136,8 +138,7 @@ def test_info_reports_the_crc_copy():
     """The CRC copy line and JSON: the kernel follows the CPU flags in
     /proc/cpuinfo (independent of the C core's own CPUID probe), on by default
     where a fused kernel exists, off with KVTIER_CRC_COPY=0 or a forced CRC32C
-    backend, an error for a bad value; while it is on the helper takes only
-    what it leaves."""
+    backend, an error for a bad value."""
     flags = _cpu_flags()
     if platform.machine() != "x86_64":
         kernel = "generic"
@@ -150,16 +151,12 @@ def test_info_reports_the_crc_copy():
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     d = json.loads(subprocess.run([sys.executable, "-m", "kvtier", "info", "--json"], capture_output=True, text=True,
                                   env=base, check=True).stdout)
-    assert d["crc_copy"] == {"kernel": kernel, "enabled": kernel != "generic", "blocks": 0, "bytes": 0, "reused": 0}
+    assert d["crc_copy"] == {"kernel": kernel, "enabled": kernel != "generic", "blocks": 0, "bytes": 0}
     text = subprocess.run([sys.executable, "-m", "kvtier", "info"], capture_output=True, text=True, env=base,
                           check=True).stdout
     if kernel != "generic":
-        assert f"CRC copy:       on ({kernel}); C-core checksummed buffered loads: bounce buffer, then one pass " \
-               "of copy (non-temporal stores) + CRC32C: 0 blocks, 0 bytes; 0 into a recently loaded destination " \
-               "left to the regular path\n" in text
-        if d["crc_helper"]["enabled"]:
-            assert "CRC helper:     on for what the CRC copy leaves (recently loaded destinations; all with " \
-                   "KVTIER_CRC_COPY=0): 0 blocks offered, 0 back-offs\n" in text
+        assert f"CRC copy:       on ({kernel}); C-core checksummed loads: private memory, then one pass " \
+               "of copy (non-temporal stores) + CRC32C: 0 blocks, 0 bytes\n" in text
     else:
         assert "CRC copy:       off (no fused kernel for this CPU" in text
     off = run_info(env={"KVTIER_CRC_COPY": "0"}).stdout

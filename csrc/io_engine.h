@@ -1,0 +1,63 @@
+/* The block I/O engine: moves one block's bytes between an open file and the
+ * caller's buffer in a few large reads/writes, with the CRC32C computed while
+ * the next pieces are in flight (io_uring, csrc/uring.h) or right next to
+ * each piece (plain pread/pwrite). fs_io.c decides what to do with a block
+ * (open, record, verify, retry, publish); this file only moves bytes.
+ *
+ * Loads go through private per-thread memory: O_DIRECT pieces of up to
+ * KVT_PIECE bytes DMA'd into private slots (KVT_PIECES of them in flight),
+ * buffered ones KVT_IO_CHUNK at a time into a cache-resident bounce buffer;
+ * each piece then enters the caller's buffer in one move (the fused copy +
+ * CRC, csrc/crc32c/copy.c, where it is the verify pass), inside a commit
+ * section of the job state (job_state.h). So a corrupt or late block never
+ * leaves more in the caller's buffer than the pieces committed while live,
+ * and the CRC is computed on private bytes nobody else can write. */
+#ifndef KVTIER_IO_ENGINE_H
+#define KVTIER_IO_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "job_state.h"
+
+#define KVT_PIECE (1u << 20)     /* O_DIRECT load piece through io_uring, at most (bytes) */
+#define KVT_PIECE_MIN (64u << 10) /* ... at least: a quarter of the block in between */
+#define KVT_PIECES 4u            /* of them in flight: private memory per thread */
+#define KVT_SLACK 4096u          /* read past the block's end: proves the file ends there */
+#define KVT_ENGINE_CHUNK (256u * 1024u) /* buffered piece: stays in L2 for the copy */
+
+/* How each piece moves into the caller's buffer. */
+enum { KVT_MOVE_COPY = 0, KVT_MOVE_FUSED = 1, KVT_MOVE_CRC_COPY = 2 };
+
+/* kvt_engine_read outcomes besides 0 and errno values (all > 0). */
+#define KVT_READ_SHORT (-1) /* the file ended before len bytes */
+#define KVT_READ_LONG (-2)  /* the file has more than len bytes */
+
+/* Read the open file `fd` (O_DIRECT when *direct; cleared if the filesystem
+ * refuses it at the first I/O) into dst[0, len) as described above. `move`
+ * says how (KVT_MOVE_*); with KVT_MOVE_FUSED / KVT_MOVE_CRC_COPY *crc is the
+ * CRC32C of the bytes moved. Returns 0 (exactly len bytes and the file ends
+ * there), KVT_READ_SHORT / KVT_READ_LONG, ETIMEDOUT (the job state was not
+ * LIVE at a commit point: nothing more was written into dst), ENOMEM, or the
+ * errno of a failed read. */
+int kvt_engine_read(int fd, uint8_t *dst, size_t len, int *direct, int move, kvt_job_state *js, uint32_t *crc);
+
+/* Write src[0, len) at offset 0 of `fd` (O_DIRECT when *direct, cleared if
+ * refused); with `checksum` *crc = CRC32C(src), computed while the device
+ * writes (io_uring, O_DIRECT) or piece by piece just before the kernel copies
+ * it (buffered). Returns 0 or an errno value. */
+int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int checksum, uint32_t *crc);
+
+/* EINTR/short-transfer/O_DIRECT-refusal-safe pread/pwrite (plain path). */
+ssize_t kvt_read_full(int fd, uint8_t *p, size_t len, uint64_t off, int *direct);
+int kvt_write_full(int fd, const uint8_t *p, size_t len, uint64_t off, int *direct);
+/* Switch O_DIRECT on/off on an open fd: 0 or -1 with errno. */
+int kvt_set_direct(int fd, int on);
+
+typedef struct kvt_engine_stats {
+    uint64_t fused_blocks, fused_bytes; /* loads moved with the fused copy + CRC */
+} kvt_engine_stats;
+void kvt_engine_info(kvt_engine_stats *out);
+
+#endif

@@ -1,0 +1,144 @@
+"""The C core's I/O engine paths (csrc/io_engine.c, csrc/uring.c): io_uring
+and plain pread/pwrite, each forced by KVTIER_IO_URING and seen really used in
+kvtier._C.io_engine_status(); a kernel that refuses io_uring (a seccomp filter
+making io_uring_setup ENOSYS, tests/c/no_io_uring.c) falls back to the plain
+path with the same results.
+
+Each case runs a fresh interpreter (the mode is fixed at the first I/O) that
+stores and loads O_DIRECT blocks of several sizes (one piece, several pieces
+in flight, a partial last piece), with checksums on and off and under a job
+state, and checks bytes, xattr and the engine counters."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ci import unavailable
+
+ROOT = Path(__file__).resolve().parent.parent
+_C = pytest.importorskip("kvtier._C", reason="the I/O engine is the C core's")
+
+SCRIPT = r"""
+import json, mmap, os, sys
+import numpy as np
+from kvtier import io, _C
+d = sys.argv[1]
+assert io.backend == "c"
+if not io.probe_o_direct(d):
+    print("RESULT " + json.dumps({"no_direct": True}))
+    sys.exit(0)
+sizes = [256 << 10, 3 << 20, (5 << 20) + 4096, 16 << 20]
+bad = []
+for k, bs in enumerate(sizes):
+    src = mmap.mmap(-1, bs)
+    v = np.frombuffer(src, dtype=np.uint8)
+    v[:] = np.random.default_rng(k).integers(0, 256, bs, dtype=np.uint8)
+    for ck in (True, False):
+        p = os.path.join(d, f"b{k}_{int(ck)}.bin")
+        io.batch_store_block([p], v, [0], bs, use_o_direct=True, checksum=ck, job_state=bytearray(8))
+        with open(p, "rb") as f:
+            if f.read() != v.tobytes():
+                bad.append(["stored", bs, ck])
+        if ck and os.getxattr(p, "user.vllm.kv_crc32c") != _C.crc32c(v).to_bytes(4, "big"):
+            bad.append(["xattr", bs])
+        for js in (bytearray(8), None):
+            dst = mmap.mmap(-1, bs + 8192)
+            out = np.frombuffer(dst, dtype=np.uint8)
+            out[:] = 0xA5
+            io.batch_load_block([p], out, [4096], bs, use_o_direct=True, checksum=ck, job_state=js)
+            if not np.array_equal(out[4096:4096 + bs], v) or (out[:4096] != 0xA5).any() or (out[4096 + bs:] != 0xA5).any():
+                bad.append(["loaded", bs, ck, js is not None])
+# a block cut short / grown on disk: EIO, removed, on every path
+p = os.path.join(d, "b1_1.bin")
+os.truncate(p, (3 << 20) - 4096)
+try:
+    io.batch_load_block([p], np.zeros(3 << 20, np.uint8), [0], 3 << 20, use_o_direct=True, checksum=True,
+                        job_state=bytearray(8))
+    bad.append(["short loaded"])
+except OSError as e:
+    if e.errno != 5 or os.path.exists(p):
+        bad.append(["short", e.errno, os.path.exists(p)])
+p = os.path.join(d, "b2_0.bin")
+with open(p, "ab") as f:
+    f.write(b"x" * 8192)
+try:
+    io.batch_load_block([p], np.zeros((5 << 20) + 4096, np.uint8), [0], (5 << 20) + 4096, use_o_direct=True,
+                        checksum=False, job_state=bytearray(8))
+    bad.append(["long loaded"])
+except OSError as e:
+    if e.errno != 5 or os.path.exists(p):
+        bad.append(["long", e.errno, os.path.exists(p)])
+print("RESULT " + json.dumps({"bad": bad, "engine": _C.io_engine_status()}))
+"""
+
+
+def _run(tmp_path, env, prefix=()):
+    d = tmp_path / "blocks"
+    d.mkdir()
+    e = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    e.update(KVTIER_IO_BACKEND="c", **env)
+    r = subprocess.run([*prefix, sys.executable, "-c", SCRIPT, str(d)], capture_output=True, text=True, env=e,
+                       cwd=str(ROOT), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    res = json.loads(line[len("RESULT "):])
+    if res.get("no_direct"):
+        pytest.skip(f"{d} does not accept O_DIRECT")
+    assert res["bad"] == []
+    return res["engine"]
+
+
+def _need_liburing():
+    if os.environ.get("KVTIER_NO_LIBURING") == "1" and not _C.io_engine_status()["liburing"]:
+        pytest.skip("built without liburing on purpose (scripts/test-no-isal)")
+    if not _C.io_engine_status()["liburing"]:
+        unavailable("kvtier._C built without liburing (scripts/bootstrap installs liburing-dev)")
+
+
+def test_io_uring_path_forced(tmp_path):
+    _need_liburing()
+    eng = _run(tmp_path, {"KVTIER_IO_URING": "1"})
+    if eng["engine"] != "io_uring":
+        unavailable(f"the kernel refuses io_uring here ({os.strerror(eng['setup_errno'])})")
+    assert eng["setting"] == "1" and eng["setup_errno"] == 0
+    # 8 stores, each through a ring; 12 engine loads (checksum on: 2, off: 1 under a job
+    # state) of >= 4 pieces each (a quarter of the block, 64 KiB - 1 MiB)
+    assert eng["uring_ops"] >= 8 + 12 * 4 and eng["plain_blocks"] == 0
+
+
+def test_plain_path_forced(tmp_path):
+    eng = _run(tmp_path, {"KVTIER_IO_URING": "0"})
+    assert (eng["engine"], eng["setting"], eng["uring_ops"]) == ("plain", "0", 0)
+    assert eng["plain_blocks"] >= 8 + 4 * 3  # every O_DIRECT store and engine load
+
+
+@pytest.fixture(scope="module")
+def no_io_uring(tmp_path_factory):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        unavailable("no C compiler for tests/c/no_io_uring.c")
+    out = tmp_path_factory.mktemp("no_io_uring") / "no_io_uring"
+    subprocess.run([cc, "-O1", "-Wall", "-Werror", "-o", str(out), str(ROOT / "tests/c/no_io_uring.c")], check=True)
+    r = subprocess.run([str(out), "true"], capture_output=True, text=True)
+    if r.returncode != 0:
+        unavailable(f"cannot install a seccomp filter here: {r.stderr.strip()}")
+    return str(out)
+
+
+@pytest.mark.parametrize("setting", ["", "1"])
+def test_kernel_without_io_uring_falls_back(tmp_path, no_io_uring, setting):
+    """io_uring_setup fails with ENOSYS: unset or KVTIER_IO_URING=1, the
+    engine says plain with the kernel's reason, and every block round-trips
+    on the plain path (the same checks as above)."""
+    eng = _run(tmp_path, {"KVTIER_IO_URING": setting}, prefix=(no_io_uring,))
+    assert eng["engine"] == "plain" and eng["uring_ops"] == 0
+    assert eng["plain_blocks"] >= 8 + 4 * 3
+    if eng["liburing"]:
+        assert eng["setup_errno"] == errno.ENOSYS
