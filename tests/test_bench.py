@@ -1,6 +1,9 @@
 """`kvtier bench`: misses are not wrong bytes; --plot is checked before the run."""
 import json
 
+import pytest
+
+from ci import unavailable
 from kvtier import bench
 from kvtier.cli import main
 from mounts import mount_tmpfs
@@ -23,7 +26,7 @@ def test_bench_on_a_full_disk_counts_misses_as_failed_jobs_not_mismatches(capsys
 
     monkeypatch.setattr(os, "statvfs", roomy)
     with mount_tmpfs(size="1m") as root:
-        rc = main(["bench", "--preset", "tiny", "--blocks", "64", "--jobs", "4", "--repeat", "1",
+        rc = main(["bench", "--vllm", "off", "--min-pass-s", "0", "--preset", "tiny", "--blocks", "64", "--jobs", "4", "--repeat", "1",
                    "--root", str(root), "--no-progress", "--json", "--checksum", "on"])
     d = json.loads(capsys.readouterr().out)
     assert rc == 1 and d["ok"] is False
@@ -47,7 +50,7 @@ def test_bench_refuses_a_root_without_room_before_storing(capsys):
     import os
 
     with mount_tmpfs(size="256k") as root:
-        rc = main(["bench", "--preset", "tiny", "--blocks", "64", "--root", str(root), "--no-progress"])
+        rc = main(["bench", "--vllm", "off", "--min-pass-s", "0", "--preset", "tiny", "--blocks", "64", "--root", str(root), "--no-progress"])
         left = os.listdir(root)
     out, err = capsys.readouterr()
     assert rc == 2 and out == "" and left == []
@@ -58,7 +61,7 @@ def test_bench_refuses_a_root_without_room_before_storing(capsys):
 
 
 def test_bench_plot_into_a_missing_directory_fails_before_running(tmp_path, capsys):
-    rc = main(["bench", "--preset", "tiny", "--blocks", "4", "--root", str(tmp_path), "--no-progress",
+    rc = main(["bench", "--vllm", "off", "--min-pass-s", "0", "--preset", "tiny", "--blocks", "4", "--root", str(tmp_path), "--no-progress",
                "--plot", str(tmp_path / "nope" / "x.png")])
     err = capsys.readouterr().err
     assert rc == 2 and "does not exist or is not writable" in err
@@ -67,7 +70,7 @@ def test_bench_plot_into_a_missing_directory_fails_before_running(tmp_path, caps
 
 def test_bench_prints_the_table_then_writes_the_plot(tmp_path, capsys):
     png = tmp_path / "b.png"
-    rc = main(["bench", "--preset", "tiny", "--blocks", "4", "--jobs", "1", "--repeat", "1",
+    rc = main(["bench", "--vllm", "off", "--min-pass-s", "0", "--preset", "tiny", "--blocks", "4", "--jobs", "1", "--repeat", "1",
                "--root", str(tmp_path), "--no-progress", "--plot", str(png)])
     out, err = capsys.readouterr()
     assert rc == 0 and "0 mismatched, 0 failed jobs: OK" in out
@@ -77,7 +80,53 @@ def test_bench_prints_the_table_then_writes_the_plot(tmp_path, capsys):
 
 def test_bench_plot_name_without_a_known_image_type_fails_before_running(tmp_path, capsys):
     for bad in (tmp_path / "x.xyz", tmp_path / "noext", tmp_path):
-        rc = main(["bench", "--preset", "tiny", "--blocks", "4", "--root", str(tmp_path), "--no-progress",
+        rc = main(["bench", "--vllm", "off", "--min-pass-s", "0", "--preset", "tiny", "--blocks", "4", "--root", str(tmp_path), "--no-progress",
                    "--plot", str(bad)])
         assert rc == 2 and ".png" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # nothing was run or written
+
+
+def test_bench_modes_load_the_same_files_over_long_passes(tmp_path, monkeypatch):
+    """Checksum off and on load the very same files (the spy sees the same paths, the
+    checksummed store's), each load pass runs its jobs again until --min-pass-s, and the
+    GB/s spread over the repeats brackets the median."""
+    import kvtier.io as kio
+
+    real, seen = kio.batch_load_block, {False: set(), True: set()}
+
+    def spy(paths, view, offsets, block_size, **kw):
+        seen[bool(kw.get("checksum"))].update(map(str, paths))
+        return real(paths, view, offsets, block_size, **kw)
+
+    monkeypatch.setattr(kio, "batch_load_block", spy)
+    d = bench.run_bench("tiny", blocks=8, jobs=(2,), root=str(tmp_path), repeat=2, progress=False,
+                        vllm="off", min_pass_s=0.2)
+    assert d["ok"] and seen[False] and seen[False] == seen[True] and len(seen[True]) == 8
+    loads = [r for r in d["rows"] if r["op"] == "load"]
+    assert [r["mode"] for r in loads] == ["off", "on"]
+    for r in loads:
+        assert r["wall_s"] >= 0.2 and r["rounds"] >= 2
+        assert r["gbps_min"] <= r["gbps"] <= r["gbps_max"]
+        assert abs(r["gbps"] - r["bytes"] * r["rounds"] / r["wall_s"] / 1e9) < 0.5 * r["gbps"]
+    table = bench.format_table(d)
+    assert "median [min-max] of 2 passes of >= 0.2 s" in table and "every mode loading the same files" in table
+
+
+@pytest.mark.vllm
+def test_bench_vllm_column(tmp_path):
+    """With vLLM installed the table gets vLLM's own fs tier I/O (fs_io_C) for the same
+    jobs: stores and loads succeed, its loads are verified byte for byte like ours."""
+    from kvtier.peer import load_vllm_io
+
+    vio, note = load_vllm_io()
+    if vio is None:
+        unavailable(f"vLLM's fs tier io: {note}")
+    d = bench.run_bench("tiny", blocks=8, jobs=(2,), root=str(tmp_path), repeat=1, progress=False,
+                        vllm="on", min_pass_s=0)
+    assert d["ok"] and d["vllm"].startswith("vLLM 0.33")
+    assert [(r["op"], r["mode"]) for r in d["rows"]] == [
+        ("store", "off"), ("store", "on"), ("store", "vllm"), ("load", "off"), ("load", "on"), ("load", "vllm")]
+    assert all(r["failed_jobs"] == 0 and r["gbps"] > 0 for r in d["rows"])
+    assert d["verified_bytes"] == 3 * 8 * TINY_BLOCK  # 3 modes' loads compared with the source
+    head = bench.format_table(d).splitlines()
+    assert any("GB/s vLLM" in x and "on/vLLM" in x for x in head)

@@ -25,7 +25,7 @@ def test_preset_geometry():
 def test_bench_tiny_end_to_end_subprocess(tmp_path):
     png = tmp_path / "b.png"
     r = subprocess.run(
-        [sys.executable, "-m", "kvtier", "bench", "--preset", "tiny", "--blocks", "8", "--jobs", "1,2",
+        [sys.executable, "-m", "kvtier", "bench", "--vllm", "off", "--min-pass-s", "0", "--preset", "tiny", "--blocks", "8", "--jobs", "1,2",
          "--repeat", "1", "--root", str(tmp_path), "--json", "--no-progress", "--plot", str(png)],
         capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -43,7 +43,7 @@ def test_bench_tiny_end_to_end_subprocess(tmp_path):
 
 
 def test_bench_table_text(tmp_path, capsys):
-    assert main(["bench", "--preset", "tiny", "--blocks", "4", "--jobs", "1", "--repeat", "1",
+    assert main(["bench", "--vllm", "off", "--min-pass-s", "0", "--preset", "tiny", "--blocks", "4", "--jobs", "1", "--repeat", "1",
                  "--root", str(tmp_path), "--no-progress", "--checksum", "on"]) == 0
     out = capsys.readouterr().out
     assert "16.00 KiB per block" in out
@@ -59,7 +59,7 @@ def test_bench_detects_mismatch(tmp_path, monkeypatch, capsys):
         mv[offsets[0]] ^= 0xFF  # one wrong byte per job
 
     monkeypatch.setattr(kio, "batch_load_block", flipping)
-    rc = main(["bench", "--preset", "tiny", "--blocks", "4", "--jobs", "2", "--repeat", "1",
+    rc = main(["bench", "--vllm", "off", "--min-pass-s", "0", "--preset", "tiny", "--blocks", "4", "--jobs", "2", "--repeat", "1",
                "--root", str(tmp_path), "--no-progress", "--json"])
     assert rc == 1
     d = json.loads(capsys.readouterr().out)
@@ -67,10 +67,10 @@ def test_bench_detects_mismatch(tmp_path, monkeypatch, capsys):
 
 
 def test_bench_bad_args(tmp_path, capsys):
-    assert main(["bench", "--blocks", "0", "--root", str(tmp_path), "--no-progress"]) == 2
-    assert main(["bench", "--jobs", "a,b", "--no-progress"]) == 2
+    assert main(["bench", "--vllm", "off", "--min-pass-s", "0", "--blocks", "0", "--root", str(tmp_path), "--no-progress"]) == 2
+    assert main(["bench", "--vllm", "off", "--min-pass-s", "0", "--jobs", "a,b", "--no-progress"]) == 2
     with pytest.raises(SystemExit):
-        main(["bench", "--preset", "nope"])
+        main(["bench", "--vllm", "off", "--min-pass-s", "0", "--preset", "nope"])
 
 
 # ---------------------------------------------------------------- scrub
@@ -218,7 +218,7 @@ def test_plain_text():
 
 def test_bench_refuses_more_blocks_than_ram(capsys):
     """2 x blocks x block bytes above MemAvailable: exit 2 with one line, before any allocation."""
-    rc = main(["bench", "--preset", "llama-3.1-70b", "--blocks", "1000000", "--no-progress"])
+    rc = main(["bench", "--vllm", "off", "--min-pass-s", "0", "--preset", "llama-3.1-70b", "--blocks", "1000000", "--no-progress"])
     assert rc == 2
     err = capsys.readouterr().err
     bs = bench.PRESETS["llama-3.1-70b"].block_bytes(bench.DEFAULT_TOKENS)
@@ -228,7 +228,7 @@ def test_bench_refuses_more_blocks_than_ram(capsys):
 
 
 def test_bench_table_with_one_checksum_mode_keeps_its_columns(tmp_path, capsys):
-    rc = main(["bench", "--preset", "tiny", "--blocks", "4", "--jobs", "1", "--repeat", "1", "--root", str(tmp_path),
+    rc = main(["bench", "--vllm", "off", "--min-pass-s", "0", "--preset", "tiny", "--blocks", "4", "--jobs", "1", "--repeat", "1", "--root", str(tmp_path),
                "--checksum", "on", "--no-progress"])
     assert rc == 0
     lines = capsys.readouterr().out.splitlines()
@@ -243,7 +243,7 @@ def test_bench_table_with_one_checksum_mode_keeps_its_columns(tmp_path, capsys):
 def test_bench_on_ramfs_is_not_refused_for_space(ramfs_dir, capsys):
     """ramfs reports no size (statvfs f_blocks 0): the free-space check must not read that as full."""
     assert os.statvfs(ramfs_dir).f_blocks == 0
-    rc = main(["bench", "--preset", "tiny", "--blocks", "4", "--jobs", "1", "--repeat", "1", "--root", ramfs_dir,
+    rc = main(["bench", "--vllm", "off", "--min-pass-s", "0", "--preset", "tiny", "--blocks", "4", "--jobs", "1", "--repeat", "1", "--root", ramfs_dir,
                "--checksum", "off", "--no-progress"])
     out = capsys.readouterr()
     assert rc == 0, out.err
