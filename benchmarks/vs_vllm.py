@@ -10,9 +10,10 @@ every round, so drift and the page/CPU cache state hit all alike):
 
   vllm   vLLM 0.33's fs tier I/O (vllm.v1.kv_offload.tiering.fs.io, which calls
          vllm.fs_io_C; no checksum). Its .so names libtorch_cuda, libc10_cuda
-         and libnvrtc.so.13: three empty stub libraries are built with gcc at
-         run time and preloaded with torch CPU's libraries (../shared/vllm.md).
-         Without torch or vLLM the column is skipped (the header says so).
+         and libnvrtc.so.13: three empty stub libraries are built with the C
+         compiler at run time and preloaded with torch CPU's libraries
+         (kvtier/peer.py). Without torch or vLLM the column is skipped (the
+         header says so).
   off    kvtier.io, checksum off          } both with a job state (the engine's
   on     kvtier.io, checksum on           } deadline, default on: io_timeout_s)
   floor  a minimal C loop of the same syscalls (built with gcc, called through
@@ -21,7 +22,9 @@ every round, so drift and the page/CPU cache state hit all alike):
 
 Cells:
   1. one block per call, 256 KiB - 16 MiB, O_DIRECT on disk (--dir), store and load;
-  2. the same, buffered, on a tmpfs this script mounts (root only; else skipped);
+  2. the same, buffered, on a tmpfs this script mounts (root only; else skipped),
+     and loads of 1 and 4 MiB into the same, cache-hot destination every call
+     (what the removed destination-reuse rule and CRC helper were for);
   3. one call of 10,000 blocks of 4 KiB (buffered, --dir: page cache), store and load;
   4. a pool of 16 threads with 16 jobs in flight (each job: 4 blocks of 2 MiB,
      O_DIRECT), loads then stores: throughput.
@@ -58,6 +61,7 @@ import numpy as np
 import kvtier
 from kvtier import _C
 from kvtier import io as kio
+from kvtier.peer import load_vllm_io
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 
@@ -103,9 +107,6 @@ int floor_store(const char **tmp, const char **dest, char **bufs, size_t len, si
 }
 """
 
-STUB_LIBS = ("libtorch_cuda.so", "libc10_cuda.so", "libnvrtc.so.13")
-
-
 def fmt_size(n: int) -> str:
     return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
 
@@ -115,33 +116,6 @@ def gcc_shared(src: str, out: str, soname: "str | None" = None) -> None:
     if soname:
         cmd.insert(-3, f"-Wl,-soname,{soname}")
     subprocess.run(cmd, input=src.encode(), check=True, capture_output=True)
-
-
-def load_vllm(workdir: str):
-    """vLLM's fs tier io module with its C core, or (None, reason)."""
-    ts, vs = importlib.util.find_spec("torch"), importlib.util.find_spec("vllm")
-    if ts is None or vs is None:
-        return None, "torch or vLLM not installed: vLLM column skipped"
-    vdir = vs.submodule_search_locations[0]
-    if not os.path.exists(os.path.join(vdir, "fs_io_C.abi3.so")):
-        return None, f"{vdir}/fs_io_C.abi3.so missing: vLLM column skipped"
-    if shutil.which("gcc") is None:
-        return None, "no gcc to build the stub libraries: vLLM column skipped"
-    tlib = os.path.join(ts.submodule_search_locations[0], "lib")
-    for name in ("libc10.so", "libtorch_cpu.so", "libtorch.so"):
-        ctypes.CDLL(os.path.join(tlib, name), mode=ctypes.RTLD_GLOBAL)
-    for name in STUB_LIBS:
-        out = os.path.join(workdir, name)
-        gcc_shared("", out, soname=name)
-        ctypes.CDLL(out, mode=ctypes.RTLD_GLOBAL)
-    import vllm.v1.kv_offload.tiering.fs.io as vio
-
-    if not vio._HAS_FSIO_C:
-        return None, "vllm.fs_io_C did not load: vLLM column skipped"
-    import vllm
-
-    return vio, (f"vLLM {vllm.__version__} fs_io_C (stub {', '.join(STUB_LIBS)} built with gcc, "
-                 f"torch CPU libs preloaded)")
 
 
 class Floor:
@@ -274,25 +248,30 @@ class Table:
         sys.stdout.flush()
 
 
-def single_block_cells(contenders, d, pool, sizes, calls, direct, title):
+def single_block_cells(contenders, d, pool, sizes, calls, direct, title, hot=False, ops=("load", "store")):
+    """hot: every call uses the same destination/source (offset 0 of the pool:
+    cache-hot), else the next block of the pool (cold)."""
     names = list(contenders)
+    offsets = (lambda bs: [0]) if hot else pool.offsets
     t = Table(title, names)
     results = {}
     for bs in sizes:
         src = os.path.join(d, f"src_{bs}.bin")
         kio.batch_store_block([src], pool.mv, [0], bs, direct, True)
-        res_l = interleaved(names, calls, lambda n: contenders[n][0]([src], pool.mv, pool.offsets(bs), bs, direct))
+        res_l = interleaved(names, calls, lambda n: contenders[n][0]([src], pool.mv, offsets(bs), bs, direct))
         seq = [0]
 
         def store(n):
             seq[0] += 1
             p = os.path.join(d, f"st_{n}_{seq[0]}.bin")
-            contenders[n][1]([p], pool.mv, pool.offsets(bs), bs, direct)
+            contenders[n][1]([p], pool.mv, offsets(bs), bs, direct)
             return lambda: os.unlink(p)
 
-        res_s = interleaved(names, calls, store)
+        res_s = interleaved(names, calls, store) if "store" in ops else None
         os.unlink(src)
         for op, res in (("load", res_l), ("store", res_s)):
+            if res is None:
+                continue
             s = {n: summarize(v, 1) | {"raw": v} for n, v in res.items()}
             for n in s:
                 for k in ("wall", "q1", "q3", "cpu"):
@@ -448,7 +427,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pool-mib", type=int, default=512, help="caller buffer walked block by block (MiB)")
     ap.add_argument("--small-blocks", type=int, default=10000, help="blocks of 4 KiB in the batch cell")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and calls (a smoke run)")
-    ap.add_argument("--only", default="direct,tmpfs,small,pool", help="cells to run, comma separated")
+    ap.add_argument("--only", default="direct,tmpfs,hot,small,pool",
+                    help="cells to run, comma separated (hot needs tmpfs)")
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
     sizes = [256 * KiB, 1 * MiB, 2 * MiB, 4 * MiB, 16 * MiB]
@@ -458,7 +438,9 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp(prefix="kvt-vs-vllm-")
     base = args.dir or "/var/tmp"
     disk = tempfile.mkdtemp(prefix="kvt-vs-vllm-", dir=base)
-    vio, vnote = load_vllm(work)
+    vio, vnote = load_vllm_io(work)
+    if vio is None:
+        vnote = f"{vnote}: vLLM column skipped"
     pool = Pool(args.pool_mib * MiB)
     floor = Floor(work, pool)
     contenders = make_contenders(vio, floor)
@@ -485,6 +467,11 @@ def main(argv=None) -> int:
             else:
                 results["tmpfs"] = single_block_cells(contenders, tmpfs, pool, sizes, calls, False,
                                                       "one block per call, buffered, tmpfs")
+                if "hot" in only:
+                    results["hot"] = single_block_cells(
+                        contenders, tmpfs, pool, [1 * MiB, 4 * MiB], calls, False,
+                        "buffered loads into the same (cache-hot) destination every call, tmpfs", hot=True,
+                        ops=("load",))
         if "small" in only:
             results["small"] = small_batch_cells(contenders, disk, pool, args.small_blocks,
                                                  3 if args.quick else 9)
