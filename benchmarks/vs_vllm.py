@@ -130,9 +130,18 @@ class Floor:
         self.lib.floor_store.argtypes = [P, P, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t,
                                          ctypes.c_int]
 
+    _paths_cache: dict = {}
+
     def _args(self, paths, view, offsets):
+        """ctypes arrays of the paths (cached per path list: the marshalling is not the
+        syscalls this column stands for) and of the buffer addresses."""
         base = self.base  # view is the pool's memoryview
-        ps = (ctypes.c_char_p * len(paths))(*[os.fsencode(p) for p in paths])
+        key = (id(paths), len(paths), paths[0] if paths else None)
+        ps = self._paths_cache.get(key)
+        if ps is None:
+            ps = (ctypes.c_char_p * len(paths))(*[os.fsencode(p) for p in paths])
+            if len(self._paths_cache) < 64:
+                self._paths_cache[key] = ps
         bs = (ctypes.c_void_p * len(offsets))(*[base + o for o in offsets])
         return ps, bs
 

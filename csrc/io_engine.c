@@ -70,6 +70,26 @@ int kvt_write_full(int fd, const uint8_t *p, size_t len, uint64_t off, int *dire
     return 0;
 }
 
+/* pread at least `min` and at most `max` bytes at `off` (fewer only at the end
+ * of the file): one call when the first read brings `min`. Returns the bytes
+ * read or -1 with errno. */
+static ssize_t read_at_least(int fd, uint8_t *p, size_t min, size_t max, uint64_t off, int *direct)
+{
+    size_t got = 0;
+    while (got < min) {
+        ssize_t r = pread(fd, p + got, max - got, (off_t)(off + got));
+        if (r < 0) {
+            if (retry_io(fd, direct))
+                continue;
+            return -1;
+        }
+        if (r == 0)
+            break;
+        got += (size_t)r;
+    }
+    return (ssize_t)got;
+}
+
 ssize_t kvt_read_full(int fd, uint8_t *p, size_t len, uint64_t off, int *direct)
 {
     size_t got = 0;
@@ -167,12 +187,15 @@ static int read_plain(int fd, uint8_t *dst, size_t len, uint8_t *priv, size_t pi
     for (size_t off = 0; off < len;) {
         size_t n = len - off < piece ? len - off : piece;
         int last = off + n == len;
-        ssize_t r = kvt_read_full(fd, priv, n + (last ? KVT_SLACK : 0), off, direct);
+        /* The last piece asks for KVT_SLACK more: a regular file answers a read
+         * past its end short, so one pread sees where the file ends. */
+        ssize_t r = read_at_least(fd, priv, n, n + (last ? KVT_SLACK : 0), off, direct);
         if (r < 0)
             return errno ? errno : EIO;
-        if ((size_t)r < n)
+        size_t got = (size_t)r;
+        if (got < n)
             return KVT_READ_SHORT;
-        if ((size_t)r > n)
+        if (got > n)
             return KVT_READ_LONG;
         int e = commit_piece(dst + off, priv, n, move, js, crc);
         if (e)
