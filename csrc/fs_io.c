@@ -466,7 +466,8 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
             *remove = 1; /* shrank after fstat: short read */
         return err;
     }
-    int move = !have_rec ? KVT_MOVE_COPY : (!reread && crc_copy_enabled()) ? KVT_MOVE_FUSED : KVT_MOVE_CRC_COPY;
+    int move = !have_rec ? (crc_copy_enabled() ? KVT_MOVE_NT : KVT_MOVE_COPY)
+                         : (!reread && crc_copy_enabled()) ? KVT_MOVE_FUSED : KVT_MOVE_CRC_COPY;
     uint32_t got = 0;
     err = kvt_engine_read(fd, buf, len, direct, move, js, &got);
     if (err == KVT_READ_SHORT || err == KVT_READ_LONG) {

@@ -167,7 +167,7 @@ static int commit_piece(uint8_t *dst, const uint8_t *src, size_t n, int move, kv
 {
     if (!kvt_job_commit_begin(js))
         return ETIMEDOUT; /* expired: not a byte of this piece enters dst */
-    if (move == KVT_MOVE_FUSED) {
+    if (move == KVT_MOVE_FUSED || move == KVT_MOVE_NT) {
         *crc = kvt_crc32c_copy(*crc, dst, src, n);
     } else {
         if (move == KVT_MOVE_CRC_COPY)

@@ -28,7 +28,13 @@
 #define KVT_ENGINE_CHUNK (256u * 1024u) /* buffered piece: stays in L2 for the copy */
 
 /* How each piece moves into the caller's buffer. */
-enum { KVT_MOVE_COPY = 0, KVT_MOVE_FUSED = 1, KVT_MOVE_CRC_COPY = 2 };
+enum {
+    KVT_MOVE_COPY = 0,     /* memcpy */
+    KVT_MOVE_FUSED = 1,    /* the fused copy + CRC (the verify pass) */
+    KVT_MOVE_CRC_COPY = 2, /* the active backend's CRC, then memcpy */
+    KVT_MOVE_NT = 3,       /* the fused kernel's non-temporal copy, CRC unused: into a cold
+                              buffer cheaper than memcpy's read-for-ownership */
+};
 
 /* kvt_engine_read outcomes besides 0 and errno values (all > 0). */
 #define KVT_READ_SHORT (-1) /* the file ended before len bytes */
