@@ -3,6 +3,8 @@ backend parametrisation (each test body runs against the C core and the
 pure-Python fallback, calling that implementation)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from mounts import mount_loop, mount_ramfs, mount_tmpfs
@@ -43,3 +45,27 @@ def ext4_dir():
     """A fresh 64 MiB ext4 on a loop device (real O_DIRECT, xattrs in inode)."""
     with mount_loop("ext4", size_mb=64) as d:
         yield d
+
+
+@pytest.fixture(scope="session", params=["glusterfs", "moosefs"])
+def dfs(request):
+    """A running distributed filesystem (tests/dfs.py), one per session and kind: ``.mounts``
+    = [node A's mount, node B's mount] of one volume, ``.storage_pids``, ``.kind``."""
+    import dfs as _dfs
+
+    with _dfs.cluster(request.param) as c:
+        yield c
+
+
+@pytest.fixture
+def dfs_dirs(dfs, request):
+    """A fresh directory on the distributed filesystem: (path through node A, same path
+    through node B); removed after the test."""
+    import shutil
+    import uuid
+
+    name = f"t-{request.node.name[:40]}-{uuid.uuid4().hex[:8]}".replace("[", "-").replace("]", "")
+    a, b = (os.path.join(m, name) for m in dfs.mounts)
+    os.mkdir(a)
+    yield a, b
+    shutil.rmtree(a, ignore_errors=True)

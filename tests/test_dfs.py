@@ -1,0 +1,184 @@
+"""Two nodes on one real distributed filesystem (GlusterFS, MooseFS): tests/dfs.py starts
+the servers in a network namespace and two FUSE clients (node A, node B); each test runs a
+tier per node, node B's in another process (tests/dfs_node.py), and checks every byte.
+
+Clients mount with the options docs/shared-filesystems.md recommends (GlusterFS
+``--fopen-keep-cache=false``, MooseFS ``mfsxattrcacheto=0``)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import dfs_node
+from corrupt import flip_bit
+
+import kvtier
+
+pytestmark = pytest.mark.dfs
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BS = 256 * 1024  # bytes per block
+N = 24
+
+
+def node(op, root, *args, backend=None, wait=True, **kw):
+    """Run tests/dfs_node.py ``op`` on ``root`` in a new process; returns its JSON result
+    (or the Popen with ``wait=False``)."""
+    argv = [sys.executable, os.path.join(HERE, "dfs_node.py"), op, root,
+            "--blocks", str(kw.pop("blocks", N)), "--block-bytes", str(kw.pop("bs", BS)), *args]
+    for k, v in kw.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    env = dict(os.environ)
+    if backend:
+        env["KVTIER_IO_BACKEND"] = backend
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    if not wait:
+        return p
+    return finish(p)
+
+
+def finish(p, timeout=120):
+    out, err = p.communicate(timeout=timeout)
+    assert p.returncode == 0, f"{p.args}: exit {p.returncode}\n{err[-3000:]}"
+    return json.loads(out)
+
+
+def store_here(root, seed=0, n=N, o_direct=True):
+    """Store blocks 0..n-1 of ``seed`` through a tier in this process; returns (tier paths, src)."""
+    from kvtier.manager import TransferJob
+
+    src = dfs_node.blocks(seed, n, BS)
+    t = dfs_node.tier(src.copy(), root, True, o_direct)
+    try:
+        t.submit_store(TransferJob("s", [dfs_node.key(seed, i) for i in range(n)], list(range(n))))
+        assert t.drain_jobs(timeout=120)
+        (r,) = t.get_finished_jobs()
+        assert r.success, r.error
+        return [t.file_mapper.get_file_name(dfs_node.key(seed, i)) for i in range(n)], src
+    finally:
+        t.shutdown()
+
+
+def via(path, a, b):
+    """The same file through the other mount."""
+    assert path.startswith(a + "/")
+    return b + path[len(a):]
+
+
+def files_under(root):
+    out = {"bin": [], "tmp": [], "other": []}
+    for d, _, fs in os.walk(root):
+        for f in fs:
+            kind = "bin" if f.endswith(".bin") else "tmp" if f.endswith(".tmp") else "other"
+            out[kind].append(os.path.join(d, f))
+    return out
+
+
+def eventually(cond, timeout=10.0):
+    """Poll ``cond`` until true or ``timeout`` s (a client's name cache lags ~1 s)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.parametrize("backend", ["c", "python"])
+def test_store_on_a_load_on_b_every_byte(dfs, dfs_dirs, backend):
+    a, b = dfs_dirs
+    paths, src = store_here(a)
+    for i, p in enumerate(paths):  # the CRC32C xattr node A set is what node B reads
+        pb = via(p, a, b)
+        assert os.path.getsize(pb) == BS
+        assert os.getxattr(pb, "user.vllm.kv_crc32c") == kvtier.crc32c(src[i].tobytes()).to_bytes(4, "big")
+    r = node("load", b, backend=backend)
+    assert r["loaded"] == list(range(N)) and r["missed"] == []
+    assert r["mismatched_bytes"] == 0 and r["checksum_failed"] == 0 and r["errors"] == []
+    assert not files_under(a)["tmp"]
+
+
+@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "o_direct"])
+def test_byte_flipped_through_b_is_caught_through_a(dfs, dfs_dirs, o_direct):
+    a, b = dfs_dirs
+    paths, src = store_here(a, o_direct=o_direct)
+    r = node("load", a, o_direct=int(o_direct))  # node A has read them: its page cache is warm
+    assert r["loaded"] == list(range(N)) and r["mismatched_bytes"] == 0
+    bad = {3, 17}
+    for i in bad:
+        flip_bit(via(paths[i], a, b), BS // 2 + i)
+    r = node("load", a, o_direct=int(o_direct))
+    assert r["missed"] == sorted(bad), r
+    assert r["checksum_failed"] == len(bad) and r["errors"] == ["EBADMSG"]
+    assert r["loaded"] == sorted(set(range(N)) - bad) and r["mismatched_bytes"] == 0
+    for i in range(N):  # condemned files are gone through both nodes, the others kept intact
+        if i in bad:
+            assert not os.path.exists(paths[i])
+            assert eventually(lambda: not os.path.exists(via(paths[i], a, b)))
+        else:
+            with open(via(paths[i], a, b), "rb") as f:
+                assert f.read() == src[i].tobytes()
+
+
+def test_both_nodes_store_the_same_keys_at_once(dfs, dfs_dirs, tmp_path):
+    a, b = dfs_dirs
+    go = str(tmp_path / "go")
+    pa = node("store", a, wait=False, go=go)
+    pb = node("store", b, wait=False, go=go)
+    time.sleep(1.0)  # both processes up, tiers open, waiting
+    open(go, "w").close()
+    ra, rb = finish(pa), finish(pb)
+    # Every key stored by at least one node. A store may fail, never leaving a temp: on
+    # GlusterFS a node's mkdir of a directory the other node just made gives EEXIST, and
+    # its open in it ENOENT for about a second (name cache); that block is the other's.
+    assert set(ra["loaded"]) | set(rb["loaded"]) == set(range(N)), (ra, rb)
+    assert set(ra["errors"]) | set(rb["errors"]) <= {"ENOENT"}, (ra, rb)
+    src = dfs_node.blocks(0, N, BS)
+    for root in (a, b):
+        f = files_under(root)
+        assert f["tmp"] == [], f["tmp"]
+        assert len(f["bin"]) == N
+    names = sorted(os.path.basename(p) for p in files_under(b)["bin"])
+    want = sorted(dfs_node.key(0, i)[0].hex() + ".bin" for i in range(N))
+    assert names == want
+    by_name = {dfs_node.key(0, i)[0].hex() + ".bin": i for i in range(N)}
+    for p in files_under(b)["bin"]:
+        i = by_name[os.path.basename(p)]
+        with open(p, "rb") as fh:
+            assert fh.read() == src[i].tobytes()
+        assert os.getxattr(p, "user.vllm.kv_crc32c") == kvtier.crc32c(src[i].tobytes()).to_bytes(4, "big")
+    r = node("load", a)
+    assert r["loaded"] == list(range(N)) and r["mismatched_bytes"] == 0
+
+
+def test_scrub_remove_on_b_while_a_loads(dfs, dfs_dirs, tmp_path):
+    a, b = dfs_dirs
+    paths, src = store_here(a)
+    bad = [1, 8, 9, 20]
+    for i in bad:
+        flip_bit(via(paths[i], a, b), 7 * i)
+    good = [i for i in range(N) if i not in bad]
+    stop = str(tmp_path / "stop")
+    loader = node("load", a, wait=False, until=stop, only=",".join(map(str, good)))
+    time.sleep(1.0)
+    sc = subprocess.run([sys.executable, "-m", "kvtier", "scrub", "--remove", "--json", "--no-progress", b],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
+    open(stop, "w").close()
+    r = finish(loader)
+    assert sc.returncode == 1, sc.stderr
+    d = json.loads(sc.stdout)
+    assert d["counts"]["corrupt"] == len(bad) and d["counts"]["ok"] == len(good), d["counts"]
+    assert sorted(d["removed"]) == sorted(via(paths[i], a, b) for i in bad)
+    assert r["passes"] >= 1 and r["loaded"] == good and r["mismatched_bytes"] == 0 and r["errors"] == []
+    for i in range(N):
+        if i in bad:
+            assert eventually(lambda: not os.path.exists(paths[i]))
+        else:
+            with open(paths[i], "rb") as fh:
+                assert fh.read() == src[i].tobytes()
