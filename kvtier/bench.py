@@ -557,7 +557,7 @@ def plot(d: dict, path: str) -> None:
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand (options, preset list in the epilog) to ``sub``, an
     argparse subparsers object; returns the new parser (its ``func`` is :func:`cmd_bench`)."""
-    from kvtier.cli import plain_text
+    from kvtier._clitext import plain_text
 
     p = sub.add_parser(
         "bench", help="store and load real-model KV blocks through the tier, checksum off vs on vs vLLM",

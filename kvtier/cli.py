@@ -3,6 +3,7 @@
     kvtier info            what is built and active: C core, CRC32C backends, ISA-L, CPU, DSA
     kvtier bench           store/load real-model KV blocks through the tier, checksum off vs on
     kvtier scrub ROOT      verify every block of a cache against its CRC32C and size
+    kvtier doctor ROOT     check a mount before using it as a cache root (xattrs, O_DIRECT, caches)
 """
 from __future__ import annotations
 
@@ -143,18 +144,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 1 if str(d["io_backend"]).startswith("error: ") else 0
 
 
-def plain_text(doc: str) -> str:
-    """A reST docstring as terminal text for --help: ``code`` and
-    :role:`target` (``~`` prefix dropped) become plain words; tables and
-    indentation stay as they are."""
-    import re
-
-    doc = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", doc)
-    return re.sub(r"``([^`]+)``", r"\1", doc)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    """The ``kvtier`` argument parser with its subcommands ``info``, ``bench`` and ``scrub``;
+    """The ``kvtier`` argument parser with its subcommands ``info``, ``bench``, ``scrub`` and ``doctor``;
     each sets ``func``, the handler that takes the parsed Namespace and returns an exit status."""
     p = argparse.ArgumentParser(prog="kvtier", description="Checksummed storage tier for LLM KV-cache blocks.")
     p.add_argument("--version", action="version", version=f"kvtier {kvtier.__version__}")
@@ -163,11 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     pi = sub.add_parser("info", help="what is built and active: C core, CRC32C backends, ISA-L, CPU, DSA")
     pi.add_argument("--json", action="store_true", help="print a JSON object")
     pi.set_defaults(func=cmd_info)
-    # --- tier helper: bench and scrub (kvtier/bench.py, kvtier/scrub.py) ---
-    from kvtier import bench as _bench, scrub as _scrub
+    # --- tier helper: bench, scrub, doctor (kvtier/bench.py, kvtier/scrub.py, kvtier/doctor.py) ---
+    from kvtier import bench as _bench, doctor as _doctor, scrub as _scrub
 
     _bench.add_parser(sub)
     _scrub.add_parser(sub)
+    _doctor.add_parser(sub)
     # --- end tier helper ---
     return p
 

@@ -372,7 +372,7 @@ def format_report(d: dict) -> str:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``scrub`` subcommand to ``sub`` (an argparse subparsers object); returns it."""
-    from kvtier.cli import plain_text
+    from kvtier._clitext import plain_text
 
     p = sub.add_parser("scrub", help="verify every block of a cache against its CRC32C xattr and size",
                        description=plain_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)

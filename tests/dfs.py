@@ -17,8 +17,8 @@ Clients mount with the options docs/shared-filesystems.md recommends
         c.mounts       # [mount of node A, mount of node B]
         c.storage_pids # brick / chunkserver PIDs (SIGSTOP them to stall the storage)
 
-Run by hand: ``python tests/dfs.py glusterfs`` starts one, prints the mounts, and tears
-it down on Enter.
+Run by hand: ``python tests/dfs.py glusterfs [SECONDS]`` starts one, prints the mounts, and
+tears it down on Enter (or after SECONDS, or on SIGTERM).
 
 Missing root, /dev/fuse, ``ip netns`` or the packages (``scripts/bootstrap --test``) calls
 ``ci.unavailable`` (a skip; a failure under ``CI=true``).
@@ -371,7 +371,13 @@ if __name__ == "__main__":
     t0 = time.monotonic()
     with cluster(sys.argv[1]) as c:
         print(f"{c.kind} ({c.fstype}) up in {time.monotonic() - t0:.1f} s: mounts {c.mounts}, storage PIDs {c.storage_pids}")
-        if sys.stdin.isatty():
+        if len(sys.argv) > 2:  # hold for that many seconds (or until SIGINT/SIGTERM)
+            signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+            try:
+                time.sleep(float(sys.argv[2]))
+            except (KeyboardInterrupt, SystemExit):
+                pass
+        elif sys.stdin.isatty():
             input("Enter to tear down ")
         t0 = time.monotonic()
     print(f"down in {time.monotonic() - t0:.1f} s")

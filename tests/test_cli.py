@@ -211,7 +211,7 @@ def test_subcommand_help_is_plain_text(cmd, capsys):
 
 
 def test_plain_text():
-    from kvtier.cli import plain_text
+    from kvtier._clitext import plain_text
 
     assert plain_text("see :class:`~kvtier.x.Y` and ``--root`` or :func:`f`") == "see kvtier.x.Y and --root or f"
 
