@@ -1,5 +1,6 @@
 """`kvtier bench`: misses are not wrong bytes; --plot is checked before the run."""
 import json
+import os
 
 import pytest
 
@@ -130,3 +131,38 @@ def test_bench_vllm_column(tmp_path):
     assert d["verified_bytes"] == 3 * 8 * TINY_BLOCK  # 3 modes' loads compared with the source
     head = bench.format_table(d).splitlines()
     assert any("GB/s vLLM" in x and "on/vLLM" in x for x in head)
+
+
+def test_two_client_mode_same_directory(tmp_path):
+    """`kvtier bench --root D --peer-root D`: two processes on one directory (the local
+    stand-in for two mounts; tests/test_dfs.py runs it across two clients)."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "kvtier", "bench", "--root", str(tmp_path), "--peer-root",
+                        str(tmp_path), "--preset", "tiny", "--blocks", "8", "--repeat", "2", "--checksum", "on",
+                        "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = json.loads(p.stdout)
+    assert [(r["engine"], r["op"]) for r in d["rows"]] == [("kvtier checksum on", "store"), ("kvtier checksum on", "load")]
+    assert all(r["failed_blocks"] == 0 and r["mismatched_bytes"] == 0 and r["gbps_total"] > 0 for r in d["rows"])
+    assert d["repeat"] == 2 and d["blocks"] == 8 and os.listdir(tmp_path) == []
+
+
+def test_two_client_mode_refuses_another_directory(tmp_path):
+    from kvtier.bench_nodes import run_two_clients
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with pytest.raises(ValueError, match="not the same directory"):
+        run_two_clients(str(tmp_path / "a"), str(tmp_path / "b"), visible_timeout=0.2)
+    assert os.listdir(tmp_path / "a") == [] and os.listdir(tmp_path / "b") == []
+    with pytest.raises(ValueError, match="blocks must be a positive int"):
+        run_two_clients(str(tmp_path / "a"), str(tmp_path / "a"), blocks=0)
+
+
+def test_two_client_mode_needs_root(capsys):
+    from kvtier.cli import main
+
+    assert main(["bench", "--peer-root", "/tmp"]) == 2
+    assert "--peer-root needs --root" in capsys.readouterr().err

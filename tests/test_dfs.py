@@ -182,3 +182,20 @@ def test_scrub_remove_on_b_while_a_loads(dfs, dfs_dirs, tmp_path):
         else:
             with open(paths[i], "rb") as fh:
                 assert fh.read() == src[i].tobytes()
+
+
+def test_two_client_bench(dfs, dfs_dirs):
+    a, b = dfs_dirs
+    p = subprocess.run([sys.executable, "-m", "kvtier", "bench", "--root", a, "--peer-root", b, "--preset", "tiny",
+                        "--blocks", "24", "--repeat", "1", "--json"],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = json.loads(p.stdout)
+    assert [(r["engine"], r["op"]) for r in d["rows"]] == [
+        ("kvtier checksum off", "store"), ("kvtier checksum off", "load"),
+        ("kvtier checksum on", "store"), ("kvtier checksum on", "load")]
+    for r in d["rows"]:
+        assert r["failed_blocks"] == 0 and r["mismatched_bytes"] == 0
+        assert 0 < r["gbps_a"] and 0 < r["gbps_b"] and r["gbps_total"] > 0
+    assert d["fstype"] == dfs.fstype and d["ok"] is True
+    assert os.listdir(a) == []  # the bench directory is removed
