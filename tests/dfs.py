@@ -169,6 +169,12 @@ class Cluster:
         return "\n".join(out)
 
     @property
+    def pids(self) -> List[int]:
+        """Every daemon started for this filesystem (glusterd's bricks included)."""
+        bricks = self.storage_pids if self.kind == "glusterfs" else []
+        return sorted({p.pid for p in self._procs.values()} | set(bricks))
+
+    @property
     def storage_pids(self) -> List[int]:
         """PIDs of the processes holding the data (GlusterFS bricks, MooseFS chunkservers)."""
         if self.kind == "moosefs":
@@ -370,7 +376,8 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     t0 = time.monotonic()
     with cluster(sys.argv[1]) as c:
-        print(f"{c.kind} ({c.fstype}) up in {time.monotonic() - t0:.1f} s: mounts {c.mounts}, storage PIDs {c.storage_pids}")
+        print(f"{c.kind} ({c.fstype}) up in {time.monotonic() - t0:.1f} s: mounts {c.mounts}, storage PIDs "
+              f"{c.storage_pids}, namespaces {c.net.server} {c.net.client}, PIDs {c.pids}", flush=True)
         if len(sys.argv) > 2:  # hold for that many seconds (or until SIGINT/SIGTERM)
             signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
             try:

@@ -199,3 +199,40 @@ def test_two_client_bench(dfs, dfs_dirs):
         assert 0 < r["gbps_a"] and 0 < r["gbps_b"] and r["gbps_total"] > 0
     assert d["fstype"] == dfs.fstype and d["ok"] is True
     assert os.listdir(a) == []  # the bench directory is removed
+
+
+@pytest.mark.parametrize("kind", ["glusterfs", "moosefs"])
+def test_cluster_teardown_leaves_nothing(kind):
+    """tests/dfs.py stops every daemon it started and deletes its namespaces, mounts and files
+    (run in a process of its own: the session's clusters stay up meanwhile)."""
+    import ast
+    import re
+
+    import dfs as _dfs
+
+    why = _dfs.missing(kind)
+    if why:
+        from ci import unavailable
+
+        unavailable(why)
+    p = subprocess.run([sys.executable, os.path.join(HERE, "dfs.py"), kind, "0"], stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    m = re.search(r"mounts (\[.*?\]), storage PIDs (\[.*?\]), namespaces (\S+) (\S+), PIDs (\[.*?\])", p.stdout)
+    mounts, storage, ns_s, ns_c, pids = ast.literal_eval(m[1]), ast.literal_eval(m[2]), m[3], m[4], ast.literal_eval(m[5])
+    assert len(mounts) == 2 and len(storage) == 2 and set(storage) <= set(pids)
+    work = os.path.dirname(mounts[0])
+    for pid in pids:  # gone, a zombie of a reaper that is not ours, or the PID reused by another program
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        assert state == "Z" or work not in cmd, f"{pid} still running: {cmd}"
+    assert not os.path.exists(f"/run/netns/{ns_s}") and not os.path.exists(f"/run/netns/{ns_c}")
+    with open("/proc/self/mountinfo") as f:
+        mi = f.read()
+    for mnt in mounts:
+        assert mnt not in mi and not os.path.exists(os.path.dirname(mnt))
