@@ -41,6 +41,7 @@ SUBNET = "10.214.14"  # .1 servers, .2 clients; only inside the two namespaces m
 SERVER_IP = SUBNET + ".1"
 CLIENT_IP = SUBNET + ".2"
 START_TIMEOUT = 60.0  # s, any one start-up step
+GLUSTER_PING_TIMEOUT = 10  # s, network.ping-timeout of the test volume
 _PROGRAMS = {
     "glusterfs": ("glusterd", "gluster", "glusterfs"),
     "moosefs": ("mfsmaster", "mfschunkserver", "mfsmount", "mfssettrashtime", "mfscheckfile"),
@@ -189,6 +190,23 @@ class Cluster:
                     pids.append(int(txt))
         return pids
 
+    def client_tool(self, *argv: str) -> str:
+        """Run a client-side tool (mfssetgoal, mfsfileinfo...) in the clients' namespace."""
+        return _run(self.net.cmd(self.net.client, list(argv))).stdout
+
+    def storage_of(self, path: str) -> List[int]:
+        """Indices (into :attr:`storage_pids`) of the storage servers holding the data of
+        ``path`` (a file under one of :attr:`mounts`)."""
+        mnt = next(m for m in self.mounts if path.startswith(m + "/"))
+        if self.kind == "glusterfs":  # the brick holding the data file (not a DHT link file)
+            rel = os.path.relpath(path, mnt)
+            size = os.path.getsize(path)
+            return [i for i in (0, 1) if os.path.isfile(p := os.path.join(self.work, f"brick{i + 1}", rel))
+                    and os.path.getsize(p) == size and size > 0]
+        info = self.client_tool("mfsfileinfo", path)  # "copy 1: 10.214.14.1:9422 ..."
+        return sorted({int(port) - 9422 for port in
+                       (w.split(":")[-1] for w in info.split() if w.startswith(SERVER_IP + ":")) if port.isdigit()})
+
     # -------------------------------------------------------------- start
     def start(self) -> None:
         (self._start_gluster if self.kind == "glusterfs" else self._start_moosefs)()
@@ -237,6 +255,9 @@ class Cluster:
             os.makedirs(b)
             bricks.append(f"{SERVER_IP}:{b}")
         self.gluster("volume", "create", "kvt", "transport", "tcp", *bricks, "force")
+        # a client declares a silent brick gone after this (default 42 s); until then a
+        # directory lookup, which asks every brick, waits for it (the stopped-brick test)
+        self.gluster("volume", "set", "kvt", "network.ping-timeout", str(GLUSTER_PING_TIMEOUT))
         self.gluster("volume", "start", "kvt")
         _wait("gluster bricks", lambda: len(self.storage_pids) == 2, procs=[p])
 

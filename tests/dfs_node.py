@@ -36,10 +36,10 @@ def blocks(seed: int, n: int, bs: int) -> np.ndarray:
     return np.frombuffer(np.random.default_rng(seed).bytes(n * bs), dtype=np.uint8).reshape(n, bs)
 
 
-def tier(buf: np.ndarray, root: str, checksum: bool, o_direct: bool, **kw):
+def tier(buf: np.ndarray, root: str, checksum: bool, o_direct: bool, threads: int = 4, **kw):
     from kvtier.manager import FileSystemTierManager
 
-    return FileSystemTierManager(buf, root, MODEL, n_read_threads=4, n_write_threads=4,
+    return FileSystemTierManager(buf, root, MODEL, n_read_threads=threads, n_write_threads=threads,
                                  checksum_blocks=checksum, use_o_direct=o_direct, **kw)
 
 

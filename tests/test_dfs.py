@@ -6,6 +6,7 @@ Clients mount with the options docs/shared-filesystems.md recommends (GlusterFS
 ``--fopen-keep-cache=false``, MooseFS ``mfsxattrcacheto=0``)."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+import dfs as _dfs
 import dfs_node
 from corrupt import flip_bit
 
@@ -208,8 +210,6 @@ def test_cluster_teardown_leaves_nothing(kind):
     import ast
     import re
 
-    import dfs as _dfs
-
     why = _dfs.missing(kind)
     if why:
         from ci import unavailable
@@ -236,3 +236,4 @@ def test_cluster_teardown_leaves_nothing(kind):
         mi = f.read()
     for mnt in mounts:
         assert mnt not in mi and not os.path.exists(os.path.dirname(mnt))
+
