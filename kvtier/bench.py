@@ -570,9 +570,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--jobs", default=",".join(map(str, DEFAULT_JOBS)),
                    help="comma-separated jobs in flight for loads (default 1,4,16); stores use the largest")
     p.add_argument("--root", default=None, help="directory to create the temp cache in (default: $TMPDIR or /tmp)")
-    p.add_argument("--peer-root", metavar="DIR", default=None,
-                   help="two-client mode: the same directory as --root through another mount (another node); "
-                        "one process per mount stores and loads the same keys at once (kvtier/bench_nodes.py)")
+    p.add_argument("--node-b", metavar="DIR", default=None,
+                   help="two-client mode: the same directory as --root through another mount (node B); one "
+                        "process per mount stores and loads the same keys at once (kvtier/bench_nodes.py)")
     p.add_argument("--checksum", choices=("both", "off", "on"), default="both", help="checksum modes (default both)")
     p.add_argument("--threads", type=int, default=16, help="read- and write-priority threads each (default 16)")
     p.add_argument("--no-o-direct", action="store_true", help="buffered I/O instead of O_DIRECT")
@@ -599,7 +599,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     non-positive size, ``--plot`` without matplotlib or into a missing / read-only
     directory) or an OSError setting up the cache (message names the errno text and path).
     """
-    if args.peer_root:
+    if args.node_b:
         from kvtier.bench_nodes import cmd_two_clients
 
         return cmd_two_clients(args)

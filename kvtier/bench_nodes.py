@@ -1,12 +1,14 @@
-"""Two-client mode of ``kvtier bench`` (``--root A --peer-root B``): two processes, one per
+"""Two-client mode of ``kvtier bench`` (``--root A --node-b B``): two processes, one per
 mount of the same shared directory (two nodes of a distributed filesystem), store and load
 the same key set at the same time.
 
 Each pass starts on both nodes together (a barrier), and each node times its own pass:
 GB/s per node = its bytes / its wall time; total = both nodes' bytes / (last end - first
 start). Every loaded byte is compared with what was stored. Engines (checksum off, on, or a
-peer's tier, :mod:`benchmarks.two_node_bench`) take turns within each repeat, first one
+vLLM's) take turns within each repeat, first one
 alternating, each repeat storing into fresh directories; medians over the repeats.
+The engines: kvtier checksum off and on, and vLLM 0.33's own fs tier I/O (fs_io_C, no
+checksum, :class:`VllmEngine`) where it loads (``--vllm auto|on|off``, :mod:`kvtier.peer`).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Dict, List, Optional
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -60,6 +62,64 @@ class KvtierEngine:
 
     def close(self) -> None:
         self.tier.shutdown()
+
+
+class VllmEngine:
+    """vLLM 0.33's fs tier I/O: ``batch_store_block`` / ``batch_load_block`` (fs_io_C) as one
+    task per job on vLLM's DualQueueThreadPool, as its fs tier submits them; paths from
+    kvtier's FileMapper (vLLM's layout)."""
+
+    name = "vLLM fs_io_C (no checksum)"
+    slug = "vllm"
+
+    def open(self, buf: np.ndarray, root: str, model: str, threads: int, o_direct: bool) -> None:
+        from kvtier.file_mapper import FileMapper
+        from kvtier.peer import load_vllm_io
+
+        self.vio, note = load_vllm_io()
+        if self.vio is None:
+            raise RuntimeError(f"vLLM fs tier io: {note}")
+        from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
+
+        self.fm = FileMapper(root, model)
+        os.makedirs(self.fm.rank_path, exist_ok=True)
+        self.view = memoryview(buf).cast("B")
+        self.bs = buf.shape[1]
+        self.o_direct = bool(o_direct and self.vio.probe_o_direct(self.fm.rank_path))
+        self.pool = DualQueueThreadPool(threads, threads, thread_name_prefix="bench_vllm")
+
+    def run(self, op: str, keys, jobs: int) -> List[int]:
+        import functools
+
+        parts = np.array_split(np.arange(len(keys)), min(jobs, len(keys)))
+        fn = self.vio.batch_load_block if op == "load" else self.vio.batch_store_block
+        enqueue = self.pool.enqueue_load if op == "load" else self.pool.enqueue_store
+        for j, rows in enumerate(parts):
+            enqueue(j, 1, [functools.partial(fn, [self.fm.get_file_name(keys[i]) for i in rows], self.view,
+                                             [int(i) * self.bs for i in rows], self.bs, self.o_direct)])
+        self.pool.wait_idle()
+        done = {j: ok for j, ok, _ in self.pool.get_finished()}
+        return [int(i) for j, rows in enumerate(parts) if done.get(j) for i in rows]
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.view.release()
+
+
+def engines_for(checksum: str = "both", vllm: str = "auto") -> Tuple[list, str]:
+    """The engines of a run and a note on the vLLM column: ``checksum`` both/off/on,
+    ``vllm`` auto (when it loads) / on (ValueError when it does not) / off."""
+    engines: list = [KvtierEngine(c) for c in {"both": (False, True), "off": (False,), "on": (True,)}[checksum]]
+    if vllm == "off":
+        return engines, "vLLM column: not asked for (--vllm off)"
+    from kvtier.peer import load_vllm_io
+
+    vio, note = load_vllm_io()
+    if vio is None:
+        if vllm == "on":
+            raise ValueError(f"--vllm on: {note}")
+        return engines, f"vLLM column skipped: {note}"
+    return [VllmEngine(), *engines], f"vLLM column: {note}"
 
 
 def _node(idx, root, engines, cfg, barrier, results):
@@ -106,14 +166,14 @@ def _node(idx, root, engines, cfg, barrier, results):
         results.put((idx, traceback.format_exc()))
 
 
-def run_two_clients(root: str, peer_root: str, engines=None, preset: str = "llama-3.1-8b", tokens: int = 16,
+def run_two_clients(root: str, node_b: str, engines=None, preset: str = "llama-3.1-8b", tokens: int = 16,
                     blocks: int = 64, jobs: int = 16, threads: int = 16, o_direct: bool = True, repeat: int = 3,
                     seed: int = 0, visible_timeout: float = 30.0, settle_s: float = 2.0) -> dict:
     """Run the two-client benchmark; returns a dict with ``rows`` (per engine and op: GB/s
     of node A, node B, total; medians) and ``ok`` (no failed block, no mismatched byte).
 
-    ``root`` and ``peer_root``: the same directory through two mounts. Raises ValueError
-    if a directory made under ``root`` does not appear under ``peer_root`` within
+    ``root`` and ``node_b``: the same directory through two mounts. Raises ValueError
+    if a directory made under ``root`` does not appear under ``node_b`` within
     ``visible_timeout`` s, or for bad sizes; RuntimeError if a node fails. ``settle_s``:
     pause (untimed) between the store passes and the load passes of a repeat."""
     from kvtier.bench import PRESETS
@@ -125,12 +185,12 @@ def run_two_clients(root: str, peer_root: str, engines=None, preset: str = "llam
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     engines = engines or [KvtierEngine(False), KvtierEngine(True)]
     base = tempfile.mkdtemp(prefix="kvtier-bench2-", dir=root)
-    base_b = os.path.join(peer_root, os.path.basename(base))
+    base_b = os.path.join(node_b, os.path.basename(base))
     try:
         t0 = time.monotonic()
         while not os.path.isdir(base_b):
             if time.monotonic() - t0 > visible_timeout:
-                raise ValueError(f"--peer-root {peer_root!r} does not show {os.path.basename(base)} made under "
+                raise ValueError(f"--node-b {node_b!r} does not show {os.path.basename(base)} made under "
                                  f"--root {root!r} within {visible_timeout:g} s: not the same directory")
             time.sleep(0.05)
         cfg = {"preset": preset, "tokens": tokens, "blocks": blocks, "jobs": jobs, "threads": threads,
@@ -177,7 +237,7 @@ def run_two_clients(root: str, peer_root: str, engines=None, preset: str = "llam
                          "failed_blocks": fails, "mismatched_bytes": bad, "o_direct": a["o_direct"][e.name]})
     from kvtier.manager import filesystem_type
 
-    return {"root": root, "peer_root": peer_root, "fstype": filesystem_type(root)[0], "preset": preset,
+    return {"root": root, "node_b": node_b, "fstype": filesystem_type(root)[0], "preset": preset,
             "block_bytes": a["block_bytes"], "blocks": blocks, "jobs": jobs, "threads": threads, "repeat": repeat,
             "settle_s": settle_s, "rows": rows, "ok": all(r["failed_blocks"] == 0 and r["mismatched_bytes"] == 0 for r in rows)}
 
@@ -185,7 +245,7 @@ def run_two_clients(root: str, peer_root: str, engines=None, preset: str = "llam
 def format_table(d: dict) -> str:
     from kvtier.bench import _fmt_bytes
 
-    lines = [f"kvtier bench, two clients: node A {d['root']}, node B {d['peer_root']} ({d['fstype']}); "
+    lines = [f"kvtier bench, two clients: node A {d['root']}, node B {d['node_b']} ({d['fstype']}); "
              f"{d['preset']}, {d['blocks']} blocks of {_fmt_bytes(d['block_bytes'])} = "
              f"{_fmt_bytes(d['blocks'] * d['block_bytes'])} per node per pass, same keys on both; "
              f"{d['jobs']} jobs, {d['threads']}+{d['threads']} threads per node; median of {d['repeat']}; "
@@ -202,19 +262,20 @@ def format_table(d: dict) -> str:
 
 
 def cmd_two_clients(args) -> int:
-    """``kvtier bench --root A --peer-root B``: exit 0 ok, 1 failed blocks or wrong bytes, 2 bad setup."""
+    """``kvtier bench --root A --node-b B``: exit 0 ok, 1 failed blocks or wrong bytes, 2 bad setup."""
     import json
 
     if not args.root:
-        print("kvtier bench: --peer-root needs --root (node A's mount of the same directory)", file=sys.stderr)
+        print("kvtier bench: --node-b needs --root (node A's mount of the same directory)", file=sys.stderr)
         return 2
-    checks = {"both": (False, True), "off": (False,), "on": (True,)}[args.checksum]
     try:
         jobs = max(int(x) for x in args.jobs.split(",") if x.strip())
-        d = run_two_clients(args.root, args.peer_root, [KvtierEngine(c) for c in checks], args.preset, args.tokens,
-                            args.blocks, jobs, args.threads, not args.no_o_direct, args.repeat, args.seed)
+        engines, note = engines_for(args.checksum, args.vllm)
+        d = run_two_clients(args.root, args.node_b, engines, args.preset, args.tokens, args.blocks, jobs,
+                            args.threads, not args.no_o_direct, args.repeat, args.seed)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"kvtier bench: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(d, indent=2) if args.json else format_table(d))
+    d["vllm_note"] = note
+    print(json.dumps(d, indent=2) if args.json else format_table(d) + f"\n{note}")
     return 0 if d["ok"] else 1

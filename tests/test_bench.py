@@ -134,19 +134,44 @@ def test_bench_vllm_column(tmp_path):
 
 
 def test_two_client_mode_same_directory(tmp_path):
-    """`kvtier bench --root D --peer-root D`: two processes on one directory (the local
+    """`kvtier bench --root D --node-b D`: two processes on one directory (the local
     stand-in for two mounts; tests/test_dfs.py runs it across two clients)."""
     import subprocess
     import sys
 
-    p = subprocess.run([sys.executable, "-m", "kvtier", "bench", "--root", str(tmp_path), "--peer-root",
+    p = subprocess.run([sys.executable, "-m", "kvtier", "bench", "--root", str(tmp_path), "--node-b",
                         str(tmp_path), "--preset", "tiny", "--blocks", "8", "--repeat", "2", "--checksum", "on",
-                        "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
+                        "--vllm", "off", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                       timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     d = json.loads(p.stdout)
     assert [(r["engine"], r["op"]) for r in d["rows"]] == [("kvtier checksum on", "store"), ("kvtier checksum on", "load")]
     assert all(r["failed_blocks"] == 0 and r["mismatched_bytes"] == 0 and r["gbps_total"] > 0 for r in d["rows"])
     assert d["repeat"] == 2 and d["blocks"] == 8 and os.listdir(tmp_path) == []
+
+
+@pytest.mark.vllm
+def test_two_client_mode_vllm_column(tmp_path):
+    """--vllm on: vLLM 0.33's fs tier I/O (fs_io_C) runs the same two-client passes first."""
+    import subprocess
+    import sys
+
+    from kvtier.peer import load_vllm_io
+
+    vio, note = load_vllm_io()
+    if vio is None:
+        unavailable(note)
+    p = subprocess.run([sys.executable, "-m", "kvtier", "bench", "--root", str(tmp_path), "--node-b",
+                        str(tmp_path), "--preset", "tiny", "--blocks", "8", "--repeat", "1", "--checksum", "off",
+                        "--vllm", "on", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = json.loads(p.stdout)
+    assert [(r["engine"], r["op"]) for r in d["rows"]] == [
+        ("vLLM fs_io_C (no checksum)", "store"), ("vLLM fs_io_C (no checksum)", "load"),
+        ("kvtier checksum off", "store"), ("kvtier checksum off", "load")]
+    assert all(r["failed_blocks"] == 0 and r["mismatched_bytes"] == 0 for r in d["rows"])
+    assert d["vllm_note"].startswith("vLLM column: vLLM 0.33")
 
 
 def test_two_client_mode_refuses_another_directory(tmp_path):
@@ -164,5 +189,5 @@ def test_two_client_mode_refuses_another_directory(tmp_path):
 def test_two_client_mode_needs_root(capsys):
     from kvtier.cli import main
 
-    assert main(["bench", "--peer-root", "/tmp"]) == 2
-    assert "--peer-root needs --root" in capsys.readouterr().err
+    assert main(["bench", "--node-b", "/tmp"]) == 2
+    assert "--node-b needs --root" in capsys.readouterr().err

@@ -188,8 +188,8 @@ def test_scrub_remove_on_b_while_a_loads(dfs, dfs_dirs, tmp_path):
 
 def test_two_client_bench(dfs, dfs_dirs):
     a, b = dfs_dirs
-    p = subprocess.run([sys.executable, "-m", "kvtier", "bench", "--root", a, "--peer-root", b, "--preset", "tiny",
-                        "--blocks", "24", "--repeat", "1", "--json"],
+    p = subprocess.run([sys.executable, "-m", "kvtier", "bench", "--root", a, "--node-b", b, "--preset", "tiny",
+                        "--blocks", "24", "--repeat", "1", "--vllm", "off", "--json"],
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     d = json.loads(p.stdout)
