@@ -48,7 +48,9 @@ from kvtier.mountinfo import MountEntry, mount_of
 
 XATTR = "user.vllm.kv_crc32c"
 PASS, WARN, FAIL = "pass", "warn", "fail"
-DIO_FALLBACK_ALIGN = 4096  # csrc/fs_io.h KVT_DIO_FALLBACK_ALIGN: kvtier's O_DIRECT alignment without statx
+# csrc/fs_io.c opens O_DIRECT only for page-aligned buffers and lengths (a multiple of 4096),
+# and on EINVAL retries buffered
+KVTIER_DIO_ALIGN = 4096
 RENAMES = 150  # rename-over-a-name rounds a reader races (local)
 MIN_FREE = 1 << 30  # bytes: less is a warning
 MIN_INODES = 10000
@@ -289,16 +291,15 @@ def check_xattr(work: str) -> Check:
 
 def _dio_write(path: str, data: memoryview) -> Tuple[str, str]:
     """O_DIRECT write of ``data`` at offset 0 to a new ``path``, then fsync, then a
-    buffered read-back. Returns (outcome, text): "refused" (EINVAL at open/fcntl/write),
+    buffered read-back. Returns (outcome, text): "refused" (EINVAL at open or write),
     "ok", or "lost" (fsync failed or the read-back differs)."""
-    import fcntl
-
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644)
+    try:  # O_DIRECT at open, as kvtier opens (a refusing filesystem may leave the file: rmtree'd)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC | os.O_DIRECT, 0o644)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return "refused", f"O_DIRECT refused at open: {_err(e)}"
     try:
-        try:
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
-        except OSError as e:
-            return "refused", f"O_DIRECT refused by fcntl: {_err(e)}"
         try:
             n = os.pwrite(fd, data, 0)
         except OSError as e:
@@ -320,8 +321,7 @@ def check_o_direct(work: str) -> Check:
     os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644))
     dio = _statx_dio(probe)  # reported for regular files only
     os.unlink(probe)
-    align = max(dio) if dio and min(dio) > 0 else DIO_FALLBACK_ALIGN
-    size = max(align, 4096)
+    size = max(max(dio) if dio else 0, KVTIER_DIO_ALIGN)
     buf = mmap.mmap(-1, 2 * size + 4096)  # page aligned
     buf.write(secrets.token_bytes(len(buf)))
     try:
@@ -331,7 +331,7 @@ def check_o_direct(work: str) -> Check:
     finally:
         buf.close()
     where = (f"statx DIO alignment: memory {dio[0]}, offset {dio[1]}" if dio else
-             f"statx reports no DIO alignment: kvtier assumes {DIO_FALLBACK_ALIGN}")
+             "statx reports no DIO alignment")
     d = {"statx_dio_align": list(dio) if dio else None, "aligned": aligned, "unaligned": unaligned}
     text = f"{where}; aligned {size}-byte write: {at}; unaligned 1000-byte write: {ut}"
     if aligned == "lost":
@@ -340,8 +340,8 @@ def check_o_direct(work: str) -> Check:
     if aligned == "refused":
         return Check("o_direct", PASS, text + ": kvtier uses buffered I/O here", "", d)
     if unaligned == "lost":
-        text += (" (kvtier is not affected: it writes O_DIRECT only whole blocks aligned as above, "
-                 "anything else buffered)")
+        text += (f" (kvtier is not affected: it uses O_DIRECT only for {KVTIER_DIO_ALIGN}-byte aligned "
+                 f"buffers and lengths, anything else buffered)")
     return Check("o_direct", PASS, text, "", d)
 
 
