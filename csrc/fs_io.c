@@ -123,40 +123,63 @@ static int make_parents(const char *path)
 
 /* A signal handler installed without SA_RESTART (Python installs its own that
  * way) makes a slow call on NFS/FUSE fail with EINTR before it did anything:
- * retry open, the xattr calls and rename. */
+ * EINTR_LOOP runs `call` again while it fails (`failed`) with EINTR, counting
+ * each retry (policy.h: at once, in place, up to KVT_RETRY_EINTR_MAX times in
+ * a row). */
+#define EINTR_LOOP(call, failed)                                                                               \
+    for (int eintr_n_ = 0;; eintr_n_++) {                                                                      \
+        call;                                                                                                  \
+        if (!(failed) || errno != EINTR || eintr_n_ >= KVT_RETRY_EINTR_MAX)                                    \
+            break;                                                                                             \
+        kvt_count(KVT_C_RETRY_EINTR);                                                                          \
+    }
+
 static int open_r(const char *path, int flags, mode_t mode)
 {
     int fd;
-    do
-        fd = open(path, flags, mode);
-    while (fd < 0 && errno == EINTR);
+    EINTR_LOOP(fd = open(path, flags, mode), fd < 0)
     return fd;
 }
 
 static int fsetxattr_r(int fd, const char *name, const void *val, size_t n)
 {
     int r;
-    do
-        r = fsetxattr(fd, name, val, n, 0);
-    while (r != 0 && errno == EINTR);
+    EINTR_LOOP(r = fsetxattr(fd, name, val, n, 0), r != 0)
     return r;
 }
 
 static ssize_t fgetxattr_r(int fd, const char *name, void *val, size_t n)
 {
     ssize_t r;
-    do
-        r = fgetxattr(fd, name, val, n);
-    while (r < 0 && errno == EINTR);
+    EINTR_LOOP(r = fgetxattr(fd, name, val, n), r < 0)
     return r;
 }
 
 static int rename_r(const char *from, const char *to)
 {
     int r;
-    do
-        r = rename(from, to);
-    while (r != 0 && errno == EINTR);
+    EINTR_LOOP(r = rename(from, to), r != 0)
+    return r;
+}
+
+static int fstat_r(int fd, struct stat *st)
+{
+    int r;
+    EINTR_LOOP(r = fstat(fd, st), r != 0)
+    return r;
+}
+
+static int lstat_r(const char *path, struct stat *st)
+{
+    int r;
+    EINTR_LOOP(r = lstat(path, st), r != 0)
+    return r;
+}
+
+static int fsync_r(int fd, int data_only)
+{
+    int r;
+    EINTR_LOOP(r = data_only ? fdatasync(fd) : fsync(fd), r != 0)
     return r;
 }
 
@@ -194,11 +217,8 @@ static int fsync_parent(const char *path)
     free(dir);
     if (fd < 0)
         return errno;
-    int err = 0, r;
-    do
-        r = fsync(fd);
-    while (r != 0 && errno == EINTR);
-    if (r != 0 && errno != EINVAL)
+    int err = 0;
+    if (fsync_r(fd, 0) != 0 && errno != EINVAL)
         err = errno;
     close_r(fd);
     return err;
@@ -228,50 +248,78 @@ static int open_tmp(const char *tmp, int want_direct, int *direct)
     }
 }
 
-/* Store one block. Returns 0, or an errno value (the temp is removed). */
-static int store_one(const char *tmp, const char *dest, const uint8_t *buf, size_t len, int use_o_direct,
-                     int checksum, int durable, kvt_job_state *js)
+/* fsync an existing block and its directory (a durable store of a block
+ * already there, maybe not durable yet: another job's still syncing, or one
+ * stored without durable). Returns 0 or an errno value with *op. */
+static int sync_existing(const char *dest, int *op)
+{
+    *op = KVT_OP_OPEN;
+    int fd = open_r(dest, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0);
+    if (fd < 0)
+        return errno;
+    *op = KVT_OP_SYNC;
+    int err = fsync_r(fd, 0) != 0 ? errno : 0;
+    close_r(fd);
+    if (!err && (err = fsync_parent(dest)) == 0)
+        kvt_count(KVT_C_DURABLE_EXISTING);
+    return err;
+}
+
+/* One try at storing one block. Returns 0, or an errno value with *op (the
+ * temp is removed; a published block never is). */
+static int store_try(const char *tmp, const char *dest, const uint8_t *buf, size_t len, int use_o_direct,
+                     int checksum, int durable, kvt_job_state *js, int *op)
 {
     struct stat st;
+    *op = KVT_OP_NONE;
     if (!kvt_job_live(js))
         return ETIMEDOUT; /* expired before this block began: nothing created */
-    if (stat(dest, &st) == 0)
-        return 0; /* already stored (by us or a peer): nothing to do */
+    if (lstat_r(dest, &st) == 0) {
+        if (S_ISREG(st.st_mode) && (uint64_t)st.st_size == (uint64_t)len) /* stored (by us or a peer) */
+            return durable ? sync_existing(dest, op) : 0;
+        if (S_ISDIR(st.st_mode)) { /* not ours to remove; never "stored" */
+            *op = KVT_OP_RENAME;
+            return EISDIR;
+        }
+        kvt_count(KVT_C_REPLACED); /* symlink, FIFO, file of another size: the rename replaces it */
+    }
 
     /* O_DIRECT at open (no fcntl) when the buffer and length meet the page
      * alignment, which every filesystem's O_DIRECT accepts. */
     int direct = 0;
+    *op = KVT_OP_OPEN;
     int fd = open_tmp(tmp, use_o_direct && len > 0 && len % 4096 == 0 && ((uintptr_t)buf & 4095u) == 0, &direct);
     if (fd < 0)
         return errno;
 
     uint32_t crc = 0;
+    *op = KVT_OP_WRITE;
     int err = kvt_engine_write(fd, buf, len, &direct, checksum, &crc);
     if (!err && checksum) {
-        uint8_t rec[KVT_XATTR_LEN];
+        uint8_t rec[KVT_XATTR_LEN], id[KVT_ID_LEN];
         put_be32(rec, crc);
-        if (fsetxattr_r(fd, KVT_XATTR_NAME, rec, sizeof rec) != 0)
+        kvt_block_identity(dest, len, id);
+        *op = KVT_OP_SETXATTR;
+        if (fsetxattr_r(fd, KVT_XATTR_NAME, rec, sizeof rec) != 0 ||
+            fsetxattr_r(fd, KVT_ID_XATTR_NAME, id, sizeof id) != 0)
             err = errno;
     }
     if (!err && durable) { /* data before the name */
-        int r;
-        do
-            r = fdatasync(fd);
-        while (r != 0 && errno == EINTR);
-        if (r != 0)
+        *op = KVT_OP_SYNC;
+        if (fsync_r(fd, 1) != 0)
             err = errno;
     }
-    /* The temp's identity, to tell our published file from a peer's later. */
-    struct stat mine = {0};
-    if (!err && durable && fstat(fd, &mine) != 0)
+    if (close_r(fd) != 0 && !err) {
         err = errno;
-    if (close_r(fd) != 0 && !err)
-        err = errno;
+        *op = KVT_OP_CLOSE;
+    }
     /* Publish only while the job is live (job_state.h): an expired store
      * unlinks its temp below instead. */
-    if (!err && !kvt_job_commit_begin(js))
+    if (!err && !kvt_job_commit_begin(js)) {
         err = ETIMEDOUT;
-    else if (!err) {
+        *op = KVT_OP_NONE;
+    } else if (!err) {
+        *op = KVT_OP_RENAME;
         if (rename_r(tmp, dest) != 0)
             err = errno;
         kvt_job_commit_end(js);
@@ -280,46 +328,69 @@ static int store_one(const char *tmp, const char *dest, const uint8_t *buf, size
         unlink(tmp);
         return err;
     }
-    if (durable && (err = fsync_parent(dest)) != 0) {
-        /* Published but not durable: a failed store leaves nothing. Only our
-         * own file, though: a peer that renamed its block onto dest after our
-         * rename (its stat(dest) ran before it) keeps its block. */
-        if (stat(dest, &st) == 0 && st.st_ino == mine.st_ino && st.st_dev == mine.st_dev)
-            unlink(dest);
-    }
+    /* Published. A failed directory fsync fails the store (not known durable)
+     * but leaves the block: a good block, which another durable job may have
+     * found, synced and reported stored. */
+    if (durable && (err = fsync_parent(dest)) != 0)
+        *op = KVT_OP_SYNC;
     return err;
+}
+
+/* Store one block under the error policy: EAGAIN/ESTALE retried from the
+ * start (policy.h). Returns 0 or an errno value with *op. */
+static int store_one(const char *tmp, const char *dest, const uint8_t *buf, size_t len, int use_o_direct,
+                     int checksum, int durable, kvt_job_state *js, int *op)
+{
+    for (int attempt = 0;; attempt++) {
+        int err = store_try(tmp, dest, buf, len, use_o_direct, checksum, durable, js, op);
+        if (err == 0 || !kvt_policy_retry(err, attempt))
+            return err;
+    }
+}
+
+static void batch_begin(kvt_batch_result *res, size_t n)
+{
+    memset(res, 0, sizeof *res);
+    res->index = n;
+    kvt_tl_counts = &res->counts;
+}
+
+static int batch_end(kvt_batch_result *res)
+{
+    kvt_tl_counts = NULL;
+    kvt_policy_add_totals(&res->counts);
+    return res->err ? -1 : 0;
 }
 
 int kvt_batch_store(const char *const *tmp_paths, const char *const *dest_paths, const void *const *bufs,
                     const size_t *lens, size_t n, int use_o_direct, int checksum, int durable,
                     kvt_job_state *js, kvt_batch_result *res)
 {
-    res->err = 0;
-    res->index = n;
-    res->checksum_failed = 0;
-    res->retried = 0;
+    batch_begin(res, n);
     for (size_t i = 0; i < n; i++) {
+        int op = KVT_OP_NONE;
         int e = store_one(tmp_paths[i], dest_paths[i], (const uint8_t *)bufs[i], lens[i], use_o_direct, checksum,
-                          durable, js);
+                          durable, js, &op);
         if (e) {
             set_fail(res, e, i, 0);
-            return -1;
+            res->op = op;
+            break;
         }
     }
-    return 0;
+    return batch_end(res);
 }
 
 /* ------------------------------------------------------------------ */
 /* Load                                                                */
 /* ------------------------------------------------------------------ */
 
-/* Process-wide checksum counters (kvt_checksum_stats). */
-static _Atomic uint64_t stat_retries, stat_condemned;
-
+/* Process-wide checksum counters: sums of the policy counters. */
 void kvt_checksum_stats(uint64_t *retries, uint64_t *condemned)
 {
-    *retries = atomic_load(&stat_retries);
-    *condemned = atomic_load(&stat_condemned);
+    kvt_counts t;
+    kvt_policy_totals(&t);
+    *retries = t.v[KVT_C_REREAD_CHECKSUM] + t.v[KVT_C_REREAD_IDENTITY];
+    *condemned = t.v[KVT_C_CONDEMNED_CHECKSUM] + t.v[KVT_C_CONDEMNED_IDENTITY];
 }
 
 /* See fs_io.h. */
@@ -333,20 +404,28 @@ void kvt_crc_copy_info(kvt_crc_copy_stats *out)
     out->bytes = st.fused_bytes;
 }
 
-/* 1 if the open file's xattr record is a well-formed CRC32C that matches all
- * `size` bytes of the file (read through a scratch buffer, so any size works).
- * Used only on the wrong-size error path, to tell a caller's block-size
- * mismatch (intact block: keep it) from a truncated or grown file (remove). */
+/* Whether the open file's CRC record matches all `size` bytes of the file
+ * (read through a scratch buffer, so any size works): 1 yes, 0 no (no
+ * record, a malformed one, a mismatch), -1 unknown (an error, or the file
+ * changed size while read: transient, the file is kept). Used only on the
+ * wrong-size path, to tell a caller's block-size mismatch (intact block: keep
+ * it) from a truncated or grown file (remove). */
 static int whole_file_verifies(int fd, uint64_t size)
 {
     uint8_t rec[KVT_XATTR_BUF];
     uint32_t want;
-    ssize_t r = fgetxattr(fd, KVT_XATTR_NAME, rec, sizeof rec);
-    if (kvt_xattr_parse(rec, (long)r, r < 0 ? errno : 0, &want) != KVT_REC_OK)
+    ssize_t r = fgetxattr_r(fd, KVT_XATTR_NAME, rec, sizeof rec);
+    switch (kvt_xattr_parse(rec, (long)r, r < 0 ? errno : 0, &want)) {
+    case KVT_REC_OK:
+        break;
+    case KVT_REC_ERROR:
+        return -1;
+    default:
         return 0;
+    }
     uint8_t *buf = malloc(KVT_ENGINE_CHUNK);
     if (!buf)
-        return 0;
+        return -1;
     uint32_t crc = 0;
     uint64_t off = 0;
     int direct = 1; /* the fd may be O_DIRECT: an EINVAL on this buffer drops it */
@@ -359,7 +438,9 @@ static int whole_file_verifies(int fd, uint64_t size)
         off += n;
     }
     free(buf);
-    return off == size && crc == want;
+    if (off != size)
+        return -1;
+    return crc == want;
 }
 
 /* Remove `path` only if it is still the file open as `fd`: a peer that
@@ -367,7 +448,7 @@ static int whole_file_verifies(int fd, uint64_t size)
 static void unlink_if_same(const char *path, int fd)
 {
     struct stat a, b;
-    if (fstat(fd, &a) == 0 && stat(path, &b) == 0 && a.st_ino == b.st_ino && a.st_dev == b.st_dev)
+    if (fstat_r(fd, &a) == 0 && lstat_r(path, &b) == 0 && a.st_ino == b.st_ino && a.st_dev == b.st_dev)
         unlink(path);
 }
 
@@ -392,37 +473,64 @@ static int open_block(const char *src, int want_direct, int *direct)
     return open_r(src, fl, 0);
 }
 
+/* What one open of a block saw (load_try), and what the previous open saw. */
+enum { LT_OK = 0, LT_SHORT, LT_SIZE };
+typedef struct load_look {
+    int seen;  /* LT_SHORT / LT_SIZE: the previous open of this block saw it */
+    int kind;  /* LT_SHORT / LT_SIZE: this open saw it first (unconfirmed) */
+    int cause; /* KVT_CAUSE_*: condemned */
+    int op;    /* KVT_OP_* of the failing call */
+} load_look;
+
+/* A wrong size / short read: the first sighting is only noted (the block is
+ * reopened), the same again condemns it. Returns EIO. */
+static int sighting(load_look *lk, int kind, int cause)
+{
+    lk->op = KVT_OP_VERIFY;
+    if (lk->seen == kind)
+        lk->cause = cause;
+    else
+        lk->kind = kind;
+    return EIO;
+}
+
 /* The second look at a block whose record or read was not what a good block
  * gives (a failure path: the common path never stats). Returns 0 when the
  * open file is a regular file of exactly `len` bytes; EISDIR / EINVAL for a
  * directory / other non-regular file (kept: not ours to judge); EIO for a
- * regular file of another size, with *remove = 1 unless its own record
- * proves its bytes intact (then the caller asked for another block size: a
- * layout mismatch, the block is kept); or fstat's errno. */
-static int check_block_file(int fd, size_t len, int checksum, int *remove)
+ * regular file of another size (a sighting: condemned on the second open
+ * unless its own record proves its bytes intact, a layout mismatch, or an
+ * error keeps that from being known); or fstat's errno. */
+static int check_block_file(int fd, size_t len, int checksum, load_look *lk)
 {
     struct stat st;
-    if (fstat(fd, &st) != 0)
+    lk->op = KVT_OP_STAT;
+    if (fstat_r(fd, &st) != 0)
         return errno;
     if (!S_ISREG(st.st_mode))
         return S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
     if ((uint64_t)st.st_size != (uint64_t)len) {
-        *remove = !(checksum && whole_file_verifies(fd, (uint64_t)st.st_size));
-        return EIO; /* truncated, empty or longer: corrupt */
+        if (lk->seen != LT_SIZE)
+            return sighting(lk, LT_SIZE, KVT_CAUSE_SIZE);
+        lk->op = KVT_OP_VERIFY;
+        if (!checksum || whole_file_verifies(fd, (uint64_t)st.st_size) == 0)
+            lk->cause = KVT_CAUSE_SIZE;
+        return EIO;
     }
     return 0;
 }
 
-/* Read the record (with `checksum`) and the data of an open block. Returns 0
- * with *mismatch = 1 for a CRC mismatch or malformed record, 0 with
- * *mismatch = 0 when good (or legacy), or an errno value (*remove = 1 when
- * the file proved corrupt). A re-read (`reread`) is buffered and
- * checksummed by the active backend. */
-static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checksum, int reread, kvt_job_state *js,
-                       int *mismatch, int *remove)
+/* Read the records (with `checksum`) and the data of an open block. Returns
+ * 0 with *mismatch = KVT_CAUSE_CHECKSUM (CRC mismatch or malformed record) /
+ * KVT_CAUSE_IDENTITY (identity record not `id`), 0 with *mismatch = 0 when
+ * good (or without CRC record: counted; a miss, ENODATA, in strict mode), or
+ * an errno value (lk: the call, a sighting, a condemnation). A re-read
+ * (`reread`) is buffered and checksummed by the active backend. */
+static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checksum, const uint8_t *id, int reread,
+                       kvt_job_state *js, int *mismatch, load_look *lk)
 {
     *mismatch = 0;
-    /* Record first: a legacy block (ENODATA) needs no CRC at all. */
+    /* Records first: a block without CRC record needs no CRC at all. */
     int have_rec = 0;
     uint32_t want = 0;
     if (checksum) {
@@ -433,38 +541,63 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
         case KVT_REC_OK:
             have_rec = 1;
             break;
-        case KVT_REC_ABSENT: /* ENODATA: legacy block stored without checksum, accept */
+        case KVT_REC_ABSENT: /* ENODATA: stored without checksum (vLLM, a copy without xattrs) */
+            if (checksum == KVT_CHECK_STRICT) {
+                kvt_count(KVT_C_UNVERIFIED_MISS);
+                lk->op = KVT_OP_GETXATTR;
+                return ENODATA; /* a miss, kept */
+            }
+            kvt_count(KVT_C_UNVERIFIED);
             break;
         case KVT_REC_MALFORMED: { /* wrong length, or longer than the buffer (ERANGE) */
-            int e = check_block_file(fd, len, checksum, remove); /* a wrong size says EIO first */
+            int e = check_block_file(fd, len, checksum, lk); /* a wrong size says EIO first */
             if (e)
                 return e;
-            *mismatch = 1;
+            *mismatch = KVT_CAUSE_CHECKSUM;
             return 0;
         }
         default: { /* EOPNOTSUPP, EIO, ...: not the block's fault, keep */
-            int e = check_block_file(fd, len, checksum, remove);
+            int e = check_block_file(fd, len, checksum, lk);
+            lk->op = e ? lk->op : KVT_OP_GETXATTR;
             return e ? e : xerr;
         }
+        }
+        if (have_rec) { /* identity, when present (blocks written by vLLM have none) */
+            uint8_t got[KVT_XATTR_BUF];
+            r = fgetxattr_r(fd, KVT_ID_XATTR_NAME, got, sizeof got);
+            if (r < 0 && errno == ERANGE)
+                r = 0; /* longer than any identity: malformed */
+            if (r < 0 && errno != ENODATA) {
+                lk->op = KVT_OP_GETXATTR;
+                return errno;
+            }
+            if (r >= 0 && (r != KVT_ID_LEN || memcmp(got, id, KVT_ID_LEN) != 0)) {
+                int e = check_block_file(fd, len, checksum, lk); /* a wrong size says EIO first */
+                if (e)
+                    return e;
+                *mismatch = KVT_CAUSE_IDENTITY;
+                return 0;
+            }
         }
     }
     if (reread && *direct && kvt_set_direct(fd, 0) == 0)
         *direct = 0; /* the re-read comes from the device through the page cache, buffered */
 
     int err;
+    lk->op = KVT_OP_READ;
     if (!have_rec && js == NULL) {
         /* Nothing to verify, no deadline: straight into buf (one read), as
          * vLLM does; the size is checked with one fstat. */
-        err = check_block_file(fd, len, checksum, remove);
+        err = check_block_file(fd, len, checksum, lk);
         if (err)
             return err;
+        lk->op = KVT_OP_READ;
         ssize_t r = kvt_read_full(fd, buf, len, 0, direct);
         if (r >= 0 && (size_t)r == len)
             return 0;
-        err = r < 0 ? errno : EIO;
-        if (r >= 0)
-            *remove = 1; /* shrank after fstat: short read */
-        return err;
+        if (r < 0)
+            return errno;
+        return sighting(lk, LT_SHORT, KVT_CAUSE_SHORT); /* shrank after fstat, or a short read */
     }
     int move = !have_rec ? (crc_copy_enabled() ? KVT_MOVE_NT : KVT_MOVE_COPY)
                          : (!reread && crc_copy_enabled()) ? KVT_MOVE_FUSED : KVT_MOVE_CRC_COPY;
@@ -472,98 +605,137 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
     err = kvt_engine_read(fd, buf, len, direct, move, js, &got);
     if (err == KVT_READ_SHORT || err == KVT_READ_LONG) {
         /* The second observation: a file of another size (or a non-file) says
-         * so; a regular file of the right size that read otherwise changed
-         * under us: corrupt. */
-        int e = check_block_file(fd, len, checksum, remove);
+         * so; a regular file of the right size that read otherwise: a short
+         * read (condemned when the next open sees it again). */
+        int e = check_block_file(fd, len, checksum, lk);
         if (e)
             return e;
-        *remove = 1;
-        return EIO;
+        return sighting(lk, LT_SHORT, KVT_CAUSE_SHORT);
     }
     if (err != 0) {
         if (err != ETIMEDOUT && err != ENOMEM) {
-            int e = check_block_file(fd, len, 0, remove); /* EISDIR for a directory ... */
-            if (e == EISDIR || e == EINVAL)
+            load_look tmp = *lk;
+            int e = check_block_file(fd, len, 0, &tmp); /* EISDIR for a directory ... */
+            if (e == EISDIR || e == EINVAL) {
+                lk->op = tmp.op;
                 return e;
-            *remove = 0; /* a read error is the filesystem's, not the block's */
+            }
         }
-        return err;
+        lk->op = err == ETIMEDOUT ? KVT_OP_NONE : KVT_OP_READ;
+        return err; /* a read error is the filesystem's, not the block's */
     }
     if (have_rec && got != want)
-        *mismatch = 1;
+        *mismatch = KVT_CAUSE_CHECKSUM;
     return 0;
 }
 
-/* Load one block. Returns 0, or an errno value with *checksum_failed set for
- * a CRC mismatch / malformed record. A first mismatch is retried once (the
- * page cache dropped, record and data re-read) to tell a transient glitch
- * from a bad block; a second condemns it. Removes the file when condemned
- * or of the wrong size (the table in design.md). *retried = 1 if re-read.
- * The common path is open, fgetxattr, the reads, close (plus an fstat when
- * there is neither a record to verify nor a job state). */
-static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct, int checksum, kvt_job_state *js,
-                    int *checksum_failed, int *retried)
+/* One open of a block: records, data (a first CRC or identity mismatch re-read
+ * once, the page cache dropped), the failure path's fstat. Returns 0 or an
+ * errno value with lk filled (lk->kind: a first short read / wrong size,
+ * lk->cause: condemned, the file removed). */
+static int load_try(const char *src, uint8_t *buf, size_t len, int use_o_direct, int checksum, const uint8_t *id,
+                    kvt_job_state *js, load_look *lk, int *retried)
 {
-    *checksum_failed = 0;
-    *retried = 0;
-    if (!kvt_job_live(js))
+    lk->kind = LT_OK;
+    lk->cause = KVT_CAUSE_NONE;
+    lk->op = KVT_OP_OPEN;
+    if (!kvt_job_live(js)) {
+        lk->op = KVT_OP_NONE;
         return ETIMEDOUT; /* expired before this block began */
+    }
     int direct;
     int fd = open_block(src, use_o_direct && len > 0 && len % 4096 == 0, &direct);
     if (fd < 0)
         return errno;
 
     int err = 0;
-    int remove = 0;
     for (int attempt = 0;; attempt++) {
         int mismatch = 0;
-        err = read_verify(fd, buf, len, &direct, checksum, attempt > 0, js, &mismatch, &remove);
+        err = read_verify(fd, buf, len, &direct, checksum, id, attempt > 0, js, &mismatch, lk);
         if (err || !mismatch)
             break;
-        atomic_fetch_add(&stat_retries, attempt == 0);
         if (attempt == 1) {
-            atomic_fetch_add(&stat_condemned, 1);
-            *checksum_failed = 1;
+            lk->cause = mismatch;
+            lk->op = KVT_OP_VERIFY;
             err = EBADMSG;
-            remove = 1;
             break;
         }
+        kvt_count(mismatch == KVT_CAUSE_IDENTITY ? KVT_C_REREAD_IDENTITY : KVT_C_REREAD_CHECKSUM);
         *retried = 1;
         posix_fadvise(fd, 0, (off_t)len, POSIX_FADV_DONTNEED); /* re-read from the device */
     }
 
-    if (remove)
+    if (lk->cause) {
+        static const int condemned[] = {0, KVT_C_CONDEMNED_CHECKSUM, KVT_C_CONDEMNED_IDENTITY,
+                                        KVT_C_CONDEMNED_SIZE, KVT_C_CONDEMNED_SHORT};
+        kvt_count(condemned[lk->cause]);
         unlink_if_same(src, fd);
-    close_r(fd); /* read-only: nothing deferred to report */
+    }
+    close_r(fd); /* read-only: an error here (after a good read too) changes nothing */
+    return err;
+}
+
+/* Load one block under the error policy (policy.h, docs/design.md "Error
+ * policy"): a first short read or wrong size reopens the block, the same
+ * again condemns it; EAGAIN/ESTALE are retried from the open. Returns 0, or
+ * an errno value with *op, and *cause when condemned. *retried = 1 if re-read
+ * after a mismatch. The common path is open, fgetxattr (two with checksums:
+ * CRC and identity records), the reads, close. */
+static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct, int checksum, kvt_job_state *js,
+                    int *op, int *cause, int *retried)
+{
+    *retried = 0;
+    uint8_t id[KVT_ID_LEN] = {0};
+    if (checksum)
+        kvt_block_identity(src, len, id);
+    load_look lk = {LT_OK, LT_OK, KVT_CAUSE_NONE, KVT_OP_NONE};
+    int err = 0;
+    for (int transient = 0, sightings = 0;;) {
+        err = load_try(src, buf, len, use_o_direct, checksum, id, js, &lk, retried);
+        if (err == 0 || lk.cause)
+            break;
+        if (lk.kind != LT_OK) { /* a first short read / wrong size: reopen and look again */
+            if (sightings++ >= 2)
+                break; /* short, then wrong size, then short ...: unconfirmed, a miss */
+            kvt_count(lk.kind == LT_SHORT ? KVT_C_REREAD_SHORT : KVT_C_RESTAT_SIZE);
+            lk.seen = lk.kind;
+            continue;
+        }
+        if (!kvt_policy_retry(err, transient++))
+            break;
+    }
+    *op = lk.op;
+    *cause = lk.cause;
     return err;
 }
 
 int kvt_batch_load(const char *const *src_paths, void *const *bufs, const size_t *lens, size_t n, int use_o_direct,
                    int checksum, kvt_job_state *js, kvt_batch_result *res)
 {
-    res->err = 0;
-    res->index = n;
-    res->checksum_failed = 0;
-    res->retried = 0;
+    batch_begin(res, n);
     for (size_t i = 0; i < n; i++) {
-        int cf = 0, retried = 0;
-        int e = load_one(src_paths[i], (uint8_t *)bufs[i], lens[i], use_o_direct, checksum, js, &cf, &retried);
+        int op = KVT_OP_NONE, cause = 0, retried = 0;
+        int e = load_one(src_paths[i], (uint8_t *)bufs[i], lens[i], use_o_direct, checksum, js, &op, &cause,
+                         &retried);
         res->retried += (size_t)retried;
         if (e) {
-            set_fail(res, e, i, cf);
-            return -1;
+            set_fail(res, e, i, cause == KVT_CAUSE_CHECKSUM || cause == KVT_CAUSE_IDENTITY);
+            res->op = op;
+            res->condemned = cause;
+            break;
         }
     }
-    return 0;
+    return batch_end(res);
 }
 
 /* ------------------------------------------------------------------ */
 /* Lookup                                                              */
 /* ------------------------------------------------------------------ */
 
-void kvt_batch_lookup(const char *const *paths, size_t n, uint8_t *out)
+void kvt_batch_lookup(const char *const *paths, size_t n, uint64_t block_size, uint8_t *out)
 {
     struct stat st;
     for (size_t i = 0; i < n; i++)
-        out[i] = stat(paths[i], &st) == 0;
+        out[i] = lstat_r(paths[i], &st) == 0 && S_ISREG(st.st_mode) &&
+                 (block_size == 0 || (uint64_t)st.st_size == block_size);
 }

@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "job_state.h"
+#include "policy.h" /* error policy, counters, identity xattr */
 
 #define KVT_XATTR_NAME "user.vllm.kv_crc32c"
 #define KVT_XATTR_LEN 4
@@ -22,25 +23,31 @@ typedef struct kvt_batch_result {
     int err;              /* 0 on success */
     size_t index;         /* failing block; n on success */
     int checksum_failed;
-    size_t retried;       /* loads: blocks re-read after a first checksum mismatch,
-                             on failure too (the failing block included) */
+    size_t retried;       /* loads: blocks re-read after a first checksum (or identity)
+                             mismatch, on failure too (the failing block included) */
+    int op;               /* KVT_OP_* of the failing call (policy.h) */
+    int condemned;        /* KVT_CAUSE_* when the failing block was condemned (removed) */
+    kvt_counts counts;    /* this batch's policy counters (policy.h), on failure too */
 } kvt_batch_result;
 
-/* Store: for each i, skip if dest_paths[i] exists; else create tmp_paths[i]
- * (O_CREAT|O_EXCL, parents created), write lens[i] bytes of bufs[i] (O_DIRECT
- * when use_o_direct and the buffer address and length are multiples of 4096),
- * with `checksum` set the xattr on the open fd, close, rename onto dest.
- * Any failure removes the temp. With `durable` the temp is
- * fdatasync'ed before the rename and the parent directory fsync'ed after it,
- * so a published block survives power loss; a failure there removes the
- * temp, or the just-renamed destination if it is still our file (same
- * st_dev/st_ino as the temp: a peer's block renamed onto it meanwhile stays).
- * open, the xattr calls, rename, fsync and every read/write retry EINTR;
- * close returning EINTR counts as success (Linux releases the fd). Load: open
+/* Store: for each i, skip if dest_paths[i] is a regular file of lens[i]
+ * bytes (with `durable`, fsync it and its directory first); a directory
+ * there fails the block (EISDIR); anything else there (symlink, FIFO, a file
+ * of another size) is replaced. Else create tmp_paths[i] (O_CREAT|O_EXCL,
+ * parents created), write lens[i] bytes of bufs[i] (O_DIRECT when
+ * use_o_direct and the buffer address and length are multiples of 4096),
+ * with `checksum` (KVT_CHECK_*) set the CRC xattr and the identity xattr
+ * (policy.h) on the open fd, close, rename onto dest. Any failure removes
+ * the temp. With `durable` the temp is fdatasync'ed before the rename and the
+ * parent directory fsync'ed after it, so a published block survives power
+ * loss; a failed directory fsync fails the store but never removes the
+ * published block (another job may have reported it stored). Load: open
  * (O_DIRECT when use_o_direct and lens[i] is a multiple of 4096), read; the
- * file must hold exactly lens[i] bytes (else EIO and removed); with
- * `checksum` verify (design.md table). Checksummed loads and loads under a
- * job state go through private memory (io_engine.h).
+ * file must hold exactly lens[i] bytes; with `checksum` verify the CRC and,
+ * when present, the identity record (KVT_CHECK_STRICT: a block without CRC
+ * record is ENODATA, kept). What is retried, kept or condemned: the error
+ * policy (policy.h, docs/design.md "Error policy"). Checksummed loads and
+ * loads under a job state go through private memory (io_engine.h).
  * Both stop at the first failing block.
  * With a job state `js` (job_state.h; NULL: none): a block begins only while
  * it is LIVE; a load reads into a private per-thread buffer and copies into
@@ -83,7 +90,8 @@ void kvt_crc_copy_info(kvt_crc_copy_stats *out);
 enum { KVT_REC_OK = 0, KVT_REC_ABSENT = 1, KVT_REC_MALFORMED = 2, KVT_REC_ERROR = 3 };
 int kvt_xattr_parse(const void *rec, long r, int err, uint32_t *crc);
 
-/* out[i] = 1 if paths[i] exists (stat succeeds), else 0. */
-void kvt_batch_lookup(const char *const *paths, size_t n, uint8_t *out);
+/* out[i] = 1 if paths[i] is a regular file (lstat: a symlink is not) of
+ * block_size bytes (any size when block_size == 0), else 0. */
+void kvt_batch_lookup(const char *const *paths, size_t n, uint64_t block_size, uint8_t *out);
 
 #endif

@@ -569,6 +569,10 @@ static int gather_buffers(kvt_batch_args *a, PyObject *seq, int writable)
  * PyErr_CheckSignals() when errno is EINTR and could replace the error with
  * KeyboardInterrupt, losing the errno and the attributes. If building or
  * decorating the exception fails, that failure (MemoryError...) is raised. */
+static const char *const op_names[KVT_NOPS] = KVT_OP_NAMES;
+static const char *const cause_names[] = KVT_CAUSE_NAMES;
+static const char *const count_names[KVT_NCOUNTS] = KVT_COUNT_NAMES;
+
 static void raise_batch_error(const kvt_batch_result *res, PyObject *path)
 {
     int err = res->err;
@@ -577,7 +581,19 @@ static void raise_batch_error(const kvt_batch_result *res, PyObject *path)
         return; /* the constructor's error is set */
     PyObject *ns = PyLong_FromSize_t(res->index);
     PyObject *nr = ns ? PyLong_FromSize_t(res->retried) : NULL;
-    if (nr == NULL || PyObject_SetAttrString(exc, "num_succeeded", ns) < 0 ||
+    PyObject *opn = nr ? PyUnicode_FromString(op_names[res->op >= 0 && res->op < KVT_NOPS ? res->op : 0]) : NULL;
+    PyObject *cn = NULL;
+    if (opn) {
+        if (res->condemned > 0 && res->condemned <= KVT_CAUSE_SHORT)
+            cn = PyUnicode_FromString(cause_names[res->condemned]);
+        else
+            cn = Py_NewRef(Py_None);
+    }
+    int bad = cn == NULL || PyObject_SetAttrString(exc, "operation", opn) < 0 ||
+              PyObject_SetAttrString(exc, "condemned", cn) < 0;
+    Py_XDECREF(opn);
+    Py_XDECREF(cn);
+    if (bad || PyObject_SetAttrString(exc, "num_succeeded", ns) < 0 ||
         PyObject_SetAttrString(exc, "checksum_failed", res->checksum_failed ? Py_True : Py_False) < 0 ||
         PyObject_SetAttrString(exc, "num_retried", nr) < 0) {
         Py_XDECREF(ns);
@@ -594,16 +610,33 @@ static void raise_batch_error(const kvt_batch_result *res, PyObject *path)
 }
 
 PyDoc_STRVAR(batch_lookup_doc,
-"batch_lookup($module, paths, /)\n--\n\n"
-"For each path (str, bytes or os.PathLike) whether it exists (stat(2)\n"
-"succeeds). Returns a list of bool of the same length. The GIL is released\n"
-"for the whole batch. Raises TypeError for a non-list or a bad path type.");
+"batch_lookup($module, paths, block_size=0, /)\n--\n\n"
+"For each path (str, bytes or os.PathLike) whether it is a regular file\n"
+"(lstat(2): a symlink, directory or FIFO is not) of block_size bytes (any\n"
+"size when 0). Returns a list of bool of the same length. The GIL is\n"
+"released for the whole batch. Raises TypeError for a non-list or a bad\n"
+"path type, ValueError for a negative block_size.");
 
 static PyObject *kvt_py_batch_lookup(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 1) {
-        PyErr_Format(PyExc_TypeError, "batch_lookup() takes 1 positional argument (%zd given)", nargs);
+    if (nargs != 1 && nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "batch_lookup() takes 1 or 2 positional arguments (%zd given)", nargs);
         return NULL;
+    }
+    unsigned long long block_size = 0;
+    if (nargs == 2) {
+        if (PyBool_Check(args[1]) || !PyLong_Check(args[1])) {
+            PyErr_Format(PyExc_TypeError, "block_size must be int, not %.100s", Py_TYPE(args[1])->tp_name);
+            return NULL;
+        }
+        long long bs = PyLong_AsLongLong(args[1]);
+        if (bs == -1 && PyErr_Occurred())
+            return NULL;
+        if (bs < 0) {
+            PyErr_SetString(PyExc_ValueError, "block_size must be >= 0");
+            return NULL;
+        }
+        block_size = (unsigned long long)bs;
     }
     if (check_list(args[0], "paths") < 0)
         return NULL;
@@ -622,7 +655,7 @@ static PyObject *kvt_py_batch_lookup(PyObject *mod, PyObject *const *args, Py_ss
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    kvt_batch_lookup(a.ca, (size_t)n, found);
+    kvt_batch_lookup(a.ca, (size_t)n, (uint64_t)block_size, found);
     Py_END_ALLOW_THREADS
     out = PyList_New(n);
     if (!out)
@@ -638,7 +671,7 @@ done:
 
 PyDoc_STRVAR(batch_store_block_doc,
 "batch_store_block($module, tmp_paths, dest_paths, buffers, /, use_o_direct=True,\n"
-"                  checksum=False, durable=False, *, job_state=None)\n--\n\n"
+"                  checksum=False, durable=False, *, job_state=None, counts=None)\n--\n\n"
 "Store each buffers[i] (C-contiguous, its whole length in bytes) as the file\n"
 "dest_paths[i] through the temp tmp_paths[i]: skip if dest exists; create\n"
 "the temp with O_CREAT|O_EXCL (missing parents are created), write it (with\n"
@@ -660,7 +693,7 @@ PyDoc_STRVAR(batch_store_block_doc,
 
 PyDoc_STRVAR(batch_load_block_doc,
 "batch_load_block($module, source_paths, buffers, /, use_o_direct=True,\n"
-"                 checksum=False, *, job_state=None)\n--\n\n"
+"                 checksum=False, *, job_state=None, counts=None)\n--\n\n"
 "Load each file source_paths[i] into buffers[i] (writable, C-contiguous; its\n"
 "length in bytes is the block size). O_DIRECT when use_o_direct and the\n"
 "buffer address and length meet the filesystem's alignment, else buffered.\n"
@@ -695,6 +728,59 @@ PyDoc_STRVAR(checksum_stats_doc,
 "(mismatched again: EBADMSG, file removed). A diagnostic summed over every\n"
 "caller; per-call counts are batch_load_block's return value and the\n"
 "OSError's num_retried / checksum_failed.");
+
+PyDoc_STRVAR(policy_info_doc,
+"policy_info($module, /)\n--\n\n"
+"The error policy's vocabulary and process-wide totals, as a dict:\n"
+"counts (tuple of counter names, the keys a batch call's counts= dict\n"
+"gets), operations (names an OSError's `operation` takes), causes (names\n"
+"of `condemned`), totals (dict name -> int since import, every caller),\n"
+"retry_eintr_max (EINTR retries in a row per call), retry_transient\n"
+"(EAGAIN/ESTALE retries per block), backoff_us (first\n"
+"backoff, doubled each retry), id_xattr (the identity xattr name).");
+
+static PyObject *kvt_py_policy_info(PyObject *mod, PyObject *unused)
+{
+    kvt_counts t;
+    kvt_policy_totals(&t);
+    PyObject *names = PyTuple_New(KVT_NCOUNTS), *ops = PyTuple_New(KVT_NOPS - 1),
+             *causes = PyTuple_New(KVT_CAUSE_SHORT), *totals = PyDict_New(), *out = NULL;
+    if (!names || !ops || !causes || !totals)
+        goto done;
+    for (int i = 0; i < KVT_NCOUNTS; i++) {
+        PyObject *k = PyUnicode_FromString(count_names[i]);
+        if (!k)
+            goto done;
+        PyTuple_SET_ITEM(names, i, k);
+        PyObject *v = PyLong_FromUnsignedLongLong(t.v[i]);
+        if (!v || PyDict_SetItem(totals, k, v) < 0) {
+            Py_XDECREF(v);
+            goto done;
+        }
+        Py_DECREF(v);
+    }
+    for (int i = 1; i < KVT_NOPS; i++) {
+        PyObject *k = PyUnicode_FromString(op_names[i]);
+        if (!k)
+            goto done;
+        PyTuple_SET_ITEM(ops, i - 1, k);
+    }
+    for (int i = 1; i <= KVT_CAUSE_SHORT; i++) {
+        PyObject *k = PyUnicode_FromString(cause_names[i]);
+        if (!k)
+            goto done;
+        PyTuple_SET_ITEM(causes, i - 1, k);
+    }
+    out = Py_BuildValue("{sOsOsOsOsisisIss}", "counts", names, "operations", ops, "causes", causes, "totals", totals,
+                        "retry_eintr_max", KVT_RETRY_EINTR_MAX, "retry_transient", KVT_RETRY_TRANSIENT, "backoff_us", (unsigned)KVT_RETRY_BACKOFF_US,
+                        "id_xattr", KVT_ID_XATTR_NAME);
+done:
+    Py_XDECREF(names);
+    Py_XDECREF(ops);
+    Py_XDECREF(causes);
+    Py_XDECREF(totals);
+    return out;
+}
 
 static PyObject *kvt_py_checksum_stats(PyObject *mod, PyObject *unused)
 {
@@ -818,10 +904,62 @@ static PyObject *kvt_py_job_state_cas(PyObject *mod, PyObject *const *args, Py_s
 }
 
 /* durable == NULL: the call has no `durable` flag (loads). */
+/* `checksum`: a bool, or "strict" (KVT_CHECK_STRICT). */
+static int parse_checksum(PyObject *o, int *checksum)
+{
+    if (PyUnicode_Check(o)) {
+        if (PyUnicode_CompareWithASCIIString(o, "strict") == 0) {
+            *checksum = KVT_CHECK_STRICT;
+            return 0;
+        }
+        PyErr_Format(PyExc_ValueError, "checksum must be True, False or 'strict', not %R", o);
+        return -1;
+    }
+    int t = PyObject_IsTrue(o);
+    if (t < 0)
+        return -1;
+    *checksum = t ? KVT_CHECK_ON : KVT_CHECK_OFF;
+    return 0;
+}
+
+/* Add this batch's nonzero policy counters into the dict `counts` (None:
+ * nothing). Returns 0 or -1 with an exception set. */
+static int add_counts(PyObject *counts, const kvt_counts *c)
+{
+    if (counts == NULL || counts == Py_None)
+        return 0;
+    for (int i = 0; i < KVT_NCOUNTS; i++) {
+        if (!c->v[i])
+            continue;
+        PyObject *key = PyUnicode_FromString(count_names[i]);
+        if (!key)
+            return -1;
+        PyObject *old = PyDict_GetItemWithError(counts, key);
+        if (!old && PyErr_Occurred()) {
+            Py_DECREF(key);
+            return -1;
+        }
+        unsigned long long base = old ? PyLong_AsUnsignedLongLong(old) : 0;
+        if (base == (unsigned long long)-1 && PyErr_Occurred()) {
+            Py_DECREF(key);
+            return -1;
+        }
+        PyObject *v = PyLong_FromUnsignedLongLong(base + c->v[i]);
+        int r = v ? PyDict_SetItem(counts, key, v) : -1;
+        Py_XDECREF(v);
+        Py_DECREF(key);
+        if (r < 0)
+            return -1;
+    }
+    return 0;
+}
+
 static int parse_io_flags(PyObject *kwnames, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t npos,
-                          const char *fname, int *use_o_direct, int *checksum, int *durable, PyObject **job_state)
+                          const char *fname, int *use_o_direct, int *checksum, int *durable, PyObject **job_state,
+                          PyObject **counts)
 {
     *job_state = NULL;
+    *counts = NULL;
     *use_o_direct = 1;
     *checksum = 0;
     if (durable)
@@ -848,6 +986,15 @@ static int parse_io_flags(PyObject *kwnames, PyObject *const *args, Py_ssize_t n
         else if (PyUnicode_CompareWithASCIIString(name, "job_state") == 0) {
             *job_state = args[nargs + k] == Py_None ? NULL : args[nargs + k];
             continue;
+        } else if (PyUnicode_CompareWithASCIIString(name, "counts") == 0) {
+            PyObject *c = args[nargs + k];
+            if (c != Py_None && !PyDict_Check(c)) {
+                PyErr_Format(PyExc_TypeError, "%s(): counts must be a dict or None, not %.100s", fname,
+                             Py_TYPE(c)->tp_name);
+                return -1;
+            }
+            *counts = c;
+            continue;
         } else {
             PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument %R", fname, name);
             return -1;
@@ -860,7 +1007,7 @@ static int parse_io_flags(PyObject *kwnames, PyObject *const *args, Py_ssize_t n
     }
     if (flag_obj[0] && (*use_o_direct = PyObject_IsTrue(flag_obj[0])) < 0)
         return -1;
-    if (flag_obj[1] && (*checksum = PyObject_IsTrue(flag_obj[1])) < 0)
+    if (flag_obj[1] && parse_checksum(flag_obj[1], checksum) < 0)
         return -1;
     if (flag_obj[2] && (*durable = PyObject_IsTrue(flag_obj[2])) < 0)
         return -1;
@@ -871,8 +1018,9 @@ static PyObject *kvt_py_batch_store_block(PyObject *mod, PyObject *const *args, 
                                           PyObject *kwnames)
 {
     int use_o_direct, checksum, durable;
-    PyObject *js_obj;
-    if (parse_io_flags(kwnames, args, nargs, 3, "batch_store_block", &use_o_direct, &checksum, &durable, &js_obj) < 0)
+    PyObject *js_obj, *counts;
+    if (parse_io_flags(kwnames, args, nargs, 3, "batch_store_block", &use_o_direct, &checksum, &durable, &js_obj,
+                       &counts) < 0)
         return NULL;
     if (check_list(args[0], "tmp_paths") < 0 || check_list(args[1], "dest_paths") < 0 ||
         check_list(args[2], "buffers") < 0)
@@ -905,6 +1053,8 @@ static PyObject *kvt_py_batch_store_block(PyObject *mod, PyObject *const *args, 
     rc = kvt_batch_store(a.ca, a.cb, (const void *const *)a.bufs, a.lens, (size_t)n, use_o_direct,
                          checksum, durable, js, &res);
     Py_END_ALLOW_THREADS
+    if (add_counts(counts, &res.counts) < 0)
+        goto done;
     if (rc != 0) {
         raise_batch_error(&res, PySequence_Fast_GET_ITEM(s1, (Py_ssize_t)res.index));
         goto done;
@@ -925,8 +1075,9 @@ static PyObject *kvt_py_batch_load_block(PyObject *mod, PyObject *const *args, P
                                          PyObject *kwnames)
 {
     int use_o_direct, checksum;
-    PyObject *js_obj;
-    if (parse_io_flags(kwnames, args, nargs, 2, "batch_load_block", &use_o_direct, &checksum, NULL, &js_obj) < 0)
+    PyObject *js_obj, *counts;
+    if (parse_io_flags(kwnames, args, nargs, 2, "batch_load_block", &use_o_direct, &checksum, NULL, &js_obj,
+                       &counts) < 0)
         return NULL;
     if (check_list(args[0], "source_paths") < 0 || check_list(args[1], "buffers") < 0)
         return NULL;
@@ -954,6 +1105,8 @@ static PyObject *kvt_py_batch_load_block(PyObject *mod, PyObject *const *args, P
     Py_BEGIN_ALLOW_THREADS
     rc = kvt_batch_load(a.ca, a.bufs, a.lens, (size_t)n, use_o_direct, checksum, js, &res);
     Py_END_ALLOW_THREADS
+    if (add_counts(counts, &res.counts) < 0)
+        goto done;
     if (rc != 0) {
         raise_batch_error(&res, PySequence_Fast_GET_ITEM(s0, (Py_ssize_t)res.index));
         goto done;
@@ -1522,6 +1675,7 @@ static PyMethodDef kvt_methods[] = {
     {"batch_store_block", (PyCFunction)(void (*)(void))kvt_py_batch_store_block, METH_FASTCALL | METH_KEYWORDS, batch_store_block_doc},
     {"batch_load_block", (PyCFunction)(void (*)(void))kvt_py_batch_load_block, METH_FASTCALL | METH_KEYWORDS, batch_load_block_doc},
     {"checksum_stats", kvt_py_checksum_stats, METH_NOARGS, checksum_stats_doc},
+    {"policy_info", kvt_py_policy_info, METH_NOARGS, policy_info_doc},
     {"job_state_cas", (PyCFunction)(void (*)(void))kvt_py_job_state_cas, METH_FASTCALL, job_state_cas_doc},
     {"io_engine_status", kvt_py_io_engine_status, METH_NOARGS, io_engine_status_doc},
     {"crc_copy_status", kvt_py_crc_copy_status, METH_NOARGS, crc_copy_status_doc},

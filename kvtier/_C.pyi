@@ -35,35 +35,41 @@ def _crc32c_bytewise(data: Buffer, value: int = 0, /) -> int: ...
 
 # ---------------------------------------------------------------- block I/O
 
-def batch_lookup(paths: _PathList, /) -> list[bool]: ...
+def batch_lookup(paths: _PathList, block_size: int = 0, /) -> list[bool]: ...
 def batch_store_block(
     tmp_paths: _PathList,
     dest_paths: _PathList,
     buffers: Union[list[Buffer], tuple[Buffer, ...]],
     /,
     use_o_direct: bool = True,
-    checksum: bool = False,
+    checksum: Union[bool, Literal["strict"]] = False,
     durable: bool = False,
     *,
     job_state: Optional[Buffer] = None,
+    counts: Optional[dict[str, int]] = None,
 ) -> None:
     """Raises OSError(errno, strerror, dest) with num_succeeded: int,
-    checksum_failed: bool and num_retried: int (0) attributes at the first
-    failing block."""
+    checksum_failed: bool, num_retried: int (0), operation: str and
+    condemned: None attributes at the first failing block. counts: policy
+    counters of the call are added to it (kvtier.policy.COUNT_NAMES)."""
 
 def batch_load_block(
     source_paths: _PathList,
     buffers: Union[list[Buffer], tuple[Buffer, ...]],
     /,
     use_o_direct: bool = True,
-    checksum: bool = False,
+    checksum: Union[bool, Literal["strict"]] = False,
     *,
     job_state: Optional[Buffer] = None,
+    counts: Optional[dict[str, int]] = None,
 ) -> int:
     """Returns the number of blocks re-read once after a first checksum
-    mismatch. Raises OSError with num_succeeded: int, checksum_failed: bool
-    and num_retried: int (blocks re-read before the batch stopped, the
-    failing block included: 1 for a block condemned on its re-read)."""
+    mismatch. Raises OSError with num_succeeded: int, checksum_failed: bool,
+    num_retried: int (blocks re-read before the batch stopped, the
+    failing block included: 1 for a block condemned on its re-read),
+    operation: str (kvtier.policy.OPERATIONS) and condemned: Optional[str]
+    (kvtier.policy.CAUSES when the file was removed). counts: policy
+    counters of the call are added to it (kvtier.policy.COUNT_NAMES)."""
 
 JOB_LIVE: int  # 0: job state words (job_state_cas, batch_*(job_state=...))
 JOB_COMMITTING: int  # 1
@@ -83,6 +89,10 @@ def io_engine_status() -> dict[Literal["engine", "liburing", "setting", "setup_e
     built with it), setting (KVTIER_IO_URING: "unset", "0", "1"), setup_errno
     (int: why the kernel refused a ring, or 0), uring_ops (int), plain_blocks
     (int: O_DIRECT blocks done with plain pread/pwrite); totals since import."""
+
+def policy_info() -> dict[str, Any]:
+    """The error policy's names (counts, operations, causes), constants
+    (retry_eintr_max, retry_transient, backoff_us, id_xattr) and process-wide totals."""
 
 def crc32c_copy(dst: Buffer, src: Buffer, value: int = 0, /) -> int:
     """Copy src into dst (same length, no overlap) and return the CRC-32C of

@@ -62,6 +62,8 @@ import threading as _threading
 
 import numpy as _np  # already loaded by kvtier._fallback_crc
 
+from kvtier import policy as _policy
+
 XATTR_NAME = "user.vllm.kv_crc32c"
 """xattr holding a block's CRC32C (4 bytes big-endian); vLLM FS tier name."""
 XATTR_LEN = 4
@@ -184,8 +186,10 @@ def _try_direct(fd, mv):
     return True
 
 
-def _batch_error(err, path, index, checksum_failed, num_retried=0):
+def _batch_error(err, path, index, checksum_failed, num_retried=0, operation="", condemned=None):
     exc = OSError(err, _os.strerror(err), path)  # the errno's subclass, e.g. FileNotFoundError
+    exc.operation = operation  # the failing call (kvtier.policy.OPERATIONS)
+    exc.condemned = condemned  # kvtier.policy.CAUSES when the file was removed, else None
     exc.num_succeeded = index
     exc.checksum_failed = checksum_failed
     exc.num_retried = num_retried  # loads: blocks re-read after a first mismatch, failing one included
@@ -267,13 +271,19 @@ def _read_full(fd, mv, off, direct):
 
 
 def _retry_eintr(fn, *args):
-    """fn(*args), retried on InterruptedError. CPython retries EINTR itself
+    """fn(*args), retried on InterruptedError up to kvtier.policy.RETRY_EINTR_MAX
+    times in a row (then raised). CPython retries EINTR itself
     (PEP 475) for os.open, os.pwrite, os.preadv, os.fsync, os.fdatasync, but
     not for os.setxattr, os.getxattr or os.rename, which raise it."""
-    while True:
+    for n in range(_policy.RETRY_EINTR_MAX + 1):
         try:
             return fn(*args)
         except InterruptedError:
+            if n == _policy.RETRY_EINTR_MAX:
+                raise
+            counts = getattr(_tls, "counts", None)
+            if counts is not None:
+                _count_into(counts, "retry_eintr")
             continue
 
 
@@ -301,17 +311,59 @@ def _fsync_dir(path):
         _close(fd)
 
 
-def _store_one(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable=False):
-    if _os.path.exists(dest):
-        return
+def _op(name, fn, *args):
+    """fn(*args); an OSError it raises gets ``kvt_op = name`` (the batch error's
+    ``operation``) unless an inner call already named it."""
+    try:
+        return fn(*args)
+    except OSError as e:
+        if getattr(e, "kvt_op", None) is None:
+            e.kvt_op = name
+        raise
+
+
+def _count_into(counts, name, n=1):
+    counts[name] = counts.get(name, 0) + n
+
+
+def _sync_existing(dest, counts):
+    """A durable store of a block already there: fsync it and its directory
+    (another job's block may not be durable yet). OSError names the call."""
+    fd = _op("open", _os.open, dest, _os.O_RDONLY | _os.O_CLOEXEC | _os.O_NOFOLLOW | _os.O_NONBLOCK)
+    try:
+        _op("sync", _os.fsync, fd)
+    finally:
+        _close_quiet(fd)
+    _op("sync", _fsync_dir, dest)
+    _count_into(counts, "durable_existing")
+
+
+def _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts):
+    try:
+        st = _os.lstat(dest)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        e.kvt_op = "stat"
+        raise
+    if st is not None:
+        if _stat.S_ISREG(st.st_mode) and st.st_size == len(mv):  # stored (by us or a peer)
+            if durable:
+                _sync_existing(dest, counts)
+            return
+        if _stat.S_ISDIR(st.st_mode):  # not ours to remove; never "stored"
+            e = OSError(_errno.EISDIR, _os.strerror(_errno.EISDIR), dest)
+            e.kvt_op = "rename"
+            raise e
+        _count_into(counts, "replaced")  # symlink, FIFO, file of another size: the rename replaces it
     flags = _os.O_CREAT | _os.O_EXCL | _os.O_WRONLY | _os.O_CLOEXEC
     try:
-        fd = _os.open(tmp, flags, 0o644)
+        fd = _op("open", _os.open, tmp, flags, 0o644)
     except FileNotFoundError:
         parent = _os.path.dirname(tmp)
         if parent:
-            _os.makedirs(parent, mode=0o755, exist_ok=True)
-        fd = _os.open(tmp, flags, 0o644)
+            _op("mkdir", _os.makedirs, parent, 0o755, True)
+        fd = _op("open", _os.open, tmp, flags, 0o644)
     try:
         try:
             direct = use_o_direct and _try_direct(fd, mv)
@@ -320,15 +372,16 @@ def _store_one(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable=False):
                 chunk = mv[off : off + IO_CHUNK]
                 if checksum:
                     crc = crc_fn(chunk, crc)
-                direct = _write_full(fd, chunk, off, direct)
+                direct = _op("write", _write_full, fd, chunk, off, direct)
             if checksum:
-                _retry_eintr(_os.setxattr, fd, XATTR_NAME, crc.to_bytes(XATTR_LEN, "big"))
+                _op("setxattr", _retry_eintr, _os.setxattr, fd, XATTR_NAME, crc.to_bytes(XATTR_LEN, "big"))
+                _op("setxattr", _retry_eintr, _os.setxattr, fd, _policy.ID_XATTR_NAME,
+                    _policy.block_identity(dest, len(mv)))
             if durable:  # data before the name
-                _os.fdatasync(fd)
-                mine = _os.fstat(fd)  # to tell our published file from a peer's later
+                _op("sync", _os.fdatasync, fd)
         finally:
-            _close(fd)
-        _retry_eintr(_os.rename, tmp, dest)
+            _op("close", _close, fd)
+        _op("rename", _retry_eintr, _os.rename, tmp, dest)
     except BaseException:
         try:
             _os.unlink(tmp)
@@ -336,76 +389,119 @@ def _store_one(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable=False):
             pass
         raise
     if durable:
+        # Published. A failed directory fsync fails the store (not known durable) but
+        # leaves the block: a good block, which another durable job may have found,
+        # synced and reported stored.
+        _op("sync", _fsync_dir, dest)
+
+
+def _store_one(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts):
+    """One block under the error policy: EAGAIN/ESTALE retried from the start."""
+    attempt = 0
+    while True:
         try:
-            _fsync_dir(dest)
-        except BaseException:
-            # Published but not durable: a failed store leaves nothing. Only our
-            # own file, though: a peer that renamed its block onto dest after
-            # our rename (its exists() ran before it) keeps its block.
-            try:
-                now = _os.stat(dest)
-                if (now.st_ino, now.st_dev) == (mine.st_ino, mine.st_dev):
-                    _os.unlink(dest)
-            except OSError:
-                pass
-            raise
+            return _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts)
+        except OSError as e:
+            if not _policy.retry_transient(e.errno, attempt, counts):
+                raise
+            attempt += 1
 
 
 _stats_lock = _threading.Lock()
-_stats = {"checksum_retries": 0, "checksum_condemned": 0}
+_totals: dict = {}
 
 
-def _count(key):
+def _add_totals(counts):
     with _stats_lock:
-        _stats[key] += 1
+        for k, v in counts.items():
+            _totals[k] = _totals.get(k, 0) + v
 
 
 def checksum_stats():
     """Process-wide counters of batch_load_block, like kvtier._C.checksum_stats():
-    checksum_retries (first mismatches, re-read once), checksum_condemned."""
+    checksum_retries (first CRC or identity mismatches, re-read once),
+    checksum_condemned (mismatched again)."""
     with _stats_lock:
-        return dict(_stats)
+        t = dict(_totals)
+    return {"checksum_retries": t.get("reread_checksum", 0) + t.get("reread_identity", 0),
+            "checksum_condemned": t.get("condemned_checksum", 0) + t.get("condemned_identity", 0)}
+
+
+def policy_info():
+    """Like kvtier._C.policy_info(): the policy's names, constants and this backend's
+    process-wide totals."""
+    with _stats_lock:
+        t = dict(_totals)
+    return {"counts": _policy.COUNT_NAMES, "operations": _policy.OPERATIONS, "causes": _policy.CAUSES,
+            "totals": {k: t.get(k, 0) for k in _policy.COUNT_NAMES},
+            "retry_eintr_max": _policy.RETRY_EINTR_MAX, "retry_transient": _policy.RETRY_TRANSIENT, "backoff_us": _policy.BACKOFF_US,
+            "id_xattr": _policy.ID_XATTR_NAME}
 
 
 def _whole_file_verifies(fd, size, crc_fn):
-    """True if the open file's xattr record is a 4-byte CRC32C matching all ``size`` bytes."""
+    """Whether the open file's CRC record matches all ``size`` bytes: True, False
+    (no record, a malformed one, a mismatch) or None (an error, or the size
+    changed while read: unknown, the file is kept)."""
     try:
-        rec = _os.getxattr(fd, XATTR_NAME)
-    except OSError:
-        return False
-    if len(rec) != 4:
+        rec = _retry_eintr(_os.getxattr, fd, XATTR_NAME)
+    except OSError as e:
+        return False if e.errno in (_errno.ENODATA, _errno.ERANGE) else None
+    if len(rec) != XATTR_LEN:
         return False
     crc, off = 0, 0
-    while off < size:
-        chunk = _os.pread(fd, min(IO_CHUNK, size - off), off)
-        if not chunk:
-            return False
-        crc = crc_fn(chunk, crc)
-        off += len(chunk)
-    return crc == _struct.unpack(">I", rec)[0]
+    try:
+        while off < size:
+            chunk = _os.pread(fd, min(IO_CHUNK, size - off), off)
+            if not chunk:
+                return None
+            crc = crc_fn(chunk, crc)
+            off += len(chunk)
+    except OSError:
+        return None
+    return crc == int.from_bytes(rec, "big")
 
 
-def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, reread=False):
-    """Record then data. Returns (mismatch, short): mismatch for a CRC
-    mismatch or malformed record; short for a short read. OSErrors from
-    getxattr other than ENODATA, or from read, propagate (file kept).
-    ``reread`` (after a mismatch): buffered, each chunk checksummed in a
-    private bounce buffer and then copied, so the block is judged on bytes no
-    other thread of the caller can write (as the C core does)."""
+_MISMATCH_CRC, _MISMATCH_ID = "checksum", "identity"
+
+
+def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=False):
+    """Records then data. Returns (mismatch, short): mismatch "checksum" for a
+    CRC mismatch or malformed record, "identity" for an identity record other
+    than ``ident``, else None; short for a short read. OSErrors (getxattr other
+    than ENODATA, read) propagate with ``kvt_op`` (file kept); ENODATA in
+    strict mode too (a miss). ``reread`` (after a mismatch): buffered, each
+    chunk checksummed in a private bounce buffer and then copied, so the block
+    is judged on bytes no other thread of the caller can write (as the C core
+    does)."""
     want = None
     if checksum:
         try:
-            rec = _retry_eintr(_os.getxattr, fd, XATTR_NAME)
+            rec = _op("getxattr", _retry_eintr, _os.getxattr, fd, XATTR_NAME)
         except OSError as e:
             if e.errno == _errno.ERANGE:
-                return True, False
+                return _MISMATCH_CRC, False
             if e.errno != _errno.ENODATA:
                 raise  # EOPNOTSUPP, EIO ...: not the block's fault, keep it
-            rec = None  # legacy block stored without checksum
+            if checksum == "strict":
+                _count_into(counts, "unverified_miss")
+                raise  # a miss, kept
+            _count_into(counts, "unverified")
+            rec = None  # stored without checksum (vLLM, a copy without xattrs)
         if rec is not None:
             if len(rec) != XATTR_LEN:
-                return True, False
+                return _MISMATCH_CRC, False
             want = int.from_bytes(rec, "big")
+            try:
+                got = _op("getxattr", _retry_eintr, _os.getxattr, fd, _policy.ID_XATTR_NAME)
+            except OSError as e:
+                if e.errno == _errno.ERANGE:
+                    got = b""
+                elif e.errno != _errno.ENODATA:
+                    raise
+                else:
+                    got = None  # no identity (written by vLLM): not checked
+            if got is not None and got != ident:
+                return _MISMATCH_ID, False
     private = reread and want is not None
     direct = not private and use_o_direct and _try_direct(fd, mv)
     if not direct and _fcntl.fcntl(fd, _fcntl.F_GETFL) & _os.O_DIRECT:
@@ -424,92 +520,176 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, reread=False):
             for off in range(0, len(mv), IO_CHUNK):
                 n = min(IO_CHUNK, len(mv) - off)
                 b = bounce if n == IO_CHUNK else bounce[:n]
-                got = _os.preadv(fd, [b], off)  # buffered: only EINTR to retry, which os.preadv does (PEP 475)
-                if got < n:  # short read: finish it the general way
-                    more, direct = _read_full(fd, b[got:], off + got, direct)
+                got = _op("read", _os.preadv, fd, [b], off)  # buffered: EINTR retried by os.preadv (PEP 475)
+                if got == 0:  # end of file: a short read (as fs_io.c read_full)
+                    return None, True
+                if got < n:  # a partial read: finish it the general way
+                    more, direct = _op("read", _read_full, fd, b[got:], off + got, direct)
                     if got + more < n:
-                        return False, True
+                        return None, True
                 crc = copy_fn(mv[off : off + n], b, crc)
         finally:
             _bounce_give(bounce)
-        return crc != want, False
+        return (_MISMATCH_CRC if crc != want else None), False
     for off in range(0, len(mv), IO_CHUNK):
         chunk = mv[off : off + IO_CHUNK]
-        got, direct = _read_full(fd, chunk, off, direct)
+        got, direct = _op("read", _read_full, fd, chunk, off, direct)
         if got < len(chunk):
-            return False, True
+            return None, True
         if want is not None:
             crc = crc_fn(chunk, crc)
-    return want is not None and crc != want, False
+    return (_MISMATCH_CRC if want is not None and crc != want else None), False
 
 
-def _load_one(src, mv, use_o_direct, checksum, crc_fn, retried_out):
-    """Returns (None, retried) or ((errno, checksum_failed), retried) after
-    removing the file when the table in design.md says so. A first mismatch is
-    retried once (page cache dropped); a second condemns the block. Other
-    OSErrors propagate (file kept). ``retried_out[0]`` is set True when the
-    block is re-read, so a caller sees it even when the re-read raises."""
+_LT_OK, _LT_ERR, _LT_SHORT, _LT_SIZE = range(4)
+
+
+class _Verdict(Exception):
+    """A judged block: errno, operation, cause (None: kept)."""
+
+    def __init__(self, err, op, cause=None):
+        super().__init__(err)
+        self.err, self.op, self.cause = err, op, cause
+
+
+def _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retried_out):
+    """One open of a block (csrc/fs_io.c load_try). Returns _LT_OK, or _LT_SHORT /
+    _LT_SIZE for a first sighting; raises _Verdict (judged: condemned or kept)
+    or OSError with ``kvt_op`` (kept)."""
     # O_NOFOLLOW: a block is never a symlink (ELOOP, kept). O_NONBLOCK: a FIFO or
     # device at a block path must not block the batch; a regular file ignores it.
-    fd = _os.open(src, _os.O_RDONLY | _os.O_CLOEXEC | _os.O_NOFOLLOW | _os.O_NONBLOCK)
+    fd = _op("open", _os.open, src, _os.O_RDONLY | _os.O_CLOEXEC | _os.O_NOFOLLOW | _os.O_NONBLOCK)
     remove = False
-    retried = False
     try:
         n = len(mv)
-        st = _os.fstat(fd)
+        st = _op("stat", _os.fstat, fd)
         if not _stat.S_ISREG(st.st_mode):  # not ours to judge or remove: kept
             e = _errno.EISDIR if _stat.S_ISDIR(st.st_mode) else _errno.EINVAL
-            raise OSError(e, _os.strerror(e), src)
-        if st.st_size != n:  # truncated, empty or longer: corrupt, unless its own record
-            # proves its bytes intact (the caller asked for another block size): then kept
-            remove = not (checksum and _whole_file_verifies(fd, st.st_size, crc_fn))
-            return (_errno.EIO, False), retried
+            raise _Verdict(e, "stat")
+        if st.st_size != n:  # truncated, empty or longer: corrupt once seen on two opens,
+            if seen != _LT_SIZE:
+                return _LT_SIZE
+            # unless its own record proves its bytes intact (the caller asked for another
+            # block size: kept); an error while finding out keeps it too
+            remove = not checksum or _whole_file_verifies(fd, st.st_size, crc_fn) is False
+            if remove:
+                _count_into(counts, "condemned_size")
+            raise _Verdict(_errno.EIO, "verify", "size" if remove else None)
         for attempt in range(2):
-            mismatch, short = _read_verify(fd, mv, use_o_direct, checksum, crc_fn, attempt > 0)
+            mismatch, short = _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, attempt > 0)
             if short:
+                if seen != _LT_SHORT:
+                    return _LT_SHORT
                 remove = True
-                return (_errno.EIO, False), retried
-            if not mismatch:
-                return None, retried
+                _count_into(counts, "condemned_short")
+                raise _Verdict(_errno.EIO, "verify", "short_read")
+            if mismatch is None:
+                return _LT_OK
             if attempt == 0:
-                _count("checksum_retries")
-                retried = retried_out[0] = True
+                _count_into(counts, "reread_" + mismatch)
+                retried_out[0] = True
                 _os.posix_fadvise(fd, 0, n, _os.POSIX_FADV_DONTNEED)  # re-read from the device
-        _count("checksum_condemned")
+        _count_into(counts, "condemned_" + mismatch)
         remove = True
-        return (_errno.EBADMSG, True), retried
+        raise _Verdict(_errno.EBADMSG, "verify", mismatch)
     finally:
         try:
             if remove:
                 _unlink_if_same(src, fd)
         finally:
-            _close(fd)
+            _close_quiet(fd)  # read-only: an error here (after a good read too) changes nothing
+
+
+def _load_one(src, mv, use_o_direct, checksum, crc_fn, counts, retried_out):
+    """Load one block under the error policy (docs/design.md "Error policy").
+    Returns None, or raises _Verdict / OSError (with ``kvt_op``)."""
+    ident = _policy.block_identity(src, len(mv)) if checksum else None
+    seen, sightings, transient = _LT_OK, 0, 0
+    while True:
+        try:
+            kind = _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retried_out)
+        except OSError as e:
+            if _policy.retry_transient(e.errno, transient, counts):
+                transient += 1
+                continue
+            raise
+        if kind == _LT_OK:
+            return None
+        if sightings < 2:  # a first short read / wrong size: reopen and look again
+            sightings += 1
+            _count_into(counts, "reread_short" if kind == _LT_SHORT else "restat_size")
+            seen = kind
+            continue
+        raise _Verdict(_errno.EIO, "verify")  # short, then wrong size, ...: unconfirmed, a miss
+
+
+def _close_quiet(fd):
+    try:
+        _os.close(fd)
+    except OSError:
+        pass
 
 
 def _unlink_if_same(path, fd):
     """Remove ``path`` only if it is still the file open as ``fd``: a peer that
     republished a good block under the same name meanwhile keeps it."""
     try:
-        a, b = _os.fstat(fd), _os.stat(path)
+        a, b = _os.fstat(fd), _os.lstat(path)
         if (a.st_ino, a.st_dev) == (b.st_ino, b.st_dev):
             _os.unlink(path)
     except OSError:
         pass
 
 
-def batch_lookup(paths, /):
-    """For each path (str, bytes or os.PathLike) whether it exists (stat(2)).
-    Returns list[bool]. TypeError for a non-list or a bad path type."""
+def batch_lookup(paths, block_size=0, /):
+    """For each path (str, bytes or os.PathLike) whether it is a regular file
+    (lstat: a symlink, directory or FIFO is not) of ``block_size`` bytes (any
+    size when 0). Returns list[bool]. TypeError for a non-list or a bad path
+    type, ValueError for a negative block_size."""
     _check_list(paths, "paths")
-    return [_os.path.exists(p) for p in _encode_paths(paths, "paths")]
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"block_size must be int, not {type(block_size).__name__}")
+    if block_size < 0:
+        raise ValueError("block_size must be >= 0")
+    out = []
+    for p in _encode_paths(paths, "paths"):
+        try:
+            st = _os.lstat(p)
+        except OSError:
+            out.append(False)
+            continue
+        out.append(_stat.S_ISREG(st.st_mode) and (block_size == 0 or st.st_size == block_size))
+    return out
 
 
-def batch_store_block(tmp_paths, dest_paths, buffers, /, use_o_direct=True, checksum=False, durable=False):
+def _mode(checksum):
+    if isinstance(checksum, str):
+        if checksum != "strict":
+            raise ValueError(f"checksum must be True, False or 'strict', not {checksum!r}")
+        return "strict"
+    return bool(checksum)
+
+
+def _check_counts(counts):
+    if counts is not None and not isinstance(counts, dict):
+        raise TypeError(f"counts must be a dict or None, not {type(counts).__name__}")
+
+
+def _merge_counts(counts, mine):
+    _tls.counts = None
+    _add_totals(mine)
+    if counts is not None:
+        for k, v in mine.items():
+            counts[k] = counts.get(k, 0) + v
+
+
+def batch_store_block(tmp_paths, dest_paths, buffers, /, use_o_direct=True, checksum=False, durable=False, *,
+                      counts=None):
     """Pure-Python kvtier._C.batch_store_block: same arguments, protocol and
     errors (OSError with errno, filename = dest path, num_succeeded,
-    checksum_failed=False, num_retried=0; the failing block's temp is removed). With
-    ``durable``: os.fdatasync of the temp before the rename, os.fsync of the
-    directory after."""
+    checksum_failed=False, num_retried=0, operation, condemned=None; the
+    failing block's temp is removed). ``counts``: a dict the policy counters
+    of this call are added to."""
     for obj, what in ((tmp_paths, "tmp_paths"), (dest_paths, "dest_paths"), (buffers, "buffers")):
         _check_list(obj, what)
     if not len(tmp_paths) == len(dest_paths) == len(buffers):
@@ -517,40 +697,58 @@ def batch_store_block(tmp_paths, dest_paths, buffers, /, use_o_direct=True, chec
             "tmp_paths, dest_paths and buffers must have equal lengths "
             f"({len(tmp_paths)}, {len(dest_paths)}, {len(buffers)})"
         )
+    _check_counts(counts)
+    checksum = _mode(checksum)
     tmps = _encode_paths(tmp_paths, "tmp_paths")
     dests = _encode_paths(dest_paths, "dest_paths")
     views = _views(buffers, writable=False)
     crc_fn = _block_crc_fn() if checksum else None
-    for i, (tmp, dest, mv) in enumerate(zip(tmps, dests, views)):
-        try:
-            _store_one(tmp, dest, mv, bool(use_o_direct), bool(checksum), crc_fn, bool(durable))
-        except OSError as e:
-            raise _batch_error(e.errno or _errno.EIO, dest_paths[i], i, False) from None
+    mine: dict = {}
+    _tls.counts = mine  # _retry_eintr counts into it
+    try:
+        for i, (tmp, dest, mv) in enumerate(zip(tmps, dests, views)):
+            try:
+                _store_one(tmp, dest, mv, bool(use_o_direct), bool(checksum), crc_fn, bool(durable), mine)
+            except OSError as e:
+                raise _batch_error(e.errno or _errno.EIO, dest_paths[i], i, False, 0,
+                                   getattr(e, "kvt_op", None) or "") from None
+    finally:
+        _merge_counts(counts, mine)
 
 
-def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False):
+def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False, *, counts=None):
     """Pure-Python kvtier._C.batch_load_block: same arguments, protocol,
     return value (blocks re-read once after a first mismatch, int) and errors
-    (design.md table: EBADMSG + checksum_failed and EIO remove the file; any
-    other errno keeps it). The OSError's ``num_retried`` (int) counts the
-    blocks of the batch re-read after a first mismatch, the failing block
-    included (1 for a block condemned on its re-read)."""
+    (docs/design.md "Error policy": EBADMSG + checksum_failed and EIO with
+    ``condemned`` set remove the file; any other errno keeps it). The
+    OSError's ``num_retried`` (int) counts the blocks of the batch re-read
+    after a first mismatch, the failing block included (1 for a block
+    condemned on its re-read). ``counts``: a dict the policy counters of this
+    call are added to."""
     _check_list(source_paths, "source_paths")
     _check_list(buffers, "buffers")
     if len(source_paths) != len(buffers):
         raise ValueError(f"source_paths and buffers must have equal lengths ({len(source_paths)}, {len(buffers)})")
+    _check_counts(counts)
+    checksum = _mode(checksum)
     srcs = _encode_paths(source_paths, "source_paths")
     views = _views(buffers, writable=True)
     crc_fn = _block_crc_fn() if checksum else None
     retried_total = 0
-    for i, (src, mv) in enumerate(zip(srcs, views)):
-        retried_out = [False]
-        try:
-            failed, retried = _load_one(src, mv, bool(use_o_direct), bool(checksum), crc_fn, retried_out)
-        except OSError as e:
-            raise _batch_error(e.errno or _errno.EIO, source_paths[i], i, False,
-                               retried_total + retried_out[0]) from None
-        retried_total += retried
-        if failed is not None:
-            raise _batch_error(failed[0], source_paths[i], i, failed[1], retried_total)
+    mine: dict = {}
+    _tls.counts = mine  # _retry_eintr counts into it
+    try:
+        for i, (src, mv) in enumerate(zip(srcs, views)):
+            retried_out = [False]
+            try:
+                _load_one(src, mv, bool(use_o_direct), checksum, crc_fn, mine, retried_out)
+            except _Verdict as v:
+                raise _batch_error(v.err, source_paths[i], i, v.cause in ("checksum", "identity"),
+                                   retried_total + retried_out[0], v.op, v.cause) from None
+            except OSError as e:
+                raise _batch_error(e.errno or _errno.EIO, source_paths[i], i, False,
+                                   retried_total + retried_out[0], getattr(e, "kvt_op", None) or "") from None
+            retried_total += retried_out[0]
+    finally:
+        _merge_counts(counts, mine)
     return retried_total

@@ -19,17 +19,21 @@ path), ``num_succeeded`` (its index: blocks before it are done),
 ``checksum_failed`` and ``num_retried`` (int: blocks of this batch re-read
 after a first checksum mismatch, the failing block included; 0 for stores):
 
+The rules are the error policy of docs/design.md ("Error policy"): in short,
 =========================================  =========================  ========
 load outcome                               OSError                    file
 =========================================  =========================  ========
-CRC mismatch or xattr length != 4, twice   EBADMSG, checksum_failed   removed
-size != block_size (truncated/empty/long)  EIO                        removed
-open/read/getxattr error (ENOENT, ELOOP,   that errno                 kept
-EACCES, EOPNOTSUPP, EBADMSG from the FS)
+CRC or identity mismatch, on two reads     EBADMSG, checksum_failed   removed
+size != block_size on two opens, no        EIO, condemned="size"      removed
+intact record of its own
+short read on two opens                    EIO, condemned="short_read" removed
+no CRC record, checksum="strict"           ENODATA                    kept
+open/read/getxattr error (ENOENT, ELOOP,   that errno (EAGAIN/ESTALE  kept
+EACCES, EOPNOTSUPP, EBADMSG from the FS)   retried 3 times first)
 =========================================  =========================  ========
-
-A first checksum mismatch is retried once (page cache dropped, record and
-data re-read; a transient glitch then loads), a second condemns the block.
+Every batch OSError also has ``operation`` (the failing call, one of
+:data:`kvtier.policy.OPERATIONS`) and ``condemned`` (the cause when the file
+was removed, else None).
 Each call reports its own re-reads (the load's return value, or the OSError's
 ``num_retried``; a condemned block is the OSError with ``checksum_failed``),
 which is what the tier manager counts per tier; :func:`checksum_stats` keeps
@@ -52,6 +56,7 @@ from typing import Sequence, Union
 
 # torch CPU tensors are taken as their bytes, the same conversion as the C core
 # (module.c torch_bytes_view) and the numpy CRC fallback: one helper, imported.
+from kvtier import policy as _policy
 from kvtier._fallback_crc import _is_torch_tensor, torch_bytes_view
 
 PathT = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
@@ -180,9 +185,11 @@ class BlockIO:
         offsets: Sequence[int],
         block_size: int,
         use_o_direct: bool = True,
-        checksum: bool = False,
+        checksum: "bool | str" = False,
         durable: bool = False,
         job_state=None,
+        *,
+        counts: "dict | None" = None,
     ) -> None:
         """Store ``view[offsets[i] : offsets[i] + block_size]`` as file
         ``paths[i]`` for each i (bytes; ``view`` any C-contiguous buffer or a
@@ -191,17 +198,26 @@ class BlockIO:
         recorded in xattr user.vllm.kv_crc32c. With ``durable`` each temp is
         fdatasync'ed before its rename and the directory fsync'ed after, so a
         stored block survives power loss (one device flush per block; cost:
-        docs/reliability.md). Errors: module docstring; a store OSError names
-        the destination and leaves no temp (and no destination) behind.
+        docs/reliability.md); a durable store of an existing block syncs that
+        block and its directory before it returns. A regular file of
+        ``block_size`` bytes at a path counts as stored; a directory there
+        fails the block (EISDIR); anything else (symlink, FIFO, file of another
+        size) is replaced. With ``checksum`` (True or "strict") the identity
+        xattr ``user.kvtier.id`` is set too (:func:`kvtier.policy.block_identity`).
+        ``counts``: a dict the call's policy counters are added to
+        (:data:`kvtier.policy.COUNT_NAMES`). Errors: module docstring; a store
+        OSError names the destination and leaves no temp behind.
         ``job_state``: None, or the job's state word (a writable buffer of
         >= 4 bytes, 4-byte aligned; kvtier._C.job_state_cas): each rename
         happens only while it is LIVE; else OSError(ETIMEDOUT), temp removed."""
+        checksum = _policy.check_mode(checksum)
         paths, views = _check_blocks(paths, view, offsets, block_size, writable=False)
         tag = secrets.token_hex(8)  # one per call: the destinations of a batch differ already
         tmps = [_tmp_with(p, tag) for p in paths]
         kw = {} if job_state is None else {"job_state": job_state}
-        self.impl.batch_store_block(tmps, paths, views, bool(use_o_direct), bool(checksum), durable=bool(durable),
-                                    **kw)
+        if counts is not None:
+            kw["counts"] = counts
+        self.impl.batch_store_block(tmps, paths, views, bool(use_o_direct), checksum, durable=bool(durable), **kw)
 
     def batch_load_block(
         self,
@@ -210,8 +226,10 @@ class BlockIO:
         offsets: Sequence[int],
         block_size: int,
         use_o_direct: bool = True,
-        checksum: bool = False,
+        checksum: "bool | str" = False,
         job_state=None,
+        *,
+        counts: "dict | None" = None,
     ) -> int:
         """Load file ``paths[i]`` into ``view[offsets[i] : offsets[i] +
         block_size]`` for each i (``view`` writable, C-contiguous; a torch CPU
@@ -225,19 +243,31 @@ class BlockIO:
         blocks before the failing one hold their data, the blocks after it are
         untouched, and the failing block's slice holds whatever was read
         (possibly the corrupt bytes, or part of them): do not use it. Errors
-        and which files are removed: module docstring.
+        and which files are removed: module docstring. ``checksum="strict"``:
+        a block without CRC record is ENODATA (a miss, kept) instead of an
+        unverified load. ``counts``: a dict the call's policy counters are
+        added to (:data:`kvtier.policy.COUNT_NAMES`: unverified loads,
+        re-reads, condemned blocks by cause, retries by errno).
         ``job_state``: None, or the job's state word (see batch_store_block):
         bytes enter ``view`` only in commit sections while it is LIVE; once it
         is not, OSError(ETIMEDOUT) with num_succeeded = blocks fully loaded
         and no byte written into ``view`` after the state left LIVE."""
+        checksum = _policy.check_mode(checksum)
         paths, views = _check_blocks(paths, view, offsets, block_size, writable=True)
-        if job_state is None:
-            return self.impl.batch_load_block(paths, views, bool(use_o_direct), bool(checksum))
-        return self.impl.batch_load_block(paths, views, bool(use_o_direct), bool(checksum), job_state=job_state)
+        kw = {} if job_state is None else {"job_state": job_state}
+        if counts is not None:
+            kw["counts"] = counts
+        return self.impl.batch_load_block(paths, views, bool(use_o_direct), checksum, **kw)
 
-    def batch_lookup(self, paths: Sequence[PathT]) -> list:
-        """list[bool]: whether each path exists."""
-        return self.impl.batch_lookup(_check_paths(paths))
+    def batch_lookup(self, paths: Sequence[PathT], block_size: int = 0) -> list:
+        """list[bool]: whether each path is a regular file (not a symlink,
+        directory or FIFO) of ``block_size`` bytes (any size when 0)."""
+        return self.impl.batch_lookup(_check_paths(paths), _as_int(block_size, "block_size"))
+
+    def policy_info(self) -> dict:
+        """This backend's error-policy names, constants and process-wide
+        counter totals (``kvtier._C.policy_info``)."""
+        return self.impl.policy_info()
 
     def checksum_stats(self) -> dict:
         """This backend's process-wide load counters (a diagnostic summed over

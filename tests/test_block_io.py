@@ -154,13 +154,24 @@ def test_pathlike_and_bytes_paths(io_backend, tmp_path):
 
 
 def test_lookup(io_backend, tmp_path):
+    """A hit is a regular file (of the block size when given): a symlink (which
+    a load refuses with ELOOP), a directory or a FIFO at a block path is a miss."""
     (tmp_path / "f").write_bytes(b"x")
-    os.symlink(tmp_path / "f", tmp_path / "good")
+    os.symlink(tmp_path / "f", tmp_path / "link")
     os.symlink(tmp_path / "missing", tmp_path / "dangling")
-    paths = [str(tmp_path / n) for n in ("f", "good", "dangling", "none")]
-    assert io_backend.batch_lookup(paths) == [True, True, False, False]
-    assert io_backend.impl.batch_lookup(paths) == [True, True, False, False]
+    (tmp_path / "dir").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    paths = [str(tmp_path / n) for n in ("f", "link", "dangling", "none", "dir", "fifo")]
+    want = [True, False, False, False, False, False]
+    assert io_backend.batch_lookup(paths) == want
+    assert io_backend.impl.batch_lookup(paths) == want
+    assert io_backend.batch_lookup(paths, 1) == want
+    assert io_backend.batch_lookup(paths, 2) == [False] * 6
     assert io_backend.batch_lookup([]) == []
+    with pytest.raises(ValueError):
+        io_backend.impl.batch_lookup(paths, -1)
+    with pytest.raises(TypeError):
+        io_backend.impl.batch_lookup(paths, 1.0)
 
 
 # ---------------------------------------------------------------- cross compatibility
@@ -665,10 +676,11 @@ def test_c_signatures():
 
     C = pytest.importorskip("kvtier._C")
     assert str(inspect.signature(C.batch_store_block)) == \
-        "(tmp_paths, dest_paths, buffers, /, use_o_direct=True, checksum=False, durable=False, *, job_state=None)"
+        ("(tmp_paths, dest_paths, buffers, /, use_o_direct=True, checksum=False, durable=False, *, job_state=None, "
+         "counts=None)")
     assert str(inspect.signature(C.batch_load_block)) == \
-        "(source_paths, buffers, /, use_o_direct=True, checksum=False, *, job_state=None)"
-    assert str(inspect.signature(C.batch_lookup)) == "(paths, /)"
+        "(source_paths, buffers, /, use_o_direct=True, checksum=False, *, job_state=None, counts=None)"
+    assert str(inspect.signature(C.batch_lookup)) == "(paths, block_size=0, /)"
 
 
 # ---------------------------------------------------------------- GIL
@@ -853,7 +865,8 @@ def test_condemned_block_republished_meanwhile_is_kept(tmp_path, monkeypatch):
     bs = 8192
     view = rand_blocks(2, bs, seed=9)
     path = block_paths(tmp_path, 1)[0]
-    good = str(tmp_path / "good.bin")
+    # the peer's copy: the same last four path components, so the same identity record
+    good = str(tmp_path / "peer" / os.path.relpath(path, tmp_path))
     fallback.batch_store_block([path + "_a.tmp"], [path], [view[:bs]], checksum=True)
     fallback.batch_store_block([good + "_b.tmp"], [good], [view[:bs]], checksum=True)
     flip_bit(path, 17)
@@ -872,7 +885,7 @@ def test_condemned_block_republished_meanwhile_is_kept(tmp_path, monkeypatch):
     with pytest.raises(OSError) as ei:
         fallback.batch_load_block([path], [out], checksum=True)
     assert ei.value.errno == errno.EBADMSG and ei.value.checksum_failed is True
-    assert [c[0] for c in calls] == [True, True]  # mismatch twice: condemned
+    assert [c[0] for c in calls] == ["checksum", "checksum"]  # mismatch twice: condemned
     assert os.path.exists(path)  # ... but the republished good block was not removed
     monkeypatch.setattr(fallback, "_read_verify", real)
     fallback.batch_load_block([path], [out], checksum=True)
@@ -1029,8 +1042,10 @@ def test_fallback_short_and_o_direct_einval_monkeypatched(tmp_path, monkeypatch)
 def test_durable_dir_fsync_failure_keeps_a_peers_block(io_backend, io_fault, tmp_path):
     """Durable store: the directory fsync after our rename fails (EIO). A peer
     renamed its own block onto the destination in between (its check for the
-    destination ran before our rename): the store raises EIO but removes only
-    its own file, so the peer's block stays. Without the peer, ours is removed."""
+    destination ran before our rename): the store raises EIO and the peer's
+    block stays. Without the peer, our block stays too: a failed durable store
+    never removes a published block, which another durable job may have
+    synced and reported stored (issue 13, finding 4)."""
     d = tmp_path / "faulty"
     d.mkdir()
     dest = d / "blk.bin"
@@ -1042,7 +1057,7 @@ def test_durable_dir_fsync_failure_keeps_a_peers_block(io_backend, io_fault, tmp
         try:
             io.batch_store_block([{str(dest)!r}], bytearray(b"O" * 4096), [0], 4096, checksum=True, durable=True)
         except OSError as e:
-            assert (e.errno, e.filename, e.num_succeeded) == (errno.EIO, {str(dest)!r}, 0), e
+            assert (e.errno, e.filename, e.num_succeeded, e.operation) == (errno.EIO, {str(dest)!r}, 0, "sync"), e
         else:
             raise SystemExit("store succeeded")
     """)
@@ -1057,7 +1072,7 @@ def test_durable_dir_fsync_failure_keeps_a_peers_block(io_backend, io_fault, tmp
     dest.unlink()
     r = subprocess.run([sys.executable, "-c", script], cwd=str(ROOT), capture_output=True, text=True, env=base)
     assert r.returncode == 0, r.stderr
-    assert not dest.exists() and temps_under(d) == []  # our own non-durable block is gone
+    assert dest.read_bytes() == b"O" * 4096 and temps_under(d) == []  # our published block stays
 
 
 def test_batch_error_under_allocation_failures():

@@ -17,6 +17,15 @@
  *                            KVT_FAULT_PEER_SRC and KVT_FAULT_PEER_DST set, the
  *                            shim first renames SRC onto DST (a peer publishing
  *                            its block right after our rename).
+ *   KVT_FAULT_ERRNO=f:E:N,.. the first N calls (N = -1: every call) of function f
+ *                            per file fail with errno E (a number), nothing done.
+ *                            Names: open, fstat (fstat, fstat64), pread (pread +
+ *                            preadv: E = 0 returns 0 bytes, an early end of file:
+ *                            a short read), fgetxattr, fsetxattr, pwrite,
+ *                            fdatasync, fsync, rename, close (closes, then reports
+ *                            E: an error after a good read). The error policy
+ *                            tests (tests/test_policy.py) walk docs/design.md's
+ *                            table with it.
  *   KVT_FAULT_LOG=path       one line per injected fault: "<func>\t<kind>\t<path>".
  *
  * glibc's headers may route pread/pwrite/open to their *64 names (and CPython's
@@ -131,6 +140,62 @@ static int eintr_once(const char *func, const char *path)
     return first;
 }
 
+/* KVT_FAULT_ERRNO: 1 with *err set if this call of `func` on `path` is to
+ * fail (then counted and logged as "E<err>"). */
+static int errno_fault(const char *func, const char *path, int *err)
+{
+    const char *list = getenv("KVT_FAULT_ERRNO");
+    if (!list || !under_dir(path))
+        return 0;
+    size_t fl = strlen(func);
+    long want = 0;
+    int e = 0, listed = 0;
+    for (const char *p = list; *p;) {
+        const char *end = strchr(p, ',');
+        size_t l = end ? (size_t)(end - p) : strlen(p);
+        const char *c1 = memchr(p, ':', l);
+        if (c1 && (size_t)(c1 - p) == fl && strncmp(p, func, fl) == 0) {
+            char *c2;
+            e = (int)strtol(c1 + 1, &c2, 10);
+            want = *c2 == ':' ? strtol(c2 + 1, NULL, 10) : 1;
+            listed = 1;
+        }
+        p += l + (end != NULL);
+    }
+    if (!listed)
+        return 0;
+    uint64_t h = 14695981039346656037ull; /* FNV-1a of func '\0' path */
+    for (const char *s = func; *s; s++)
+        h = (h ^ (uint8_t)*s) * 1099511628211ull;
+    h *= 1099511628211ull;
+    for (const char *s = path; *s; s++)
+        h = (h ^ (uint8_t)*s) * 1099511628211ull;
+    static uint64_t keys[4096];
+    static long counts[4096];
+    static size_t nkeys;
+    int fire = 0;
+    pthread_mutex_lock(&mu);
+    size_t i = 0;
+    while (i < nkeys && keys[i] != h)
+        i++;
+    if (i == nkeys && nkeys < sizeof keys / sizeof keys[0]) {
+        keys[nkeys] = h;
+        counts[nkeys++] = 0;
+    }
+    if (i < nkeys && (want < 0 || counts[i] < want)) {
+        counts[i]++;
+        fire = 1;
+    }
+    pthread_mutex_unlock(&mu);
+    if (fire) {
+        char kind[16];
+        snprintf(kind, sizeof kind, "E%d", e);
+        log_fault(func, kind, path);
+        *err = e;
+    }
+    return fire;
+}
+
 static size_t short_limit(void)
 {
     const char *s = getenv("KVT_FAULT_SHORT");
@@ -147,6 +212,15 @@ static int rw_fault(const char *func, int fd, size_t *len)
         return 0;
     if (eintr_once(func, path)) {
         errno = EINTR;
+        return -1;
+    }
+    int e;
+    if (errno_fault(func, path, &e)) {
+        if (e == 0) { /* early end of file */
+            *len = 0;
+            return 0;
+        }
+        errno = e;
         return -1;
     }
     const char *dio = getenv("KVT_FAULT_DIO_EINVAL");
@@ -175,6 +249,11 @@ static int do_open(const char *name, const char *path, int flags, va_list ap)
         mode = (mode_t)va_arg(ap, int);
     if (eintr_once("open", path)) {
         errno = EINTR;
+        return -1;
+    }
+    int e;
+    if (errno_fault("open", path, &e)) {
+        errno = e;
         return -1;
     }
     open_t real = (open_t)dlsym(RTLD_NEXT, name);
@@ -287,6 +366,11 @@ int fsetxattr(int fd, const char *name, const void *val, size_t n, int flags)
         errno = EINTR;
         return -1;
     }
+    int e;
+    if (errno_fault("fsetxattr", path, &e)) {
+        errno = e;
+        return -1;
+    }
     return real_fsetxattr(fd, name, val, n, flags);
 }
 
@@ -299,6 +383,11 @@ ssize_t fgetxattr(int fd, const char *name, void *val, size_t n)
         errno = EINTR;
         return -1;
     }
+    int e;
+    if (errno_fault("fgetxattr", path, &e)) {
+        errno = e;
+        return -1;
+    }
     return real_fgetxattr(fd, name, val, n);
 }
 
@@ -309,6 +398,11 @@ int rename(const char *from, const char *to)
     REAL(rename, rename_t)
     if (eintr_once("rename", from)) {
         errno = EINTR;
+        return -1;
+    }
+    int e;
+    if (errno_fault("rename", from, &e)) {
+        errno = e;
         return -1;
     }
     return real_rename(from, to);
@@ -333,6 +427,11 @@ int fsync(int fd)
     fd_path(fd, path, sizeof path);
     if (eintr_once("fsync", path)) {
         errno = EINTR;
+        return -1;
+    }
+    int e;
+    if (errno_fault("fsync", path, &e)) {
+        errno = e;
         return -1;
     }
     const char *eio = getenv("KVT_FAULT_DIRSYNC_EIO");
@@ -361,5 +460,43 @@ int close(int fd)
         errno = EINTR; /* Linux: the fd is gone, yet close reports EINTR */
         return -1;
     }
+    int e;
+    if (r == 0 && errno_fault("close", path, &e)) {
+        errno = e; /* the fd is gone, yet close reports an error (NFS/FUSE deferred errors) */
+        return -1;
+    }
     return r;
+}
+
+/* ---------------------------------------------------------------- fstat / fdatasync */
+
+typedef int (*fstat_t)(int, struct stat *);
+
+static int do_fstat(const char *name, int fd, struct stat *st)
+{
+    char path[4096];
+    fd_path(fd, path, sizeof path);
+    int e;
+    if (errno_fault("fstat", path, &e)) {
+        errno = e;
+        return -1;
+    }
+    fstat_t real = (fstat_t)dlsym(RTLD_NEXT, name);
+    return real(fd, st);
+}
+
+int fstat(int fd, struct stat *st) { return do_fstat("fstat", fd, st); }
+int fstat64(int fd, struct stat64 *st) { return do_fstat("fstat64", fd, (struct stat *)st); }
+
+int fdatasync(int fd)
+{
+    REAL(fdatasync, fdop_t)
+    char path[4096];
+    fd_path(fd, path, sizeof path);
+    int e;
+    if (errno_fault("fdatasync", path, &e)) {
+        errno = e;
+        return -1;
+    }
+    return real_fdatasync(fd);
 }

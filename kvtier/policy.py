@@ -1,0 +1,96 @@
+"""The error and verification policy of block I/O, shared by the Python side.
+
+The rules (docs/design.md "Error policy", the table) are implemented once per backend:
+csrc/policy.h + csrc/fs_io.c (C core) and kvtier/fallback.py (pure Python), with the
+same outcomes. This module holds what both present to Python: the counter names a
+batch call's ``counts=`` dict gets, the ``operation`` and ``condemned`` names an
+OSError carries, the retry constants, the checksum modes and the identity record.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import time
+from typing import Union
+
+COUNT_NAMES = (
+    "unverified",          # loaded without a CRC record on a checksummed tier
+    "unverified_miss",     # no CRC record in strict mode: a miss, file kept
+    "reread_checksum",     # re-read after a first CRC mismatch
+    "reread_identity",     # re-read after a first identity mismatch
+    "reread_short",        # reopened after a first short read
+    "restat_size",         # reopened after a first wrong size
+    "condemned_checksum",  # CRC mismatch twice: EBADMSG, removed
+    "condemned_identity",  # identity mismatch twice: EBADMSG, removed
+    "condemned_size",      # wrong size on two opens (no intact record of its own): EIO, removed
+    "condemned_short",     # short read on two opens: EIO, removed
+    "retry_eintr",         # EINTR retried in place (what the backend sees; CPython retries some itself)
+    "retry_eagain",        # EAGAIN/EWOULDBLOCK: the block retried from its open
+    "retry_estale",        # ESTALE: the block retried from its open
+    "durable_existing",    # a durable store synced an existing block (file + directory)
+    "replaced",            # a store replaced a symlink, FIFO or file of another size at the block path
+)
+"""Names of the per-call policy counters, in the C core's order (csrc/policy.h)."""
+
+OPERATIONS = ("open", "stat", "read", "getxattr", "verify", "mkdir", "write", "setxattr", "sync", "close",
+              "rename")
+"""Values of a batch OSError's ``operation`` (the failing call; "verify": the block's bytes,
+size or records were judged)."""
+
+CAUSES = ("checksum", "identity", "size", "short_read")
+"""Values of a batch OSError's ``condemned`` (None when the file was kept)."""
+
+RETRY_EINTR_MAX = 100
+"""EINTR: a call is retried at once, in place, up to this many times in a row."""
+RETRY_TRANSIENT = 3
+"""EAGAIN / EWOULDBLOCK / ESTALE: a block is retried from its open this many times."""
+BACKOFF_US = 1000
+"""Sleep before the first such retry (microseconds), doubled for each next one."""
+TRANSIENT_ERRNOS = {errno.EAGAIN: "retry_eagain", errno.EWOULDBLOCK: "retry_eagain", errno.ESTALE: "retry_estale"}
+
+ID_XATTR_NAME = "user.kvtier.id"
+"""Identity xattr: binds a block to its name (layout digest, rank, key) and size; vLLM ignores it."""
+ID_LEN = 8
+
+CHECKSUM_MODES = (False, True, "strict")
+"""``checksum=`` of the batch calls / ``checksum_blocks`` of a tier."""
+
+
+def check_mode(value, what: str = "checksum") -> Union[bool, str]:
+    """``value`` if it is a checksum mode (False, True, "strict"), else TypeError/ValueError."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        if value == "strict":
+            return value
+        raise ValueError(f"{what} must be True, False or 'strict', not {value!r}")
+    raise TypeError(f"{what} must be a bool or 'strict', got {type(value).__name__}")
+
+
+def retry_transient(err: int, attempt: int, counts: dict) -> bool:
+    """True (counted, after the backoff) if ``err`` is retried from the block's open at
+    0-based ``attempt`` (csrc/policy.c kvt_policy_retry)."""
+    name = TRANSIENT_ERRNOS.get(err)
+    if name is None or attempt >= RETRY_TRANSIENT:
+        return False
+    counts[name] = counts.get(name, 0) + 1
+    time.sleep(BACKOFF_US * (1 << attempt) / 1e6)
+    return True
+
+
+_FNV_OFFSET, _FNV_PRIME, _MASK = 1469598103934665603, 1099511628211, (1 << 64) - 1
+
+
+def block_identity(path: Union[str, bytes, "os.PathLike"], block_size: int) -> bytes:
+    """The identity record of a block stored at ``path`` with ``block_size`` bytes:
+    FNV-1a 64 of ``b"kvtier.id.v1\\0" + <last 4 path components> + b"\\0" +
+    str(block_size)``, 8 bytes big-endian (csrc/policy.c kvt_block_identity). The last
+    four components of a FileMapper path are ``<model>_<digest>_r<rank>/<h[:3]>/
+    <h[3:5]>_g<group>/<h>.bin``: layout digest, rank and key."""
+    p = os.fsencode(path)
+    parts = p.split(b"/")
+    tail = b"/".join(parts[-4:]) if len(parts) > 4 else p
+    h = _FNV_OFFSET
+    for b in b"kvtier.id.v1\0" + tail + b"\0" + str(int(block_size)).encode():
+        h = ((h ^ b) * _FNV_PRIME) & _MASK
+    return h.to_bytes(8, "big")

@@ -1,0 +1,436 @@
+"""The error policy table of docs/design.md ("Error policy"), walked row by row.
+
+Each row id (P1, P2 ...) has one check below that produces the row's errno or observation
+(the LD_PRELOAD shim tests/c/io_fault.c, KVT_FAULT_ERRNO, in a child process; or the file
+state itself) against each backend (C core and fallback, the same test body) and asserts
+the row's outcome: loaded or not, errno, ``operation``, ``condemned``, the policy counters
+of the call, and whether the file is still on disk. A row without a check or a check
+without a row fails :func:`test_every_row_has_a_check`.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier import policy
+from test_block_io import build_preload, preload
+
+ROOT = Path(__file__).resolve().parent.parent
+DESIGN = ROOT / "docs" / "design.md"
+BS = 3 * 4096
+EAGAIN, ESTALE, EIO, EINTR = errno.EAGAIN, errno.ESTALE, errno.EIO, errno.EINTR
+
+
+def table_rows():
+    """{id: (operation, observation, outcome, file)} of the design.md error table."""
+    text = DESIGN.read_text()
+    sec = text[text.index("## Error policy"):]
+    sec = sec[:sec.index("\n## ", 5)]
+    rows = {}
+    for line in sec.splitlines():
+        m = re.match(r"\| (P\d+) \|(.*)\|\s*$", line)
+        if m:
+            rows[m.group(1)] = tuple(c.strip() for c in m.group(2).split("|"))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def io_fault(tmp_path_factory):
+    return build_preload(tmp_path_factory, "io_fault")
+
+
+def data_of(seed, n=BS):
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def block_path(d, key="abcdef0123456789"):
+    return str(Path(d) / "m_0123456789ab_r0" / key[:3] / f"{key[3:5]}_g0" / f"{key}.bin")
+
+
+def put(io_backend, path, data, checksum=True, **kw):
+    io_backend.batch_store_block([path], np.frombuffer(bytearray(data), np.uint8), [0], len(data),
+                                 checksum=checksum, **kw)
+
+
+def temps(d):
+    return [p for p in Path(d).rglob("*.tmp")]
+
+
+def result_of(fn):
+    counts = {}
+    try:
+        r = fn(counts)
+        return {"ok": True, "ret": r, "counts": counts}
+    except OSError as e:
+        return {"ok": False, "errno": e.errno, "op": e.operation, "condemned": e.condemned,
+                "cf": e.checksum_failed, "counts": counts}
+
+
+def get(io_backend, path, n=BS, checksum=True, **kw):
+    """Load in this process: result dict with "sha" of the bytes loaded."""
+    out = np.zeros(n, np.uint8)
+    r = result_of(lambda c: io_backend.batch_load_block([path], out, [0], n, checksum=checksum, counts=c, **kw))
+    r["sha"] = hashlib.sha256(out.tobytes()).hexdigest()
+    return r
+
+
+_CHILD = textwrap.dedent("""
+    import hashlib, json, sys, time
+    import numpy as np
+    from kvtier import io
+    spec = json.loads(sys.argv[1])
+    assert io.backend == spec["backend"]
+    out = np.zeros(spec["n"], np.uint8)
+    counts = {}
+    t0 = time.monotonic()
+    try:
+        if spec["what"] == "load":
+            io.batch_load_block([spec["path"]], out, [0], spec["n"], counts=counts, **spec["kw"])
+        else:
+            out[:] = np.frombuffer(bytes.fromhex(spec["data"]), np.uint8)
+            io.batch_store_block([spec["path"]], out, [0], spec["n"], counts=counts, **spec["kw"])
+        r = {"ok": True}
+    except OSError as e:
+        r = {"ok": False, "errno": e.errno, "op": e.operation, "condemned": e.condemned, "cf": e.checksum_failed}
+    r.update(counts=counts, sha=hashlib.sha256(out.tobytes()).hexdigest(), secs=time.monotonic() - t0)
+    print(json.dumps(r))
+""")
+
+
+def child(io_backend, shim, d, what, path, faults, data=None, n=BS, log=None, **kw):
+    """Run one load or store of `path` in a child under the shim with
+    KVT_FAULT_ERRNO=faults (affecting files under d). Returns the result dict."""
+    kw.setdefault("checksum", True)
+    spec = {"backend": io_backend.backend, "what": what, "path": path, "n": n, "kw": kw,
+            "data": data.hex() if data is not None else None}
+    env = dict(os.environ, LD_PRELOAD=preload(shim), KVT_FAULT_DIR=str(d), KVT_FAULT_ERRNO=faults,
+               KVTIER_IO_BACKEND=io_backend.backend)
+    if log:
+        env["KVT_FAULT_LOG"] = str(log)
+    r = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(spec)], env=env, cwd=str(ROOT),
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def sha(b):
+    return hashlib.sha256(b).hexdigest()
+
+
+def only(counts, **want):
+    """counts has exactly the nonzero entries `want`."""
+    assert {k: v for k, v in counts.items() if v} == want, counts
+
+
+# ---------------------------------------------------------------- the rows
+
+
+def check_P1(io_backend, shim, d):
+    """EINTR anywhere is retried in place: store and load go through."""
+    p, data = block_path(d), data_of(1)
+    r = child(io_backend, shim, d, "store", p, "open:4:1,pwrite:4:1,fsetxattr:4:1,rename:4:1", data=data)
+    assert r["ok"], r
+    r = child(io_backend, shim, d, "load", p, "open:4:1,fstat:4:1,pread:4:1,fgetxattr:4:1")
+    assert r["ok"] and r["sha"] == sha(data), r
+    # the calls each backend retries itself (CPython retries open/pread/fstat/pwrite: PEP 475)
+    assert r["counts"].get("retry_eintr", 0) >= (2 if io_backend.backend == "c" else 1), r
+
+
+def check_P2(io_backend, shim, d):
+    p, data = block_path(d), data_of(2)
+    put(io_backend, p, data)
+    r = child(io_backend, shim, d, "load", p, f"pread:{EAGAIN}:1")
+    assert r["ok"] and r["sha"] == sha(data), r
+    only(r["counts"], retry_eagain=1)
+    r = child(io_backend, shim, d, "load", p, f"fgetxattr:{ESTALE}:2")
+    assert r["ok"] and r["sha"] == sha(data), r
+    only(r["counts"], retry_estale=2)
+    r = child(io_backend, shim, d, "load", p, f"open:{EAGAIN}:-1")
+    assert (r["ok"], r["errno"], r["op"], r["condemned"]) == (False, EAGAIN, "open", None), r
+    only(r["counts"], retry_eagain=policy.RETRY_TRANSIENT)
+    assert r["secs"] >= (1 + 2 + 4) / 1000  # the backoff
+    assert Path(p).read_bytes() == data
+
+
+def check_P3(io_backend, shim, d):
+    p, data = block_path(d), data_of(3)
+    r = child(io_backend, shim, d, "store", p, f"pwrite:{EAGAIN}:1", data=data)
+    assert r["ok"], r
+    only(r["counts"], retry_eagain=1)
+    assert Path(p).read_bytes() == data and temps(d) == []
+    q = block_path(d, "bbbbbb0123456789")
+    r = child(io_backend, shim, d, "store", q, f"rename:{ESTALE}:-1", data=data)
+    assert (r["ok"], r["errno"], r["op"]) == (False, ESTALE, "rename"), r
+    only(r["counts"], retry_estale=policy.RETRY_TRANSIENT)
+    assert not os.path.exists(q) and temps(d) == []
+
+
+def check_P4(io_backend, shim, d):
+    p, data = block_path(d), data_of(4)
+    put(io_backend, p, data)
+    for faults, code, op in ((f"pread:{EIO}:1", EIO, "read"), (f"fgetxattr:{errno.EOPNOTSUPP}:1",
+                                                                errno.EOPNOTSUPP, "getxattr"),
+                             (f"open:{errno.EACCES}:1", errno.EACCES, "open")):
+        r = child(io_backend, shim, d, "load", p, faults)
+        assert (r["ok"], r["errno"], r["op"], r["condemned"], r["cf"]) == (False, code, op, None, False), r
+        only(r["counts"])  # not retried
+        assert Path(p).read_bytes() == data
+    r = get(io_backend, block_path(d, "missing00000000"))
+    assert (r["ok"], r["errno"], r["op"]) == (False, errno.ENOENT, "open")
+
+
+def check_P5(io_backend, shim, d):
+    p, data = block_path(d), data_of(5)
+    put(io_backend, p, data)
+    r = child(io_backend, shim, d, "load", p, f"close:{EIO}:1")
+    assert r["ok"] and r["sha"] == sha(data), r
+
+
+def check_P6(io_backend, shim, d):
+    p, data = block_path(d), data_of(6)
+    put(io_backend, p, data)
+    r = child(io_backend, shim, d, "load", p, "pread:0:1")  # one early end of file: transient
+    assert r["ok"] and r["sha"] == sha(data), r
+    only(r["counts"], reread_short=1)
+    assert Path(p).read_bytes() == data
+    r = child(io_backend, shim, d, "load", p, "pread:0:2")  # again after the reopen: proof
+    assert (r["ok"], r["errno"], r["op"], r["condemned"], r["cf"]) == (False, EIO, "verify", "short_read", False)
+    only(r["counts"], reread_short=1, condemned_short=1)
+    assert not os.path.exists(p)
+
+
+def check_P7(io_backend, shim, d):
+    for checksum in (True, False):
+        p, data = block_path(d), data_of(7)
+        put(io_backend, p, data, checksum=checksum)
+        os.truncate(p, BS // 2)
+        r = get(io_backend, p, checksum=checksum)
+        assert (r["ok"], r["errno"], r["op"], r["condemned"]) == (False, EIO, "verify", "size"), r
+        only(r["counts"], restat_size=1, condemned_size=1)
+        assert not os.path.exists(p)
+
+
+def check_P8(io_backend, shim, d):
+    p, data = block_path(d), data_of(8)
+    put(io_backend, p, data)
+    r = get(io_backend, p, n=BS // 3)  # the caller's layout has another block size
+    assert (r["ok"], r["errno"], r["condemned"]) == (False, EIO, None), r
+    only(r["counts"], restat_size=1)
+    assert Path(p).read_bytes() == data
+
+
+def check_P9(io_backend, shim, d):
+    p, data = block_path(d), data_of(9)
+    put(io_backend, p, data)
+    with open(p, "ab") as f:  # grown: not its record's bytes any more
+        f.write(b"x")
+    for faults in (f"fgetxattr:{EIO}:-1", f"pread:{EIO}:1", f"fgetxattr:{EINTR}:-1"):
+        r = child(io_backend, shim, d, "load", p, faults)
+        assert (r["ok"], r["errno"], r["condemned"]) == (False, EIO, None), (faults, r)
+        assert os.path.getsize(p) == BS + 1, faults  # a transient error never removes
+    r = get(io_backend, p)  # without the fault: proven not its record's bytes
+    assert (r["ok"], r["errno"], r["condemned"]) == (False, EIO, "size"), r
+    assert not os.path.exists(p)
+
+
+def check_P10(io_backend, shim, d):
+    p, data = block_path(d), data_of(10)
+    put(io_backend, p, data)
+    with open(p, "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 1]))
+    r = get(io_backend, p)
+    assert (r["ok"], r["errno"], r["op"], r["condemned"], r["cf"]) == (False, errno.EBADMSG, "verify", "checksum",
+                                                                      True), r
+    only(r["counts"], reread_checksum=1, condemned_checksum=1)
+    assert not os.path.exists(p)
+
+
+def check_P11(io_backend, shim, d):
+    a, b, data = block_path(d), block_path(d, "fedcba9876543210"), data_of(11)
+    put(io_backend, a, data)
+    os.makedirs(os.path.dirname(b))
+    shutil.copy2(a, b)  # bytes and both xattrs, under another key's name
+    assert os.getxattr(b, "user.vllm.kv_crc32c") == os.getxattr(a, "user.vllm.kv_crc32c")
+    r = get(io_backend, b)
+    assert (r["ok"], r["errno"], r["condemned"], r["cf"]) == (False, errno.EBADMSG, "identity", True), r
+    only(r["counts"], reread_identity=1, condemned_identity=1)
+    assert not os.path.exists(b)
+    r = get(io_backend, a)
+    assert r["ok"] and r["sha"] == sha(data), r
+    only(r["counts"])
+
+
+def check_P12(io_backend, shim, d):
+    p, data = block_path(d), data_of(12)
+    put(io_backend, p, data, checksum=False)
+    r = get(io_backend, p)
+    assert r["ok"] and r["sha"] == sha(data), r
+    only(r["counts"], unverified=1)
+
+
+def check_P13(io_backend, shim, d):
+    p, data = block_path(d), data_of(13)
+    put(io_backend, p, data, checksum=False)
+    r = get(io_backend, p, checksum="strict")
+    assert (r["ok"], r["errno"], r["op"], r["condemned"], r["cf"]) == (False, errno.ENODATA, "getxattr", None,
+                                                                      False), r
+    only(r["counts"], unverified_miss=1)
+    assert Path(p).read_bytes() == data
+    q = block_path(d, "9999990123456789")
+    put(io_backend, q, data)
+    r = get(io_backend, q, checksum="strict")  # with its record: loads
+    assert r["ok"] and r["sha"] == sha(data), r
+
+
+def check_P14(io_backend, shim, d):
+    target = Path(d) / "elsewhere.bin"
+    target.write_bytes(data_of(14))
+    for key, make, code in (("1110000000000000", lambda p: os.symlink(target, p), errno.ELOOP),
+                            ("2220000000000000", os.mkdir, errno.EISDIR),
+                            ("3330000000000000", os.mkfifo, errno.EINVAL)):
+        p = block_path(d, key)
+        os.makedirs(os.path.dirname(p))
+        make(p)
+        r = get(io_backend, p)
+        assert (r["ok"], r["errno"], r["condemned"]) == (False, code, None), (key, r)
+        assert os.path.lexists(p)
+    assert target.read_bytes() == data_of(14)
+
+
+def check_P15(io_backend, shim, d):
+    p, data = block_path(d), data_of(15)
+    put(io_backend, p, data)
+    log = Path(d) / "log"
+    # EINTR once on each fsync: logged, so the log shows which files were synced
+    r = child(io_backend, shim, d, "store", p, "fsync:4:1", data=data_of(99), durable=True, log=log)
+    assert r["ok"], r
+    only(r["counts"], durable_existing=1, **({"retry_eintr": 2} if io_backend.backend == "c" else {}))
+    synced = {line.split("\t")[2] for line in log.read_text().splitlines() if line.startswith("fsync")}
+    assert synced == {p, os.path.dirname(p)}, synced
+    assert Path(p).read_bytes() == data  # not rewritten
+    r = child(io_backend, shim, d, "store", p, f"fsync:{EIO}:1", data=data_of(99), durable=True)
+    assert (r["ok"], r["errno"], r["op"]) == (False, EIO, "sync"), r
+    assert Path(p).read_bytes() == data
+
+
+def check_P16(io_backend, shim, d):
+    p = block_path(d)
+    os.makedirs(p)
+    r = result_of(lambda c: put(io_backend, p, data_of(16), counts=c))
+    assert (r["ok"], r["errno"], r["op"]) == (False, errno.EISDIR, "rename"), r
+    assert os.path.isdir(p) and temps(d) == []
+
+
+def check_P17(io_backend, shim, d):
+    target = Path(d) / "elsewhere.bin"
+    target.write_bytes(b"T" * 10)
+    for key, make in (("1110000000000000", lambda p: os.symlink(target, p)), ("2220000000000000", os.mkfifo),
+                      ("3330000000000000", lambda p: Path(p).write_bytes(b"short"))):
+        p, data = block_path(d, key), data_of(17)
+        os.makedirs(os.path.dirname(p))
+        make(p)
+        r = result_of(lambda c: put(io_backend, p, data, counts=c))
+        assert r["ok"], (key, r)
+        only(r["counts"], replaced=1)
+        assert not os.path.islink(p) and Path(p).read_bytes() == data
+        assert get(io_backend, p)["ok"]
+    assert target.read_bytes() == b"T" * 10 and temps(d) == []
+
+
+def check_P18(io_backend, shim, d):
+    data = data_of(18)
+    for i, (faults, code, op, kw) in enumerate(((f"fsetxattr:{errno.ENOSPC}:1", errno.ENOSPC, "setxattr", {}),
+                                                (f"pwrite:{EIO}:1", EIO, "write", {}),
+                                                (f"fdatasync:{EIO}:1", EIO, "sync", {"durable": True}),
+                                                (f"close:{errno.EDQUOT}:1", errno.EDQUOT, "close", {}),
+                                                (f"rename:{errno.EACCES}:1", errno.EACCES, "rename", {}))):
+        p = block_path(d, f"{i}" * 16)
+        r = child(io_backend, shim, d, "store", p, faults, data=data, **kw)
+        assert (r["ok"], r["errno"], r["op"]) == (False, code, op), (faults, r)
+        assert not os.path.exists(p) and temps(d) == [], faults
+
+
+def check_P19(io_backend, shim, d):
+    p, data = block_path(d), data_of(19)
+    r = child(io_backend, shim, d, "store", p, f"fsync:{EIO}:-1", data=data, durable=True)
+    assert (r["ok"], r["errno"], r["op"]) == (False, EIO, "sync"), r
+    assert Path(p).read_bytes() == data and temps(d) == []  # published, kept
+
+
+def check_P20(io_backend, shim, d):
+    good = block_path(d)
+    put(io_backend, good, data_of(20))
+    odd = []
+    for key, make in (("1110000000000000", lambda p: os.symlink(good, p)), ("2220000000000000", os.mkdir),
+                      ("3330000000000000", os.mkfifo), ("4440000000000000", lambda p: Path(p).write_bytes(b"x"))):
+        p = block_path(d, key)
+        os.makedirs(os.path.dirname(p))
+        make(p)
+        odd.append(p)
+    assert io_backend.batch_lookup([good] + odd, BS) == [True, False, False, False, False]
+
+
+CHECKS = {name[len("check_"):]: fn for name, fn in globals().items() if name.startswith("check_P")}
+
+
+def test_every_row_has_a_check():
+    rows = table_rows()
+    assert sorted(rows) == sorted(CHECKS), "docs/design.md error table and tests/test_policy.py differ"
+    # the retry counts and backoffs the table states are the code's
+    for rid in ("P2", "P3"):
+        outcome = rows[rid][2]
+        assert f"{policy.RETRY_TRANSIENT} times" in outcome and "after 1, 2, 4 ms" in outcome, outcome
+    assert f"up to {policy.RETRY_EINTR_MAX} times in a row" in rows["P1"][2]
+    assert policy.BACKOFF_US == 1000
+
+
+@pytest.mark.parametrize("row", sorted(CHECKS, key=lambda r: int(r[1:])))
+def test_policy_row(io_backend, io_fault, tmp_path, row):
+    d = tmp_path / "tier"
+    d.mkdir()
+    CHECKS[row](io_backend, io_fault, str(d))
+
+
+def test_policy_vocabulary_is_the_same_in_both_backends(io_backend):
+    info = io_backend.policy_info()
+    assert tuple(info["counts"]) == policy.COUNT_NAMES
+    assert tuple(info["operations"]) == policy.OPERATIONS
+    assert tuple(info["causes"]) == policy.CAUSES
+    assert (info["retry_eintr_max"], info["retry_transient"], info["backoff_us"], info["id_xattr"]) == (
+        policy.RETRY_EINTR_MAX, policy.RETRY_TRANSIENT, policy.BACKOFF_US, policy.ID_XATTR_NAME)
+
+
+def test_identity_record_is_the_same_in_both_backends(tmp_path):
+    from kvtier import io as kio
+
+    try:
+        c, py = kio.for_backend("c"), kio.for_backend("python")
+    except ImportError as e:
+        pytest.skip(str(e))
+    for i, rel in enumerate(("m_0123456789ab_r0/abc/de_g0/abcdef.bin", "x.bin", "a/b.bin")):
+        p1, p2 = str(tmp_path / "c" / rel), str(tmp_path / "py" / rel)
+        put(c, p1, data_of(i, 4096))
+        put(py, p2, data_of(i, 4096))
+        assert os.getxattr(p1, policy.ID_XATTR_NAME) == policy.block_identity(p1, 4096)
+        assert os.getxattr(p2, policy.ID_XATTR_NAME) == policy.block_identity(p2, 4096)
+        if i == 0:  # the last four components are the same: so is the record
+            assert os.getxattr(p1, policy.ID_XATTR_NAME) == os.getxattr(p2, policy.ID_XATTR_NAME)
+    # bound to the last four components: the same block under another root verifies
+    assert policy.block_identity("/r1/m_1_r0/abc/de_g0/k.bin", 8) == policy.block_identity("/r2/m_1_r0/abc/de_g0/k.bin", 8)
+    assert policy.block_identity("/r/m_1_r0/abc/de_g0/k.bin", 8) != policy.block_identity("/r/m_2_r0/abc/de_g0/k.bin", 8)
+    assert policy.block_identity("/r/m_1_r0/abc/de_g0/k.bin", 8) != policy.block_identity("/r/m_1_r0/abc/de_g0/k.bin", 16)
