@@ -102,8 +102,7 @@ _next_byte = [0]  # where the next call's block starts in the pool, across cells
 def next_offset(pool, bs: int) -> int:
     """Offset of the next block of `bs` bytes in the pool: the calls of all
     cells walk the pool in turn (a cell that started over at offset 0 would
-    land on blocks the previous cell just loaded, which the fused copy's
-    reuse rule then treats as cache-hot)."""
+    land on blocks the previous cell just loaded, still in the cache)."""
     off = _next_byte[0]
     if off + bs > len(pool):
         off = 0

@@ -6,7 +6,7 @@
  *
  * Loads go through private per-thread memory: O_DIRECT pieces of up to
  * KVT_PIECE bytes DMA'd into private slots (KVT_PIECES of them in flight),
- * buffered ones KVT_IO_CHUNK at a time into a cache-resident bounce buffer;
+ * buffered ones KVT_ENGINE_CHUNK at a time into a cache-resident bounce buffer;
  * each piece then enters the caller's buffer in one move (the fused copy +
  * CRC, csrc/crc32c/copy.c, where it is the verify pass), inside a commit
  * section of the job state (job_state.h). So a corrupt or late block never

@@ -68,7 +68,8 @@ XATTR_NAME = "user.vllm.kv_crc32c"
 """xattr holding a block's CRC32C (4 bytes big-endian); vLLM FS tier name."""
 XATTR_LEN = 4
 IO_CHUNK = 256 * 1024
-"""Bytes per read/write call; each chunk is checksummed next to its I/O (fs_io.h KVT_IO_CHUNK)."""
+"""Bytes per read/write call; each chunk is checksummed next to its I/O (as the C engine's
+buffered pieces, io_engine.h KVT_ENGINE_CHUNK)."""
 DIO_FALLBACK_ALIGN = 4096
 """O_DIRECT alignment assumed when statx STATX_DIOALIGN is not reported (fs_io.h)."""
 
