@@ -251,7 +251,7 @@ def run_bench(preset: str = DEFAULT_PRESET, tokens: int = DEFAULT_TOKENS, blocks
     p = PRESETS[preset]
     bs = p.block_bytes(tokens)
     hash_bs = 16 if tokens % 16 == 0 else tokens
-    groups = [{"block_size": hash_bs, "layer_names": [f"model.layers.{i}.self_attn.attn" for i in range(p.layers)]}]
+    groups = [{"tokens_per_block": hash_bs, "layer_names": [f"model.layers.{i}.self_attn.attn" for i in range(p.layers)]}]
     vio, vnote = None, "not asked for (--vllm off)"
     if vllm != "off":
         from kvtier.peer import load_vllm_io
@@ -304,8 +304,8 @@ def run_bench(preset: str = DEFAULT_PRESET, tokens: int = DEFAULT_TOKENS, blocks
 
         def manager(ck, where):
             return FileSystemTierManager(
-                buf, os.path.join(base, where), p.model, hash_block_size=hash_bs,
-                gpu_blocks_per_file=tokens // hash_bs, dtype=p.dtype, kv_cache_groups=groups,
+                buf, os.path.join(base, where), p.model, tokens_per_hash=hash_bs,
+                blocks_per_file=tokens // hash_bs, dtype=p.dtype, kv_cache_groups=groups,
                 n_read_threads=threads, n_write_threads=threads, checksum_blocks=ck,
                 use_o_direct=use_o_direct)
 

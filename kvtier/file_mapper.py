@@ -1,4 +1,4 @@
-"""Key -> file path mapping, compatible with vLLM's FS offload tier.
+"""Key -> file path mapping, byte-identical to vLLM 0.33's FileMapper (no vLLM needed).
 
 A block is identified by a key ``(block_hash: bytes, group_idx: int)``.  Its file is::
 
@@ -7,30 +7,36 @@ A block is identified by a key ``(block_hash: bytes, group_idx: int)``.  Its fil
 where ``h`` is the lowercase hex of the block hash, ``model`` is the model name with
 ``/`` replaced by ``_`` and ``digest`` is the first 12 hex characters of the SHA-256 of
 ``json.dumps(fields, sort_keys=True, separators=(",", ":"))``.  ``fields`` is written to
-``<root>/<model>_<digest>/config.json`` (atomically, only if absent).
+``<root>/<model>_<digest>/config.json`` (``json.dump(indent=2, sort_keys=True)``, no
+trailing newline, only if absent).  The paths are plain f-strings, as vLLM's: a trailing
+``/`` in ``root_dir`` gives ``//`` in every path (and the same ``//`` as vLLM).
 
-Hashed fields (the same set, names and value types as vLLM's
-``vllm/v1/kv_offload/tiering/fs/file_mapper.py``, so that the same deployment produces
-the same directory as vLLM and a cache written by one is found by the other):
+Hashed fields, as ``vllm/v1/kv_offload/file_mapper.py`` of vLLM 0.33 (so the same
+deployment gives the same directory, and a cache written by vLLM's ``"fs"`` tier is found
+by kvtier and the other way round; tests/test_file_mapper.py holds golden paths made by
+vLLM 0.33, tests/test_vllm.py compares with the installed vLLM over a matrix):
 
 ============================  =========================================================
 ``model_name``                model id, e.g. ``"meta-llama/Llama-3.1-8B"``
-``hash_block_size``           tokens per hashed block (vLLM ``cache_config.block_size``)
-``gpu_blocks_per_file``       engine blocks stored in one file (one offload chunk)
-``tp_size`` ``pp_size``       tensor / pipeline parallel sizes
-``pcp_size`` ``dcp_size``     prefill / decode context parallel sizes
+``tokens_per_hash``           tokens per block hash (vLLM ``cache.tokens_per_hash``)
+``blocks_per_file``           engine blocks in one file (vLLM: ``blocks_per_chunk``)
+``tp_size`` ``pp_size``       tensor / pipeline parallel sizes (1 when parallel-agnostic)
+``pcp_size`` ``dcp_size``     prefill / decode context parallel sizes (idem)
 ``dtype``                     KV cache dtype name, e.g. ``"bfloat16"`` (no ``torch.``)
-``kv_cache_groups``           list of ``{"block_size": int, "layer_names": [str]}``
+``kv_cache_groups``           list of ``{"tokens_per_block": int, "layer_names": [str]}``
 ``inference_engine``          ``"vllm"``
+``parallel_agnostic``         ``false``, present only when not parallel-agnostic
+``replicated_layout``         ``true``, present only when set
+``canonical_format``          e.g. ``"v1-nhd"``, present only when set
 ============================  =========================================================
 
 Why these: every field changes either the bytes of a block (dtype, layers in a group,
-tokens per block, blocks per file, the tensor/context split of heads) or which rank owns
-it, so two configurations that could produce different bytes for the same hash never
-share a directory.  The rank is not hashed (it is the ``_r<rank>`` suffix) so all ranks
-of one deployment share one ``config.json``.  The block size in bytes is not hashed (it
-follows from the fields); kvtier records it beside ``config.json`` in ``kvtier.json``
-(see :meth:`FileMapper.write_block_info`) so ``kvtier scrub`` can check file sizes.
+tokens per block, blocks per file, the tensor/context split of heads, the byte format) or
+which rank owns it, so two configurations that could produce different bytes for the same
+hash never share a directory.  The rank is not hashed (it is the ``_r<rank>`` suffix) so
+all ranks of one deployment share one ``config.json``.  The block size in bytes is not
+hashed (it follows from the fields); kvtier records it beside ``config.json`` in
+``kvtier.json`` (:func:`write_block_info`) so ``kvtier scrub`` can check file sizes.
 """
 from __future__ import annotations
 
@@ -48,11 +54,12 @@ BLOCK_INFO_FILENAME = "kvtier.json"
 
 Key = Tuple[bytes, int]
 
-#: Field names hashed into the directory digest, in vLLM's order.
+#: Field names hashed into the directory digest, in vLLM's order (the last three only
+#: under the conditions of the module docstring).
 HASHED_FIELDS = (
     "model_name",
-    "hash_block_size",
-    "gpu_blocks_per_file",
+    "tokens_per_hash",
+    "blocks_per_file",
     "tp_size",
     "pp_size",
     "pcp_size",
@@ -60,6 +67,9 @@ HASHED_FIELDS = (
     "dtype",
     "kv_cache_groups",
     "inference_engine",
+    "parallel_agnostic",
+    "replicated_layout",
+    "canonical_format",
 )
 
 
@@ -103,19 +113,19 @@ def _check_groups(groups: Optional[Sequence[Mapping]]) -> list:
     for i, g in enumerate(groups):
         if not isinstance(g, Mapping):
             raise TypeError(f"kv_cache_groups[{i}] must be a dict, got {type(g).__name__}")
-        unknown = set(g) - {"block_size", "layer_names"}
-        missing = {"block_size", "layer_names"} - set(g)
+        unknown = set(g) - {"tokens_per_block", "layer_names"}
+        missing = {"tokens_per_block", "layer_names"} - set(g)
         if unknown or missing:
             raise ValueError(
-                f"kv_cache_groups[{i}] must have exactly the keys 'block_size' and 'layer_names'"
+                f"kv_cache_groups[{i}] must have exactly the keys 'tokens_per_block' and 'layer_names'"
                 f" (missing {sorted(missing)}, unknown {sorted(unknown)})"
             )
-        bs = _check_int(f"kv_cache_groups[{i}]['block_size']", g["block_size"], 1)
+        bs = _check_int(f"kv_cache_groups[{i}]['tokens_per_block']", g["tokens_per_block"], 1)
         names = g["layer_names"]
         if isinstance(names, (str, bytes)) or not isinstance(names, (list, tuple)) \
                 or not all(isinstance(n, str) for n in names):
             raise TypeError(f"kv_cache_groups[{i}]['layer_names'] must be a list of str")
-        out.append({"block_size": bs, "layer_names": list(names)})
+        out.append({"tokens_per_block": bs, "layer_names": list(names)})
     return out
 
 
@@ -125,8 +135,9 @@ def fields_digest(fields: Mapping) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:DIGEST_HEX_LEN]
 
 
-def _write_json_if_absent(path: str, obj: Any) -> bool:
-    """Write ``obj`` as JSON to ``path`` atomically (temp file + os.replace via link).
+def write_json_if_absent(path: str, obj: Any) -> bool:
+    """Write ``obj`` as JSON to ``path`` atomically (temp file + os.replace via link),
+    with the bytes vLLM writes (``json.dump(obj, f, indent=2, sort_keys=True)``).
 
     Returns True if this call created the file, False if it already existed; OSError
     (errno, ``filename`` = ``path``) if it cannot be written (ENOSPC...).  Concurrent
@@ -144,7 +155,6 @@ def _write_json_if_absent(path: str, obj: Any) -> bool:
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(obj, f, indent=2, sort_keys=True)
-                f.write("\n")
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:  # ENOSPC, EIO...: name the file (a failed write has none), one error
@@ -170,9 +180,12 @@ def _write_json_if_absent(path: str, obj: Any) -> bool:
 class FileMapper:
     """Maps block keys ``(hash: bytes, group_idx: int)`` to file paths under ``root_dir``.
 
-    Arguments are the hashed fields (module docstring) plus ``root_dir`` and ``rank``.
-    ``parallel_agnostic=True`` forces tp/pp/pcp/dcp to 1 and rank to 0 (as vLLM) so
-    different parallel layouts share one directory.
+    Arguments are vLLM 0.33's (``FileMapper.__init__``): the hashed fields (module
+    docstring) plus ``root_dir`` and ``rank``.  ``parallel_agnostic=True`` forces
+    tp/pp/pcp/dcp to 1 and rank to 0 (as vLLM) so different parallel layouts share one
+    directory; ``False`` adds ``"parallel_agnostic": false`` to the hashed fields.
+    (vLLM's ``from_offloading_spec`` passes ``parallel_agnostic`` only when the layout
+    really is parallel-agnostic: pass the effective value here.)
 
     Raises TypeError for a wrong argument type and ValueError for a bad value
     (non-positive sizes, rank outside ``[0, tp_size * pp_size * pcp_size)``, ``dcp_size``
@@ -183,8 +196,8 @@ class FileMapper:
         self,
         root_dir: "str | os.PathLike",
         model_name: str,
-        hash_block_size: int = 16,
-        gpu_blocks_per_file: int = 1,
+        tokens_per_hash: int = 16,
+        blocks_per_file: int = 1,
         tp_size: int = 1,
         pp_size: int = 1,
         pcp_size: int = 1,
@@ -194,6 +207,8 @@ class FileMapper:
         kv_cache_groups: Optional[Sequence[Mapping]] = None,
         inference_engine: str = "vllm",
         parallel_agnostic: bool = False,
+        replicated_layout: bool = False,
+        canonical_format: Optional[str] = None,
     ) -> None:
         if not isinstance(root_dir, (str, os.PathLike)):
             raise TypeError(f"root_dir must be a str or os.PathLike, got {type(root_dir).__name__}")
@@ -211,8 +226,13 @@ class FileMapper:
                 raise ValueError(f"{name} must not contain a NUL byte: {v!r}")
         if not isinstance(inference_engine, str) or not inference_engine:
             raise TypeError("inference_engine must be a non-empty str")
-        _check_int("hash_block_size", hash_block_size, 1)
-        _check_int("gpu_blocks_per_file", gpu_blocks_per_file, 1)
+        _check_int("tokens_per_hash", tokens_per_hash, 1)
+        _check_int("blocks_per_file", blocks_per_file, 1)
+        for n, v in (("parallel_agnostic", parallel_agnostic), ("replicated_layout", replicated_layout)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{n} must be a bool, got {type(v).__name__}")
+        if canonical_format is not None and (not isinstance(canonical_format, str) or not canonical_format):
+            raise TypeError(f"canonical_format must be a non-empty str or None, got {canonical_format!r}")
         for n, v in (("tp_size", tp_size), ("pp_size", pp_size), ("pcp_size", pcp_size), ("dcp_size", dcp_size)):
             _check_int(n, v, 1)
         _check_int("rank", rank, 0)
@@ -228,8 +248,8 @@ class FileMapper:
         self.rank: int = rank
         self.fields: dict = {
             "model_name": model_name,
-            "hash_block_size": hash_block_size,
-            "gpu_blocks_per_file": gpu_blocks_per_file,
+            "tokens_per_hash": tokens_per_hash,
+            "blocks_per_file": blocks_per_file,
             "tp_size": tp_size,
             "pp_size": pp_size,
             "pcp_size": pcp_size,
@@ -238,9 +258,15 @@ class FileMapper:
             "kv_cache_groups": _check_groups(kv_cache_groups),
             "inference_engine": inference_engine,
         }
+        if not parallel_agnostic:
+            self.fields["parallel_agnostic"] = False
+        if replicated_layout:
+            self.fields["replicated_layout"] = True
+        if canonical_format is not None:
+            self.fields["canonical_format"] = canonical_format
         self.digest: str = fields_digest(self.fields)
-        #: ``<root>/<model>_<digest>``: holds config.json
-        self.base_path: str = os.path.join(root, f"{model_name.replace('/', '_')}_{self.digest}")
+        #: ``<root>/<model>_<digest>``: holds config.json (a plain f-string, as vLLM's)
+        self.base_path: str = f"{root}/{model_name.replace('/', '_')}_{self.digest}"
         #: ``<root>/<model>_<digest>_r<rank>``: holds this rank's block files
         self.rank_path: str = f"{self.base_path}_r{rank}"
 
@@ -249,12 +275,12 @@ class FileMapper:
     @property
     def config_path(self) -> str:
         """``<base_path>/config.json``."""
-        return os.path.join(self.base_path, CONFIG_FILENAME)
+        return f"{self.base_path}/{CONFIG_FILENAME}"
 
     @property
     def block_info_path(self) -> str:
         """``<base_path>/kvtier.json`` (kvtier-only, not hashed)."""
-        return os.path.join(self.base_path, BLOCK_INFO_FILENAME)
+        return f"{self.base_path}/{BLOCK_INFO_FILENAME}"
 
     @staticmethod
     def check_key(key: Any) -> Key:
@@ -289,34 +315,45 @@ class FileMapper:
         """Create ``base_path`` and write ``config.json`` (fields, indent 2, sorted keys, as
         vLLM) atomically, only if absent.  Returns True if written.  Raises OSError."""
         os.makedirs(self.base_path, exist_ok=True)
-        return _write_json_if_absent(self.config_path, self.fields)
+        return write_json_if_absent(self.config_path, self.fields)
 
     def read_block_info(self) -> Optional[dict]:
         """Contents of ``kvtier.json`` or None if absent (OSError / ValueError if unreadable)."""
-        try:
-            with open(self.block_info_path, encoding="utf-8") as f:
-                return json.load(f)
-        except FileNotFoundError:
-            return None
+        return read_block_info(self.base_path)
 
     def write_block_info(self, block_bytes: int) -> bool:
-        """Record ``{"block_bytes": N}`` in ``kvtier.json`` (atomically, only if absent).
-
-        Raises ValueError if the file exists with a different block size: the files in
-        this directory were written with another block geometry.
-        """
-        _check_int("block_bytes", block_bytes, 1)
-        os.makedirs(self.base_path, exist_ok=True)
-        if _write_json_if_absent(self.block_info_path, {"block_bytes": block_bytes}):
-            return True
-        info = self.read_block_info() or {}
-        have = info.get("block_bytes")
-        if have != block_bytes:
-            raise ValueError(
-                f"{self.block_info_path} records block_bytes={have}, but this tier uses "
-                f"{block_bytes}-byte blocks; the same FileMapper fields must give the same block size"
-            )
-        return False
+        """:func:`write_block_info` into this mapper's ``base_path``."""
+        return write_block_info(self.base_path, block_bytes)
 
     def __repr__(self) -> str:
         return f"FileMapper(rank_path={self.rank_path!r}, fields={self.fields!r})"
+
+
+def read_block_info(base_path: str) -> Optional[dict]:
+    """Contents of ``<base_path>/kvtier.json``, or None if absent."""
+    try:
+        with open(f"{base_path}/{BLOCK_INFO_FILENAME}", encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def write_block_info(base_path: str, block_bytes: int) -> bool:
+    """Record ``{"block_bytes": N}`` in ``<base_path>/kvtier.json`` (kvtier-only, not
+    hashed; atomically, only if absent).  Returns True if written.
+
+    Raises ValueError if the file exists with a different block size: the files in
+    this directory were written with another block geometry.
+    """
+    _check_int("block_bytes", block_bytes, 1)
+    os.makedirs(base_path, exist_ok=True)
+    path = f"{base_path}/{BLOCK_INFO_FILENAME}"
+    if write_json_if_absent(path, {"block_bytes": block_bytes}):
+        return True
+    have = (read_block_info(base_path) or {}).get("block_bytes")
+    if have != block_bytes:
+        raise ValueError(
+            f"{path} records block_bytes={have}, but this tier uses {block_bytes}-byte blocks; "
+            f"the same FileMapper fields must give the same block size"
+        )
+    return False

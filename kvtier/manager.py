@@ -198,7 +198,7 @@ class FileSystemTierManager:
             mmap), C-contiguous; a 2-D buffer holds one block per row (block size = row
             stride in bytes), a 1-D buffer needs ``block_size``.
         root_dir: directory of the cache (created if missing).
-        model_name ... parallel_agnostic: the FileMapper fields (:class:`FileMapper`).
+        model_name ... canonical_format: the FileMapper fields (vLLM 0.33's names) (:class:`FileMapper`).
         block_size: bytes per block (checked against a 2-D buffer's row stride).
         n_read_threads / n_write_threads: read- and write-priority threads, >= 1.
         checksum_blocks: record CRC32C in xattr ``user.vllm.kv_crc32c`` on store and
@@ -235,8 +235,8 @@ class FileSystemTierManager:
         primary: Any,
         root_dir: "str | os.PathLike",
         model_name: str,
-        hash_block_size: int = 16,
-        gpu_blocks_per_file: int = 1,
+        tokens_per_hash: int = 16,
+        blocks_per_file: int = 1,
         tp_size: int = 1,
         pp_size: int = 1,
         pcp_size: int = 1,
@@ -246,6 +246,8 @@ class FileSystemTierManager:
         kv_cache_groups: Optional[Sequence[Mapping]] = None,
         inference_engine: str = "vllm",
         parallel_agnostic: bool = False,
+        replicated_layout: bool = False,
+        canonical_format: Optional[str] = None,
         *,
         block_size: Optional[int] = None,
         n_read_threads: int = 16,
@@ -283,8 +285,9 @@ class FileSystemTierManager:
         self._view, self.block_size, self.num_blocks = _primary_view(primary, block_size)
         self._primary = primary  # keep the exporter alive
         self.file_mapper = FileMapper(
-            root_dir, model_name, hash_block_size, gpu_blocks_per_file, tp_size, pp_size,
+            root_dir, model_name, tokens_per_hash, blocks_per_file, tp_size, pp_size,
             pcp_size, dcp_size, rank, dtype, kv_cache_groups, inference_engine, parallel_agnostic,
+            replicated_layout, canonical_format,
         )
         self.root_dir = self.file_mapper.root_dir
         self.checksum_blocks = checksum_blocks

@@ -6,21 +6,24 @@ import threading
 import numpy as np
 import pytest
 
+from file_mapper_cases import CASES, GOLDEN, KEYS
 from kvtier.file_mapper import FileMapper, fields_digest
 
 
-# The canonical JSON vLLM hashes for this configuration, written out by hand
-# (sorted keys, "," and ":" separators, no spaces).
+# The canonical JSON vLLM 0.33 hashes for this configuration, written out by hand
+# (sorted keys, "," and ":" separators, no spaces; "parallel_agnostic": false because
+# it is not parallel-agnostic).
 CANONICAL = (
-    '{"dcp_size":1,"dtype":"bfloat16","gpu_blocks_per_file":1,"hash_block_size":16,'
-    '"inference_engine":"vllm","kv_cache_groups":[{"block_size":16,"layer_names":["l0","l1"]}],'
-    '"model_name":"meta-llama/Llama-3.1-8B","pcp_size":1,"pp_size":1,"tp_size":2}'
+    '{"blocks_per_file":1,"dcp_size":1,"dtype":"bfloat16",'
+    '"inference_engine":"vllm","kv_cache_groups":[{"layer_names":["l0","l1"],"tokens_per_block":16}],'
+    '"model_name":"meta-llama/Llama-3.1-8B","parallel_agnostic":false,"pcp_size":1,"pp_size":1,'
+    '"tokens_per_hash":16,"tp_size":2}'
 )
 
 
 def make(root, **kw):
-    args = dict(model_name="meta-llama/Llama-3.1-8B", hash_block_size=16, tp_size=2, rank=1,
-                dtype="bfloat16", kv_cache_groups=[{"block_size": 16, "layer_names": ["l0", "l1"]}])
+    args = dict(model_name="meta-llama/Llama-3.1-8B", tokens_per_hash=16, tp_size=2, rank=1,
+                dtype="bfloat16", kv_cache_groups=[{"tokens_per_block": 16, "layer_names": ["l0", "l1"]}])
     args.update(kw)
     return FileMapper(root, **args)
 
@@ -40,9 +43,10 @@ def test_digest_and_path_layout(tmp_path):
 def test_each_hashed_field_changes_digest(tmp_path):
     base = make(str(tmp_path)).digest
     variants = [
-        dict(model_name="Qwen/Qwen3-8B"), dict(hash_block_size=32), dict(gpu_blocks_per_file=2),
+        dict(model_name="Qwen/Qwen3-8B"), dict(tokens_per_hash=32), dict(blocks_per_file=2),
         dict(tp_size=4), dict(pp_size=2), dict(pcp_size=2), dict(dcp_size=2), dict(dtype="float16"),
-        dict(kv_cache_groups=[]), dict(inference_engine="other"),
+        dict(kv_cache_groups=[]), dict(inference_engine="other"), dict(replicated_layout=True),
+        dict(canonical_format="v1-nhd"),
     ]
     digests = {make(str(tmp_path), **v).digest for v in variants}
     assert base not in digests and len(digests) == len(variants)
@@ -56,6 +60,8 @@ def test_parallel_agnostic_collapses_layout(tmp_path):
     b = make(str(tmp_path), tp_size=8, rank=5, parallel_agnostic=True)
     assert a.digest == b.digest and a.rank == b.rank == 0
     assert a.fields["tp_size"] == 1
+    assert "parallel_agnostic" not in a.fields  # vLLM adds only the False value
+    assert make(str(tmp_path)).fields["parallel_agnostic"] is False
 
 
 def test_dtype_names(tmp_path):
@@ -108,16 +114,19 @@ def test_block_info_mismatch(tmp_path):
 @pytest.mark.parametrize("kw,exc", [
     (dict(model_name=3), TypeError),
     (dict(model_name=""), ValueError),
-    (dict(hash_block_size=0), ValueError),
-    (dict(hash_block_size=16.0), TypeError),
+    (dict(tokens_per_hash=0), ValueError),
+    (dict(tokens_per_hash=16.0), TypeError),
+    (dict(replicated_layout=1), TypeError),
+    (dict(canonical_format=""), TypeError),
     (dict(tp_size=True), TypeError),
     (dict(rank=-1), ValueError),
     (dict(rank=2), ValueError),  # world size is 2
     (dict(dcp_size=3, tp_size=4), ValueError),
     (dict(dtype=3), TypeError),
     (dict(kv_cache_groups="x"), TypeError),
-    (dict(kv_cache_groups=[{"block_size": 16}]), ValueError),
-    (dict(kv_cache_groups=[{"block_size": 16, "layer_names": "l0"}]), TypeError),
+    (dict(kv_cache_groups=[{"tokens_per_block": 16}]), ValueError),
+    (dict(kv_cache_groups=[{"block_size": 16, "layer_names": ["l0"]}]), ValueError),  # pre-0.33 name
+    (dict(kv_cache_groups=[{"tokens_per_block": 16, "layer_names": "l0"}]), TypeError),
 ])
 def test_bad_fields(tmp_path, kw, exc):
     with pytest.raises(exc):
@@ -149,3 +158,32 @@ def test_config_files_are_readable_like_the_blocks(tmp_path):
         os.umask(old)
     cfgs = list(tmp_path.rglob("config.json"))
     assert len(cfgs) == 1 and st.S_IMODE(cfgs[0].stat().st_mode) == 0o644
+
+
+def _golden():
+    with open(GOLDEN) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_paths_and_config_equal_vllm_golden(case, tmp_path):
+    """Paths and config.json bytes equal what vLLM 0.33.0's FileMapper produced for the same
+    inputs (tests/data/file_mapper_golden.json; the live comparison is in test_vllm.py)."""
+    want = _golden()["cases"][case]
+    root, kw = CASES[case]
+    fm = FileMapper(root, **kw)
+    assert fm.base_path == want["base_path"]
+    assert fm.config_path == want["config_path"]
+    assert [fm.get_file_name((bytes.fromhex(h), g)) for h, g in KEYS] == want["paths"]
+    # config.json written to disk: the same bytes vLLM's fs tier writes
+    local = FileMapper(str(tmp_path) + ("/" if root.endswith("/") else ""), **kw)
+    assert local.write_run_config()
+    with open(local.config_path, "rb") as f:
+        assert f.read() == want["config_json"].encode()
+
+
+def test_golden_is_from_vllm_0_33():
+    g = _golden()
+    assert g["vllm_version"] == "0.33.0" and set(g["cases"]) == set(CASES)
+    # the trailing "/" case keeps vLLM's "//"
+    assert "/mnt/kv//meta-llama_Llama-3.1-8B_" in g["cases"]["trailing_slash"]["paths"][0]
