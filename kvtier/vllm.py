@@ -1,0 +1,352 @@
+"""kvtier as a vLLM (0.33+) secondary tier: ``KvtierTier``, a drop-in for vLLM's ``"fs"`` tier
+whose loads are verified (CRC32C in xattr ``user.vllm.kv_crc32c``).
+
+Use (``vllm serve ... --kv-transfer-config``; README "Use with vLLM")::
+
+    "secondary_tiers": [{"type": "kvtier", "root_dir": "/mnt/nvme/kv"}]
+
+(the short name is registered by kvtier's ``vllm.general_plugins`` entry point,
+:func:`register`), or without the plugin::
+
+    "secondary_tiers": [{"type": "KvtierTier", "module_path": "kvtier.vllm", "root_dir": ...}]
+
+Keys: every key of ``"fs"`` (``root_dir``, ``n_read_threads=16``, ``n_write_threads=16``,
+``enable_kv_events=False``, ``locality=None``; ``backpressure`` is taken by vLLM's factory)
+and kvtier's own (``checksum_blocks=True``, ``durable=False``, ``use_o_direct=True``,
+``sweep_stale_temps_after=None``; meanings as :class:`kvtier.manager.FileSystemTierManager`).
+An unknown key is a TypeError listing the valid ones.
+
+Files: the paths and ``config.json`` are vLLM's own (``FileMapper.from_offloading_spec(...,
+parallel_agnostic=True)``, as the fs tier), so ``"fs"`` and ``"kvtier"`` on one root share
+one cache.  A block stored by ``"fs"`` has no checksum: kvtier loads it unverified.
+
+The jobs run on kvtier's tier engine (:mod:`kvtier.engine`), each one C call with the GIL
+released; lookups run on vLLM's ``AsyncLookupManager`` thread through kvtier's C
+``batch_lookup``.  A failed load keeps the blocks before the failing one
+(``JobResult.successful_keys``) and marks the rest a miss, so the next lookup of a
+condemned block is a MISS and the block is recomputed and stored again.
+
+Metrics (in vLLM's stats path, label ``tier`` as vLLM's, e.g. ``"1:kvtier"``), with
+checksums on: ``vllm:kv_offload_tiering_checksum_failures`` (loads stopped by a block that
+failed verification), ``kvtier:kv_offload_tiering_checksum_retries`` (blocks re-read once
+after a first mismatch), ``kvtier:kv_offload_tiering_checksum_condemned`` (blocks removed
+after a second mismatch).  vLLM derives read/write bytes, time and job failures from the
+JobResults; this tier does not emit them again.
+
+Importing this module imports vLLM's tiering base classes only (no torch, no FileMapper
+until a tier is built); ``import kvtier`` never imports vLLM.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, ClassVar, Dict, Iterable, List, Optional
+
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingEvent,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import TIER_LABEL, JobResult, SecondaryTierManager
+
+from kvtier.engine import TierEngine
+
+logger = logging.getLogger(__name__)
+
+SHORT_NAME = "kvtier"
+"""The tier type registered by :func:`register` (``{"type": "kvtier", ...}``)."""
+
+#: Keys of vLLM 0.33's ``"fs"`` tier, with its defaults (``root_dir`` is required).
+FS_KEYS: Dict[str, Any] = {"root_dir": None, "n_read_threads": 16, "n_write_threads": 16,
+                           "enable_kv_events": False, "locality": None}
+#: kvtier's own keys, with their defaults.
+KVTIER_KEYS: Dict[str, Any] = {"checksum_blocks": True, "durable": False, "use_o_direct": True,
+                               "sweep_stale_temps_after": None}
+
+#: kvtier's metrics in vLLM's stats path: metric name -> (engine counter, help).
+METRICS: Dict[str, tuple] = {
+    "vllm:kv_offload_tiering_checksum_failures": (
+        "checksum_failures", "Number of secondary-tier loads that failed CRC32C checksum verification."),
+    "kvtier:kv_offload_tiering_checksum_retries": (
+        "checksum_retries", "Blocks re-read once after a first CRC32C mismatch (loaded if the re-read verified)."),
+    "kvtier:kv_offload_tiering_checksum_condemned": (
+        "blocks_condemned", "Blocks condemned after a second CRC32C mismatch (EBADMSG, file removed)."),
+}
+
+#: ``config_info()`` label names (static facts of the tier).
+CONFIG_INFO_KEYS = ("kvtier_checksum_blocks", "kvtier_o_direct", "kvtier_durable", "kvtier_crc32c_backend",
+                    "kvtier_io_backend")
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: register the short name ``"kvtier"`` with
+    vLLM's ``SecondaryTierFactory``.  vLLM may call it more than once per process."""
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    if SHORT_NAME not in SecondaryTierFactory._registry:
+        SecondaryTierFactory.register_tier(SHORT_NAME, __name__, "KvtierTier")
+
+
+def _checksum_on(tier_config: Dict[str, Any]) -> bool:
+    return bool(tier_config.get("checksum_blocks", KVTIER_KEYS["checksum_blocks"]))
+
+
+class _Lookup(AsyncLookupManager):
+    """vLLM's async lookup state machine; the existence checks are one C call per batch
+    (``kvtier.io.batch_lookup``: faccessat per path, GIL released)."""
+
+    def __init__(self, tier_type: str, path_of) -> None:
+        super().__init__(tier_type=tier_type)
+        self._path_of = path_of
+
+    def batch_lookup(self, keys, req_context) -> Iterable[bool]:
+        from kvtier import io as kio
+
+        return kio.batch_lookup([self._path_of(k) for k in keys])
+
+
+# (id(spec), tier_type, root_dir) -> tiers built so far, to tell equal configs apart
+_built: Dict[tuple, int] = {}
+_built_lock = threading.Lock()
+
+
+class KvtierTier(SecondaryTierManager):
+    """vLLM secondary tier on kvtier's engine: verified loads, same files as ``"fs"``.
+
+    Built by vLLM's ``SecondaryTierFactory`` (module docstring for the keys).  Raises
+    TypeError for an unknown key (listing the valid ones) or a wrong type, ValueError
+    for a bad value, and the startup errors of :func:`kvtier.manager.prepare_root`
+    (OSError naming the root; ValueError when ``checksum_blocks`` is on and the
+    filesystem has no user xattrs).
+    """
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector=None, **config: Any) -> None:
+        valid = {**FS_KEYS, **KVTIER_KEYS}
+        unknown = sorted(set(config) - set(valid))
+        if unknown:
+            raise TypeError(f"unknown key(s) {unknown} for the {tier_type!r} tier (kvtier.vllm.KvtierTier); "
+                            f"valid keys: {sorted(valid)}")
+        if config.get("root_dir") is None:
+            raise TypeError(f"the {tier_type!r} tier needs 'root_dir'; valid keys: {sorted(valid)}")
+        cfg = {**valid, **config}
+        root_dir = cfg["root_dir"]
+        if not isinstance(root_dir, str) or not root_dir:
+            raise TypeError(f"root_dir must be a non-empty str, got {root_dir!r}")
+        for k in ("n_read_threads", "n_write_threads"):
+            v = cfg[k]
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{k} must be an int, got {type(v).__name__}")
+            if v < 1:
+                raise ValueError(f"{k} must be >= 1, got {v}")
+        for k in ("enable_kv_events", "checksum_blocks", "durable", "use_o_direct"):
+            if not isinstance(cfg[k], bool):
+                raise TypeError(f"{k} must be a bool, got {type(cfg[k]).__name__}")
+        if cfg["sweep_stale_temps_after"] is not None:
+            from kvtier.sweep import check_older_than
+
+            check_older_than(cfg["sweep_stale_temps_after"])
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = Locality(cfg["locality"]) if cfg["locality"] is not None else None
+        self.checksum_blocks: bool = cfg["checksum_blocks"]
+        self.durable: bool = cfg["durable"]
+
+        self.events: Optional[List[OffloadingEvent]] = None
+        if cfg["enable_kv_events"]:
+            if offloading_spec.kv_events_config.enable_kv_cache_events:
+                self.events = []
+            else:
+                logger.warning("enable_kv_events is set on secondary tier '%s' but KV cache events are "
+                               "disabled globally; the tier will not emit events.", tier_type)
+
+        view = primary_kv_view
+        if not view.c_contiguous:
+            raise ValueError("the primary KV view must be C-contiguous")
+        flat = view if (view.ndim == 1 and view.format == "B") else view.cast("B")
+        bs = self.block_size_bytes
+
+        # Paths: vLLM's own FileMapper, as the fs tier builds it (imported here: the
+        # module import stays cheap for the API server, which only needs the metrics).
+        from vllm.v1.kv_offload.file_mapper import FileMapper
+
+        from kvtier import io as kio
+        from kvtier.file_mapper import write_json_if_absent, write_block_info
+        from kvtier.manager import filesystem_type, prepare_root
+
+        self.file_mapper = FileMapper.from_offloading_spec(
+            root_dir=root_dir, offloading_spec=offloading_spec,
+            blocks_per_file=offloading_spec.blocks_per_chunk, parallel_agnostic=True)
+        self.root_dir = root_dir
+        rank_path = f"{self.file_mapper.base_path}_r{self.file_mapper.rank}"
+        prepare_root(root_dir, rank_path, self.checksum_blocks)
+        self.last_sweep = None
+        if cfg["sweep_stale_temps_after"] is not None:
+            from kvtier.sweep import sweep_stale_temps
+
+            self.last_sweep = sweep_stale_temps(rank_path, cfg["sweep_stale_temps_after"])
+        config_path = self.file_mapper.get_config_file_path()
+        os.makedirs(os.path.dirname(config_path), exist_ok=True)
+        write_json_if_absent(config_path, self.file_mapper.get_run_config())  # bytes as vLLM's
+        write_block_info(os.path.dirname(config_path), bs)  # kvtier.json, for `kvtier scrub`
+        self.use_o_direct = bool(cfg["use_o_direct"] and kio.probe_o_direct(rank_path))
+        if cfg["use_o_direct"] and not self.use_o_direct:
+            logger.warning("O_DIRECT is not supported at %r (%s); using buffered I/O for the '%s' KV "
+                           "offload tier.", root_dir, filesystem_type(root_dir)[0], tier_type)
+        self.tier_label = self._find_tier_label(offloading_spec, tier_type, root_dir)
+
+        self._engine = TierEngine(flat, bs, self.file_mapper.get_file_name,
+                                  n_read_threads=cfg["n_read_threads"],
+                                  n_write_threads=cfg["n_write_threads"],
+                                  checksum=self.checksum_blocks, use_o_direct=self.use_o_direct,
+                                  durable=self.durable, thread_name="kvtier_vllm")
+        self._reported: Dict[str, float] = {}  # counters at the last get_stats()
+        self._discarded: List[JobResult] = []
+        self._lookup = _Lookup(tier_type, self.file_mapper.get_file_name)
+        logger.info("kvtier tier %s at %s: checksum_blocks=%s, O_DIRECT=%s, durable=%s",
+                    self.tier_label, self.file_mapper.base_path, self.checksum_blocks,
+                    self.use_o_direct, self.durable)
+
+    # ------------------------------------------------------------------ metrics
+    @staticmethod
+    def _find_tier_label(spec, tier_type: str, root_dir: str) -> str:
+        """vLLM's label ``f"{index + 1}:{tier_type}"``; vLLM does not tell a tier its
+        index, so it is this tier's position among the spec's tier configs (the n-th
+        tier built with the same type and root on this spec is the n-th such entry)."""
+        configs = getattr(spec, "secondary_tier_configs", None)
+        if configs is None:
+            configs = (getattr(spec, "extra_config", None) or {}).get("secondary_tiers", [])
+        same = [i for i, c in enumerate(configs or [])
+                if isinstance(c, dict) and c.get("type") == tier_type and c.get("root_dir") == root_dir]
+        with _built_lock:
+            key = (id(spec), tier_type, root_dir)
+            nth = _built.get(key, 0)
+            _built[key] = nth + 1
+        if not same:
+            logger.warning("tier %r at %r is not among the spec's secondary_tiers; labelling it 1:%s",
+                           tier_type, root_dir, tier_type)
+            return f"1:{tier_type}"
+        return f"{same[min(nth, len(same) - 1)] + 1}:{tier_type}"
+
+    @classmethod
+    def build_metric_definitions(cls, tier_config: Dict[str, Any]) -> Dict[str, Any]:
+        """kvtier's counters (module docstring), declared only with checksums on."""
+        if not _checksum_on(tier_config):
+            return {}
+        return {name: OffloadingCounterMetadata(documentation=doc, labelnames=(TIER_LABEL,))
+                for name, (_, doc) in METRICS.items()}
+
+    def counters(self) -> Dict[str, float]:
+        """The engine's counters (:data:`kvtier.engine.COUNTERS`), a snapshot."""
+        return self._engine.counters.snapshot()
+
+    def get_stats(self):
+        """The increase of kvtier's counters since the last call, as
+        ``OffloadingConnectorStats`` (None when nothing changed or checksums are off)."""
+        if not self.checksum_blocks:
+            return None
+        snap = self._engine.counters.snapshot()
+        stats = None
+        for name, (counter, _) in METRICS.items():
+            delta = snap[counter] - self._reported.get(counter, 0)
+            if delta:
+                if stats is None:
+                    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+                        OffloadingConnectorStats,
+                    )
+
+                    stats = OffloadingConnectorStats()
+                stats.increase_counter(name, delta, (self.tier_label,))
+        self._reported = snap
+        return stats
+
+    @classmethod
+    def config_info_keys(cls, tier_config: Dict[str, Any]) -> tuple:
+        return CONFIG_INFO_KEYS
+
+    def config_info(self) -> Dict[str, Any]:
+        import kvtier
+        from kvtier import io as kio
+
+        return {"kvtier_checksum_blocks": self.checksum_blocks, "kvtier_o_direct": self.use_o_direct,
+                "kvtier_durable": self.durable, "kvtier_crc32c_backend": kvtier.crc32c_backend,
+                "kvtier_io_backend": kio.backend}
+
+    # ------------------------------------------------------------------ lookups
+    def on_new_request(self, req_context) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key, req_context) -> LookupResult:
+        found = self._lookup.lookup(key, req_context)
+        if found is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def on_request_finished(self, req_context) -> None:
+        self._lookup.cleanup(req_context.req_id)
+
+    def on_schedule_end(self, context) -> None:
+        self._lookup.flush()
+
+    # ------------------------------------------------------------------ jobs
+    def _offsets(self, job) -> list:
+        bs = self.block_size_bytes
+        return [int(c) * bs for c in job.chunk_ids]
+
+    def submit_store(self, job_metadata) -> None:
+        self._engine.submit(job_metadata.job_id, job_metadata.keys, self._offsets(job_metadata), False)
+
+    def submit_load(self, job_metadata) -> None:
+        self._engine.submit(job_metadata.job_id, job_metadata.keys, self._offsets(job_metadata), True)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        """One JobResult per job; a failed load keeps its first ``n_ok`` keys and marks
+        the rest a miss (the stale HIT would re-promote them forever)."""
+        bs = self.block_size_bytes
+        results, self._discarded = self._discarded, []
+        for f in self._engine.take_finished():
+            if f.success:
+                if self.events is not None and not f.is_promotion and f.keys:
+                    self.events.append(OffloadingEvent(keys=list(f.keys), medium=self.medium,
+                                                       removed=False, locality=self.locality))
+                results.append(JobResult(job_id=f.job_id, success=True, transfer_time=f.io_time,
+                                         transfer_bytes=len(f.keys) * bs))
+                continue
+            if f.is_promotion:
+                self._lookup.mark_miss(f.keys[f.n_ok:])
+                kept = f.keys[:f.n_ok]
+                results.append(JobResult(job_id=f.job_id, success=False,
+                                         successful_keys=tuple(kept) if kept else None,
+                                         transfer_time=f.io_time, transfer_bytes=len(kept) * bs))
+            else:
+                results.append(JobResult(job_id=f.job_id, success=False, transfer_time=f.io_time,
+                                         transfer_bytes=0))
+        return results
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self.events:
+            out, self.events = self.events, []
+            return out
+        return ()
+
+    def drain_jobs(self) -> None:
+        """Block until every submitted job has run; their results are then queued for
+        :meth:`get_finished_jobs` and no tier I/O touches the primary view."""
+        self._engine.drain()
+
+    def shutdown(self) -> None:
+        """Stop the lookup thread and the pool: queued jobs never run (each reported once
+        as failed, should anyone still poll), running ones finish, threads joined."""
+        self._lookup.shutdown()
+        for job_id in self._engine.shutdown(wait=True):
+            self._discarded.append(JobResult(job_id=job_id, success=False, transfer_bytes=0))
+
+    def __repr__(self) -> str:
+        return (f"KvtierTier({self.tier_label}, root={self.root_dir!r}, checksum_blocks={self.checksum_blocks}, "
+                f"o_direct={self.use_o_direct})")

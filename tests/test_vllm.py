@@ -1,0 +1,399 @@
+"""kvtier inside vLLM 0.33: vLLM's real TieringOffloadingManager (built from a real
+OffloadingConfig, CPU primary tier in /dev/shm, no GPU: tests/vllm_harness.py) with the
+secondary tier "fs" (vLLM's own) or kvtier, by short name ("kvtier", registered by kvtier's
+vllm.general_plugins entry point) and by module_path ("KvtierTier" from kvtier.vllm).
+
+vLLM costs ~11 s to import: everything here runs in the pytest process, vLLM imported once
+(the ``vllm`` fixture, session scope); one subprocess checks import costs and the entry
+point.  Without vLLM these tests skip with the reason (and fail under CI=true: tests/ci.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import kvtier
+from ci import unavailable
+from file_mapper_cases import CASES, KEYS
+
+pytestmark = pytest.mark.vllm
+
+BS = 8192  # bytes per block (a multiple of the page size, as vLLM requires)
+TIERS = ["fs", "kvtier", "KvtierTier"]  # vLLM's own, kvtier by short name, by module_path
+
+
+@pytest.fixture(scope="session")
+def vllm():
+    try:
+        import vllm as v
+        import vllm.v1.kv_offload.tiering.manager  # noqa: F401
+    except ImportError as e:
+        unavailable(f"vLLM 0.33 is not importable ({e}); CI installs it (.ci/run)")
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    load_general_plugins()  # kvtier's entry point registers "kvtier"
+    if "kvtier" not in SecondaryTierFactory._registry:
+        unavailable("kvtier's vllm.general_plugins entry point is not installed (pip install -e .)")
+    return v
+
+
+def tier_config(kind: str, root: str, **kw) -> dict:
+    c = {"type": kind, "root_dir": root, "n_read_threads": 2, "n_write_threads": 2, **kw}
+    if kind == "KvtierTier":
+        c["module_path"] = "kvtier.vllm"
+    return c
+
+
+@pytest.fixture
+def harness(vllm, tmp_path):
+    """harness(kind or [tier configs], **kw) -> Harness; closed at teardown."""
+    from vllm_harness import Harness
+
+    made = []
+
+    def make(tiers, **kw):
+        if isinstance(tiers, str):
+            tiers = [tier_config(tiers, str(tmp_path / "kv"))]
+        h = Harness(tiers, block_bytes=BS, **kw)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def keys_and_data(n, salt=0, seed=0):
+    from vllm_harness import key
+
+    rng = np.random.default_rng(seed + salt)
+    return [key(i, salt=salt) for i in range(n)], [rng.integers(0, 256, BS, dtype=np.uint8).tobytes() for _ in range(n)]
+
+
+def stats_of(manager) -> dict:
+    s = manager.get_stats()
+    return {} if s is None else s.data["data"]
+
+
+# ------------------------------------------------------------------ round trip
+@pytest.mark.parametrize("kind", TIERS)
+def test_store_lookup_load_round_trip(harness, kind):
+    h = harness(kind)
+    tier = h.tiers[0]
+    assert tier.medium.name == "STORAGE"
+    ks, data = keys_and_data(3)
+    h.store(ks, data)
+    h.wait_tiers()
+    paths = [tier.file_mapper.get_file_name(k) for k in ks]
+    assert all(os.path.getsize(p) == BS for p in paths)
+    for p, d in zip(paths, data):
+        if kind == "fs":  # vLLM 0.33 records no checksum
+            with pytest.raises(OSError):
+                os.getxattr(p, "user.vllm.kv_crc32c")
+        else:
+            assert os.getxattr(p, "user.vllm.kv_crc32c") == kvtier.crc32c(d).to_bytes(4, "big")
+    h.reset()  # the CPU copies are gone: loads come from the files
+    rc = h.ctx()
+    seqs = h.lookup_all(ks, rc)
+    assert all(s == ["RETRY", "HIT_PENDING", "HIT"] for s in seqs.values()), seqs
+    assert h.load(ks, rc) == data
+    h.finish(rc)
+    if kind != "fs":
+        label = "1:kvtier" if kind == "kvtier" else "1:KvtierTier"
+        assert tier.tier_label == label
+        snap = tier.counters()
+        assert snap["bytes_written"] == 3 * BS and snap["bytes_read"] == 3 * BS
+        assert snap["load_failures"] == snap["checksum_failures"] == 0
+
+
+# ------------------------------------------------------------------ corruption
+@pytest.mark.parametrize("kind", TIERS)
+def test_corrupted_block(harness, kind):
+    """kvtier: the job keeps block 0, block 1 (bit flip, same size) fails CRC32C, is
+    removed, marked a miss (next lookup MISS), counted once under the tier's label, and
+    stored again after the recompute.  vLLM's fs tier loads the wrong bytes silently."""
+    h = harness(kind)
+    tier = h.tiers[0]
+    ks, data = keys_and_data(3, salt=1)
+    h.store(ks, data)
+    h.wait_tiers()
+    p1 = tier.file_mapper.get_file_name(ks[1])
+    with open(p1, "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0x10]))
+    bad = bytearray(data[1])
+    bad[100] ^= 0x10
+    h.reset()
+    stats_of(h.manager)  # forget the stores' stats
+    rc = h.ctx()
+    seqs = h.lookup_all(ks, rc)
+    if kind == "fs":
+        assert all(s[-1] == "HIT" for s in seqs.values()), seqs
+        loaded = h.load(ks, rc)
+        assert loaded[1] == bytes(bad) != data[1]  # corrupt KV handed to the model
+        assert loaded[0] == data[0] and loaded[2] == data[2]
+        h.finish(rc)
+        return
+    # one promotion job for the three keys: block 0 kept, block 1 condemned, 2 not loaded
+    assert seqs[ks[0]][-1] == "HIT", seqs
+    assert seqs[ks[1]][-1] == "MISS" and seqs[ks[2]][-1] == "MISS", seqs
+    assert h.load([ks[0]], rc) == [data[0]]
+    assert not os.path.exists(p1)  # condemned: removed
+    assert os.path.exists(tier.file_mapper.get_file_name(ks[2]))  # untouched, only missed
+    h.finish(rc)
+    label = tier.tier_label
+    st = stats_of(h.manager)
+    assert st["vllm:kv_offload_tiering_checksum_failures"] == {(label,): 1}
+    assert st["kvtier:kv_offload_tiering_checksum_condemned"] == {(label,): 1}
+    assert st["kvtier:kv_offload_tiering_checksum_retries"] == {(label,): 1}  # re-read once first
+    assert st["vllm:kv_offload_tiering_promotion_job_failures"] == {(label,): 1}  # vLLM's own
+    assert st["vllm:kv_offload_tiering_read_bytes"] == {(label,): BS}  # the kept block
+    assert "vllm:kv_offload_tiering_checksum_failures" not in stats_of(h.manager)  # reported once
+    # next request: a fresh probe finds no file: a miss (recompute)
+    rc2 = h.ctx()
+    assert h.lookup_all([ks[1]], rc2)[ks[1]] == ["RETRY", "MISS"]
+    h.finish(rc2)
+    # the recompute stores it again, verified
+    h.store([ks[1]], [data[1]])
+    h.wait_tiers()
+    assert os.getxattr(p1, "user.vllm.kv_crc32c") == kvtier.crc32c(data[1]).to_bytes(4, "big")
+    h.reset()
+    rc3 = h.ctx()
+    assert h.lookup_all([ks[1]], rc3)[ks[1]][-1] == "HIT"
+    assert h.load([ks[1]], rc3) == [data[1]]
+    h.finish(rc3)
+
+
+@pytest.mark.parametrize("kind", TIERS)
+def test_missing_file_is_a_miss(harness, kind):
+    h = harness(kind)
+    ks, data = keys_and_data(2, salt=2)
+    h.store(ks, data)
+    h.wait_tiers()
+    os.unlink(h.tiers[0].file_mapper.get_file_name(ks[1]))
+    h.reset()
+    rc = h.ctx()
+    seqs = h.lookup_all(ks, rc)
+    assert seqs[ks[0]][-1] == "HIT" and seqs[ks[1]] == ["RETRY", "MISS"], seqs
+    assert h.load([ks[0]], rc) == [data[0]]
+    h.finish(rc)
+
+
+@pytest.mark.parametrize("kind", TIERS)
+def test_reset_cache_with_jobs_in_flight(harness, kind):
+    """reset_cache drains the tier and asserts no job is left: every job reported once."""
+    h = harness(kind)
+    ks, data = keys_and_data(12, salt=3)
+    for i in range(0, 12, 3):
+        h.store(ks[i:i + 3], data[i:i + 3])
+    h.reset()  # with stores still queued or running
+    for k in ks:
+        assert os.path.getsize(h.tiers[0].file_mapper.get_file_name(k)) == BS
+    rc = h.ctx()
+    assert all(s[-1] == "HIT" for s in h.lookup_all(ks[:4], rc).values())
+    assert h.load(ks[:4], rc) == data[:4]
+    h.finish(rc)
+
+
+@pytest.mark.parametrize("kind", TIERS)
+def test_store_events(harness, kind, tmp_path):
+    root = str(tmp_path / "ev")
+    h = harness([tier_config(kind, root, enable_kv_events=True, locality="LOCAL")], events=True)
+    ks, data = keys_and_data(2, salt=4)
+    h.store(ks, data)
+    h.wait_tiers()
+    ev = [e for e in h.manager.take_events() if e.medium.name == "STORAGE"]
+    assert [(sorted(e.keys), e.removed, e.locality.name) for e in ev] == [(sorted(ks), False, "LOCAL")]
+
+
+@pytest.mark.parametrize("kind", TIERS)
+def test_unknown_key_is_a_type_error(vllm, tmp_path, kind):
+    from vllm_harness import Harness
+
+    with pytest.raises(TypeError) as ei:
+        Harness([tier_config(kind, str(tmp_path), bogus_key=1)], block_bytes=BS)
+    if kind != "fs":
+        msg = str(ei.value)
+        assert "bogus_key" in msg and "valid keys" in msg
+        for k in ("root_dir", "n_read_threads", "n_write_threads", "enable_kv_events", "locality",
+                  "checksum_blocks", "durable"):
+            assert k in msg
+
+
+def test_fs_keys_accepted_and_checksums_default_on(harness, tmp_path):
+    h = harness([tier_config("kvtier", str(tmp_path / "a"), enable_kv_events=False, locality="REMOTE",
+                             backpressure={"backpressure_cls": "EMABackpressureDetector"}),
+                 tier_config("kvtier", str(tmp_path / "b"), checksum_blocks=False, durable=True)])
+    a, b = h.tiers
+    assert a.checksum_blocks is True and b.checksum_blocks is False and b.durable is True
+    assert a.locality.name == "REMOTE" and a.bp_detector is not None
+    assert (a.tier_label, b.tier_label) == ("1:kvtier", "2:kvtier")
+    infos = h.manager.config_info()
+    assert infos[1]["tier"] == "1:kvtier" and infos[1]["kvtier_checksum_blocks"] is True
+    assert infos[2]["kvtier_checksum_blocks"] is False and infos[2]["kvtier_durable"] is True
+    assert infos[1]["kvtier_crc32c_backend"] == kvtier.crc32c_backend
+
+
+def test_metric_definitions_in_the_spec(vllm, tmp_path):
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    from kvtier.vllm import CONFIG_INFO_KEYS
+
+    def defs(**kw):
+        return TieringOffloadingSpec.build_metric_definitions(
+            {"secondary_tiers": [tier_config("kvtier", str(tmp_path), **kw)]})
+
+    on = defs()
+    for name in ("vllm:kv_offload_tiering_checksum_failures", "kvtier:kv_offload_tiering_checksum_retries",
+                 "kvtier:kv_offload_tiering_checksum_condemned"):
+        assert on[name].labelnames == ("tier",) and type(on[name]).__name__ == "OffloadingCounterMetadata"
+    assert "vllm:kv_offload_tiering_checksum_failures" not in defs(checksum_blocks=False)
+    keys = TieringOffloadingSpec.config_info_keys({"secondary_tiers": [tier_config("kvtier", str(tmp_path))]})
+    assert set(CONFIG_INFO_KEYS) <= set(keys) and keys.count("tier") == 1  # vLLM adds "tier" once
+
+
+# ------------------------------------------------------------------ paths
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_file_mapper_equals_vllms(vllm, case):
+    from vllm.v1.kv_offload.base import make_offload_key
+    from vllm.v1.kv_offload.file_mapper import FileMapper as VFileMapper
+
+    from kvtier.file_mapper import FileMapper
+
+    root, kw = CASES[case]
+    v, k = VFileMapper(root, **kw), FileMapper(root, **kw)
+    assert k.base_path == v.base_path and k.config_path == v.get_config_file_path()
+    assert k.fields == v.get_run_config()
+    for h, g in KEYS:
+        assert k.get_file_name((bytes.fromhex(h), g)) == v.get_file_name(make_offload_key(bytes.fromhex(h), g))
+
+
+def test_tier_paths_and_config_equal_fs_tier(harness, tmp_path):
+    """Both tiers on one root and spec: the same block paths, one config.json (vLLM's bytes)."""
+    root = str(tmp_path / "shared")
+    h = harness([tier_config("fs", root), tier_config("kvtier", root)])
+    fs, kt = h.tiers
+    from vllm_harness import key
+
+    assert all(fs.file_mapper.get_file_name(key(i)) == kt.file_mapper.get_file_name(key(i)) for i in range(4))
+    cfg = fs.file_mapper.get_config_file_path()
+    with open(cfg, "rb") as f:
+        assert f.read() == json.dumps(fs.file_mapper.get_run_config(), indent=2, sort_keys=True).encode()
+
+
+# ------------------------------------------------------------------ interchange
+@pytest.fixture(scope="session")
+def fs_io_C(vllm, tmp_path_factory):
+    """vLLM's compiled fs_io_C, loaded here: it names libtorch_cuda, libc10_cuda and
+    libnvrtc.so.13 but calls none of them, so three empty stub libraries built by gcc
+    now (loaded first, by soname) satisfy the loader; torch CPU provides the rest."""
+    import shutil
+
+    import torch  # noqa: F401  (libtorch, libc10, libtorch_cpu)
+
+    if shutil.which("gcc") is None:
+        unavailable("gcc is needed to build the stub libraries for vLLM's fs_io_C")
+    d = tmp_path_factory.mktemp("stubs")
+    src = d / "empty.c"
+    src.write_text("void kvtier_stub(void) {}\n")
+    for name in ("libtorch_cuda.so", "libc10_cuda.so", "libnvrtc.so.13"):
+        subprocess.run(["gcc", "-shared", "-fPIC", f"-Wl,-soname,{name}", "-o", str(d / name), str(src)],
+                       check=True)
+        ctypes.CDLL(str(d / name), mode=ctypes.RTLD_GLOBAL)
+    import vllm.fs_io_C as C
+
+    return C
+
+
+@pytest.fixture(params=["fs_io_C", "python_io"])
+def vllm_io(request, monkeypatch):
+    """vLLM's fs tier with its C++ fs_io_C, or with its Python io (what it uses when the
+    extension does not load)."""
+    import vllm.v1.kv_offload.tiering.fs.io as vio
+
+    if request.param == "fs_io_C":
+        C = request.getfixturevalue("fs_io_C")
+        monkeypatch.setattr(vio, "_HAS_FSIO_C", True)
+        monkeypatch.setattr(vio, "batch_load_block_C", C.batch_load_block, raising=False)
+        monkeypatch.setattr(vio, "batch_store_block_C", C.batch_store_block, raising=False)
+    else:
+        monkeypatch.setattr(vio, "_HAS_FSIO_C", False)
+    return request.param
+
+
+def test_interchange_fs_to_kvtier(harness, tmp_path, vllm_io):
+    """Blocks stored by vLLM's fs tier load through kvtier (unverified: no xattr), and a
+    block of the wrong length that vLLM would accept is refused by kvtier."""
+    root = str(tmp_path / "one")
+    w = harness([tier_config("fs", root)])
+    ks, data = keys_and_data(3, salt=5)
+    w.store(ks, data)
+    w.wait_tiers()
+    long_path = w.tiers[0].file_mapper.get_file_name(ks[2])
+    with open(long_path, "ab") as f:  # a file longer than the block: vLLM reads its head
+        f.write(b"\x00" * 4096)
+    w.close()
+    r = harness([tier_config("kvtier", root)])
+    assert r.tiers[0].file_mapper.get_file_name(ks[0]) == w.tiers[0].file_mapper.get_file_name(ks[0])
+    rc = r.ctx()
+    seqs = r.lookup_all(ks[:2], rc)
+    assert all(s[-1] == "HIT" for s in seqs.values()), seqs
+    assert r.load(ks[:2], rc) == data[:2]
+    r.finish(rc)
+    rc = r.ctx()
+    assert r.lookup_all([ks[2]], rc)[ks[2]][-1] == "MISS"
+    # size != block size: condemned (EIO), removed, recomputed (tests/test_block_io.py
+    # test_wrong_size_file_condemned covers the I/O layer alone)
+    assert not os.path.exists(long_path)
+    r.finish(rc)
+    snap = r.tiers[0].counters()
+    assert snap["load_failures"] == 1 and snap["checksum_failures"] == 0
+
+
+def test_interchange_kvtier_to_fs(harness, tmp_path, vllm_io):
+    """Blocks stored by kvtier (with their xattr) load through vLLM's fs tier."""
+    root = str(tmp_path / "one")
+    w = harness([tier_config("kvtier", root)])
+    ks, data = keys_and_data(3, salt=6)
+    w.store(ks, data)
+    w.wait_tiers()
+    w.close()
+    r = harness([tier_config("fs", root)])
+    rc = r.ctx()
+    assert all(s[-1] == "HIT" for s in r.lookup_all(ks, rc).values())
+    assert r.load(ks, rc) == data
+    r.finish(rc)
+
+
+# ------------------------------------------------------------------ imports, plugin
+def test_import_costs_and_entry_point(vllm):
+    """``import kvtier`` (and its tier modules) imports no vLLM; ``import kvtier.vllm``
+    after vLLM's tiering base adds only kvtier and vLLM's async lookup module (no torch,
+    no FileMapper); vLLM's plugin loader registers "kvtier" from the entry point."""
+    code = textwrap.dedent("""
+        import sys
+        import kvtier, kvtier.engine, kvtier.manager, kvtier.file_mapper, kvtier.io, kvtier.metrics
+        assert not [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")], "kvtier imported vLLM"
+        import vllm.v1.kv_offload.tiering.base
+        before = set(sys.modules)
+        import kvtier.vllm
+        new = sorted(m for m in set(sys.modules) - before if not m.startswith("kvtier"))
+        assert new == ["vllm.v1.kv_offload.tiering.async_lookup"], new
+        from vllm.plugins import load_general_plugins
+        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+        load_general_plugins()
+        assert SecondaryTierFactory.get_tier_class({"type": "kvtier"}) is kvtier.vllm.KvtierTier
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
