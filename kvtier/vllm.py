@@ -201,6 +201,7 @@ class KvtierTier(SecondaryTierManager):
                            "offload tier.", root_dir, filesystem_type(root_dir)[0], tier_type)
         self.tier_label = self._find_tier_label(offloading_spec, tier_type, root_dir)
 
+        self._flat = flat
         self._engine = TierEngine(flat, bs, self.file_mapper.get_file_name,
                                   n_read_threads=cfg["n_read_threads"],
                                   n_write_threads=cfg["n_write_threads"],
@@ -346,6 +347,8 @@ class KvtierTier(SecondaryTierManager):
         self._lookup.shutdown()
         for job_id in self._engine.shutdown(wait=True):
             self._discarded.append(JobResult(job_id=job_id, success=False, transfer_bytes=0))
+        if self._flat is not self._primary_kv_view:
+            self._flat.release()  # no thread runs: let vLLM unmap the primary region
 
     def __repr__(self) -> str:
         return (f"KvtierTier({self.tier_label}, root={self.root_dir!r}, checksum_blocks={self.checksum_blocks}, "

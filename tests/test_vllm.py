@@ -9,7 +9,6 @@ point.  Without vLLM these tests skip with the reason (and fail under CI=true: t
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import subprocess
@@ -294,25 +293,15 @@ def test_tier_paths_and_config_equal_fs_tier(harness, tmp_path):
 # ------------------------------------------------------------------ interchange
 @pytest.fixture(scope="session")
 def fs_io_C(vllm, tmp_path_factory):
-    """vLLM's compiled fs_io_C, loaded here: it names libtorch_cuda, libc10_cuda and
-    libnvrtc.so.13 but calls none of them, so three empty stub libraries built by gcc
-    now (loaded first, by soname) satisfy the loader; torch CPU provides the rest."""
+    """vLLM's compiled fs_io_C, loaded here with stub CUDA libraries built by gcc now
+    (tests/vllm_harness.py load_fs_io_C)."""
     import shutil
 
-    import torch  # noqa: F401  (libtorch, libc10, libtorch_cpu)
+    from vllm_harness import load_fs_io_C
 
     if shutil.which("gcc") is None:
         unavailable("gcc is needed to build the stub libraries for vLLM's fs_io_C")
-    d = tmp_path_factory.mktemp("stubs")
-    src = d / "empty.c"
-    src.write_text("void kvtier_stub(void) {}\n")
-    for name in ("libtorch_cuda.so", "libc10_cuda.so", "libnvrtc.so.13"):
-        subprocess.run(["gcc", "-shared", "-fPIC", f"-Wl,-soname,{name}", "-o", str(d / name), str(src)],
-                       check=True)
-        ctypes.CDLL(str(d / name), mode=ctypes.RTLD_GLOBAL)
-    import vllm.fs_io_C as C
-
-    return C
+    return load_fs_io_C(str(tmp_path_factory.mktemp("stubs")))
 
 
 @pytest.fixture(params=["fs_io_C", "python_io"])
@@ -320,14 +309,16 @@ def vllm_io(request, monkeypatch):
     """vLLM's fs tier with its C++ fs_io_C, or with its Python io (what it uses when the
     extension does not load)."""
     import vllm.v1.kv_offload.tiering.fs.io as vio
+    import vllm.v1.kv_offload.tiering.fs.manager as vman
 
-    if request.param == "fs_io_C":
-        C = request.getfixturevalue("fs_io_C")
-        monkeypatch.setattr(vio, "_HAS_FSIO_C", True)
-        monkeypatch.setattr(vio, "batch_load_block_C", C.batch_load_block, raising=False)
-        monkeypatch.setattr(vio, "batch_store_block_C", C.batch_store_block, raising=False)
-    else:
-        monkeypatch.setattr(vio, "_HAS_FSIO_C", False)
+    from vllm_harness import use_vllm_io
+
+    for mod, names in ((vio, ("_HAS_FSIO_C", "batch_load_block_C", "batch_store_block_C")),
+                       (vman, ("_HAS_BATCH_LOOKUP_C", "batch_lookup_C"))):
+        for n in names:  # restored at teardown
+            monkeypatch.setattr(mod, n, getattr(mod, n, None), raising=False)
+    use_vllm_io(request.getfixturevalue("fs_io_C") if request.param == "fs_io_C" else None)
+    assert vio._HAS_FSIO_C is (request.param == "fs_io_C")
     return request.param
 
 

@@ -53,8 +53,10 @@ class Harness:
 
     def __init__(self, secondary_tiers: List[dict], block_bytes: int = 4096, num_chunks: int = 64,
                  events: bool = False, **kw: Any) -> None:
+        from vllm.plugins import load_general_plugins
         from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
+        load_general_plugins()  # as vLLM in every engine process: kvtier's entry point
         self.config = offloading_config(secondary_tiers, block_bytes, num_chunks, events, **kw)
         self.spec = OffloadingSpecFactory.create_spec(self.config)
         self.manager = self.spec.get_manager()
@@ -179,3 +181,41 @@ def key(i: int, group: int = 0, salt: int = 0) -> bytes:
     from vllm.v1.kv_offload.base import make_offload_key
 
     return make_offload_key((salt * 1_000_003 + i).to_bytes(8, "big") + b"\x5a" * 24, group)
+
+
+def load_fs_io_C(stub_dir: str):
+    """Import vLLM's compiled ``vllm.fs_io_C`` on a CPU-only machine.  It names
+    libtorch_cuda.so, libc10_cuda.so and libnvrtc.so.13 as needed libraries but calls none
+    of them: three empty stub libraries are built with gcc in ``stub_dir`` and loaded first
+    (the loader then matches them by soname); torch CPU provides libtorch, libc10 and
+    libtorch_cpu.  Returns the module (CalledProcessError / OSError / ImportError on
+    failure)."""
+    import ctypes
+    import subprocess
+
+    import torch  # noqa: F401  (libtorch, libc10, libtorch_cpu)
+
+    src = os.path.join(stub_dir, "empty.c")
+    with open(src, "w") as f:
+        f.write("void kvtier_stub(void) {}\n")
+    for name in ("libtorch_cuda.so", "libc10_cuda.so", "libnvrtc.so.13"):
+        out = os.path.join(stub_dir, name)
+        subprocess.run(["gcc", "-shared", "-fPIC", f"-Wl,-soname,{name}", "-o", out, src], check=True)
+        ctypes.CDLL(out, mode=ctypes.RTLD_GLOBAL)
+    import vllm.fs_io_C as C
+
+    return C
+
+
+def use_vllm_io(C) -> None:
+    """Make vLLM's fs tier use ``C`` (fs_io_C) for its block I/O and lookups, as it does
+    when the extension imports; None: its Python io."""
+    import vllm.v1.kv_offload.tiering.fs.io as vio
+    import vllm.v1.kv_offload.tiering.fs.manager as vman
+
+    vio._HAS_FSIO_C = C is not None
+    vman._HAS_BATCH_LOOKUP_C = C is not None
+    if C is not None:
+        vio.batch_load_block_C = C.batch_load_block
+        vio.batch_store_block_C = C.batch_store_block
+        vman.batch_lookup_C = C.batch_lookup
