@@ -153,7 +153,7 @@ def main(argv=None) -> int:
 
     fs_io = "python io"
     if not args.vllm_python_io:
-        use_vllm_io(load_fs_io_C(tempfile.mkdtemp(prefix="kvtier-stubs-")))
+        use_vllm_io(load_fs_io_C())
         fs_io = "fs_io_C"
     print(f"vLLM {vllm.__version__} fs tier ({fs_io}) vs kvtier {kvtier.__version__} "
           f"(io {kio.backend}, CRC32C {kvtier.crc32c_backend}); {args.jobs} jobs in flight, "

@@ -24,10 +24,11 @@ _cache: list = []
 
 
 def load_vllm_io(workdir: "str | None" = None):
-    """``(module, note)``: vLLM's fs tier io module with its C core loaded and a
-    one-line description, or ``(None, reason)`` when torch or vLLM is not
-    installed, there is no C compiler for the stubs, or the import fails.
-    Cached per process (the stub libraries stay loaded)."""
+    """``(module, note)``: vLLM's fs tier io module with its C core loaded (its
+    ``_HAS_FSIO_C`` set, so vLLM's fs tier uses ``fs_io_C``) and a one-line
+    description, or ``(None, reason)`` when torch or vLLM is not installed, there
+    is no C compiler for the stubs, or the import fails. Cached per process (the
+    stub libraries stay loaded); ``vllm.fs_io_C`` is then importable."""
     if _cache:
         return _cache[0]
     _cache.append(_load(workdir))
@@ -55,10 +56,12 @@ def _load(workdir):
                            input=b"", check=True, capture_output=True)
             ctypes.CDLL(out, mode=ctypes.RTLD_GLOBAL)
         import vllm
+        import vllm.fs_io_C as C
         import vllm.v1.kv_offload.tiering.fs.io as vio
     except (OSError, ImportError, subprocess.CalledProcessError) as e:
         return None, f"vLLM's fs tier io did not load: {e}"
-    if not getattr(vio, "_HAS_FSIO_C", False):
-        return None, "vllm.fs_io_C did not load"
+    if not getattr(vio, "_HAS_FSIO_C", False):  # imported before the stubs: point it at C now
+        vio.batch_load_block_C, vio.batch_store_block_C = C.batch_load_block, C.batch_store_block
+        vio._HAS_FSIO_C = True
     return vio, (f"vLLM {vllm.__version__} fs tier io + fs_io_C (stub {', '.join(STUB_LIBS)} built at run "
                  "time, torch CPU libraries preloaded)")

@@ -183,25 +183,14 @@ def key(i: int, group: int = 0, salt: int = 0) -> bytes:
     return make_offload_key((salt * 1_000_003 + i).to_bytes(8, "big") + b"\x5a" * 24, group)
 
 
-def load_fs_io_C(stub_dir: str):
-    """Import vLLM's compiled ``vllm.fs_io_C`` on a CPU-only machine.  It names
-    libtorch_cuda.so, libc10_cuda.so and libnvrtc.so.13 as needed libraries but calls none
-    of them: three empty stub libraries are built with gcc in ``stub_dir`` and loaded first
-    (the loader then matches them by soname); torch CPU provides libtorch, libc10 and
-    libtorch_cpu.  Returns the module (CalledProcessError / OSError / ImportError on
-    failure)."""
-    import ctypes
-    import subprocess
+def load_fs_io_C():
+    """vLLM's compiled ``vllm.fs_io_C`` on a CPU-only machine (stub CUDA libraries built
+    at run time: :func:`kvtier.peer.load_vllm_io`), or raise ImportError with the reason."""
+    from kvtier.peer import load_vllm_io
 
-    import torch  # noqa: F401  (libtorch, libc10, libtorch_cpu)
-
-    src = os.path.join(stub_dir, "empty.c")
-    with open(src, "w") as f:
-        f.write("void kvtier_stub(void) {}\n")
-    for name in ("libtorch_cuda.so", "libc10_cuda.so", "libnvrtc.so.13"):
-        out = os.path.join(stub_dir, name)
-        subprocess.run(["gcc", "-shared", "-fPIC", f"-Wl,-soname,{name}", "-o", out, src], check=True)
-        ctypes.CDLL(out, mode=ctypes.RTLD_GLOBAL)
+    vio, note = load_vllm_io()
+    if vio is None:
+        raise ImportError(note)
     import vllm.fs_io_C as C
 
     return C
