@@ -708,11 +708,15 @@ static void test_timeout_hang(void)
     kvt_dsa_model_stats st;
     kvt_dsa_model_get_stats(r.m, &st);
     CHECK_EQ(st.hung, 1);
-    /* later ops: CPU at once, nothing submitted */
+    /* later ops: CPU at once, nothing submitted (the counters prove it; the clock only
+     * catches a hang, since under valgrind on a loaded host the CPU CRC alone can take
+     * longer than the 50 ms timeout) */
+    uint32_t want = kvt_crc32c_bitwise(0, b, n);
     t0 = mono_ns();
-    CHECK_EQ(kvt_dsa_crc(r.e, 0, b, n), kvt_crc32c_bitwise(0, b, n));
-    CHECK(mono_ns() - t0 < 50000000ull);
+    CHECK_EQ(kvt_dsa_crc(r.e, 0, b, n), want);
+    CHECK(mono_ns() - t0 < 2000000000ull);
     CHECK_EQ(counters(r.e).descriptors_submitted, 1);
+    CHECK_EQ(counters(r.e).timeouts, 1);
     uint8_t *dst = calloc(1, n);
     CHECK_EQ(kvt_dsa_copy_crc(r.e, dst, b, n, 0), kvt_crc32c_bitwise(0, b, n));
     CHECK(memcmp(dst, b, n) == 0);
