@@ -21,12 +21,19 @@
  *                    cut; stat still shows the full size
  *          getxattr  getxattr() of a "user.*" name fails with errno ARG
  *          setxattr  setxattr() of a "user.*" name fails with errno ARG
+ *          stall_read, stall_write, stall_getxattr (a "user.*" name),
+ *          stall_open (open and create), stall_rename (GLOB matches the old
+ *          or the new name), stall_getattr (stat, and the lookup of a name):
+ *                    the operation waits before it runs: ARG milliseconds,
+ *                    or (ARG 0) until the line "clear"; then it runs
+ *                    normally. A test sees it stalled once HITS counts it.
  *   GLOB   fnmatch(3) pattern (no flags: '*' matches '/') against the path
  *          as seen from the mount root, starting with '/'.
  *   ARG    byte offset (flip), errno number (getxattr/setxattr), else 0.
  *   COUNT  how many times the rule fires, then it is spent; -1: always.
  *
- * The line "clear" removes every rule. Reading .fusefault returns one line per
+ * The line "clear" removes every rule and releases every stalled operation.
+ * Reading .fusefault returns one line per
  * rule: "KIND GLOB ARG COUNT_LEFT HITS", so tests check a fault really fired.
  */
 #define FUSE_USE_VERSION 31
@@ -47,13 +54,21 @@
 #include <sys/statvfs.h>
 #include <sys/time.h>
 #include <sys/xattr.h>
+#include <time.h>
 #include <unistd.h>
 
 #define CTL_PATH "/.fusefault"
 #define MAX_RULES 64
 
-enum kind { K_EIO, K_EBADMSG, K_FLIP, K_SHORT, K_GETXATTR, K_SETXATTR, K_NKINDS };
-static const char *const kind_names[K_NKINDS] = {"eio", "ebadmsg", "flip", "short", "getxattr", "setxattr"};
+enum kind {
+    K_EIO, K_EBADMSG, K_FLIP, K_SHORT, K_GETXATTR, K_SETXATTR,
+    K_STALL_READ, K_STALL_WRITE, K_STALL_GETXATTR, K_STALL_OPEN, K_STALL_RENAME, K_STALL_GETATTR,
+    K_NKINDS
+};
+static const char *const kind_names[K_NKINDS] = {
+    "eio", "ebadmsg", "flip", "short", "getxattr", "setxattr",
+    "stall_read", "stall_write", "stall_getxattr", "stall_open", "stall_rename", "stall_getattr",
+};
 
 struct rule {
     enum kind kind;
@@ -66,6 +81,8 @@ struct rule {
 static struct rule rules[MAX_RULES];
 static int nrules;
 static pthread_mutex_t rules_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t release_cond = PTHREAD_COND_INITIALIZER; /* with rules_lock */
+static unsigned long long release_gen; /* bumped by "clear" */
 static char backing[PATH_MAX];
 
 static int full(char *out, const char *path)
@@ -112,6 +129,42 @@ static int peek(enum kind kind, const char *path)
     return found;
 }
 
+/* If a live stall rule of `kind` matches `path`, wait (ARG ms, or until
+ * "clear" when ARG is 0) before the operation runs. */
+static void stall(enum kind kind, const char *path)
+{
+    long long ms;
+    if (!take(kind, path, &ms, 0, 0, 0))
+        return;
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += (time_t)(ms / 1000);
+    until.tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&rules_lock);
+    unsigned long long gen = release_gen;
+    while (gen == release_gen) {
+        if (ms > 0) {
+            if (pthread_cond_timedwait(&release_cond, &rules_lock, &until) == ETIMEDOUT)
+                break;
+        } else {
+            pthread_cond_wait(&release_cond, &rules_lock);
+        }
+    }
+    pthread_mutex_unlock(&rules_lock);
+}
+
+static void release_all(void)
+{
+    pthread_mutex_lock(&rules_lock);
+    release_gen++;
+    pthread_cond_broadcast(&release_cond);
+    pthread_mutex_unlock(&rules_lock);
+}
+
 /* Status text of the control file; caller frees. */
 static char *ctl_text(size_t *len)
 {
@@ -142,6 +195,7 @@ static int ctl_line(char *line)
         pthread_mutex_lock(&rules_lock);
         nrules = 0;
         pthread_mutex_unlock(&rules_lock);
+        release_all();
         return 0;
     }
     if (sscanf(line, "%31s %4095s %lld %lld", kind, glob, &arg, &count) != 4)
@@ -197,6 +251,7 @@ static int ff_getattr(const char *path, struct stat *st, struct fuse_file_info *
         st->st_size = (off_t)len;
         return 0;
     }
+    stall(K_STALL_GETATTR, path);
     if (fi)
         rc = fstat((int)fi->fh, st);
     else if ((rc = full(p, path)) == 0)
@@ -305,6 +360,10 @@ static int ff_rename(const char *from, const char *to, unsigned int flags)
     int rc = full(a, from);
     if (rc || (rc = full(b, to)))
         return rc;
+    if (peek(K_STALL_RENAME, from))
+        stall(K_STALL_RENAME, from);
+    else
+        stall(K_STALL_RENAME, to);
     return renameat2(AT_FDCWD, a, AT_FDCWD, b, flags) == -1 ? -errno : 0;
 }
 
@@ -328,6 +387,7 @@ static int ff_open_common(const char *path, struct fuse_file_info *fi, mode_t mo
     int rc = full(p, path);
     if (rc)
         return rc;
+    stall(K_STALL_OPEN, path);
     /* The backing file needs no alignment: drop O_DIRECT there. */
     int flags = fi->flags & ~O_DIRECT;
     int fd = create ? open(p, flags, mode) : open(p, flags);
@@ -366,6 +426,7 @@ static int ff_read(const char *path, char *buf, size_t size, off_t off, struct f
         return (int)n;
     }
     int fd = (int)fi->fh;
+    stall(K_STALL_READ, path);
     if (take(K_EIO, path, &arg, 0, 0, 0))
         return -EIO;
     if (take(K_EBADMSG, path, &arg, 0, 0, 0))
@@ -399,6 +460,7 @@ static int ff_write(const char *path, const char *buf, size_t size, off_t off, s
         free(copy);
         return rc ? rc : (int)size;
     }
+    stall(K_STALL_WRITE, path);
     ssize_t n = pwrite((int)fi->fh, buf, size, off);
     return n == -1 ? -errno : (int)n;
 }
@@ -458,6 +520,8 @@ static int ff_setxattr(const char *path, const char *name, const char *value, si
 static int ff_getxattr(const char *path, const char *name, char *value, size_t size)
 {
     long long arg;
+    if (is_user(name))
+        stall(K_STALL_GETXATTR, path);
     if (is_user(name) && take(K_GETXATTR, path, &arg, 0, 0, 0))
         return -(int)arg;
     char p[PATH_MAX];

@@ -6,8 +6,9 @@ injection) for the tests. See the C file's header for the rule language.
         ... use files under ff.mnt (backed by ff.backing) ...
         assert ff.hits("flip") == 1
 
-Skips (pytest.skip with the reason) where /dev/fuse, fusermount3, a C
-compiler or libfuse3 (pkg-config fuse3) are missing, or the mount is refused.
+Skips (tests/ci.py unavailable: a failure under CI, which installs them) where
+/dev/fuse, fusermount3, a C compiler or libfuse3 (pkg-config fuse3) are
+missing, or the mount is refused.
 """
 from __future__ import annotations
 
@@ -20,27 +21,29 @@ import tempfile
 import time
 from typing import Iterator, List, Optional
 
-import pytest
+from ci import unavailable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "fusefault.c")
 CTL = ".fusefault"
-KINDS = ("eio", "ebadmsg", "flip", "short", "getxattr", "setxattr")
+STALL_OPS = ("read", "write", "getxattr", "open", "rename", "getattr")
+KINDS = ("eio", "ebadmsg", "flip", "short", "getxattr", "setxattr") + tuple(f"stall_{op}" for op in STALL_OPS)
+MAX_THREADS = 64  # FUSE worker threads: stalled operations must leave some to answer .fusefault
 
 
 def build() -> str:
     """Path of the fusefault binary, compiled once per source version into a
     temp dir (``cc`` + ``pkg-config fuse3``). Skips when it cannot be built."""
     if not os.path.exists("/dev/fuse"):
-        pytest.skip("/dev/fuse is missing: FUSE not available here")
+        unavailable("/dev/fuse is missing: FUSE not available here")
     if shutil.which("fusermount3") is None:
-        pytest.skip("fusermount3 not installed (Debian: fuse3)")
+        unavailable("fusermount3 not installed (Debian: fuse3)")
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None or shutil.which("pkg-config") is None:
-        pytest.skip("no C compiler or pkg-config to build tests/fusefault")
+        unavailable("no C compiler or pkg-config to build tests/fusefault")
     flags = subprocess.run(["pkg-config", "--cflags", "--libs", "fuse3"], capture_output=True, text=True)
     if flags.returncode != 0:
-        pytest.skip(f"libfuse3 not found by pkg-config (Debian: libfuse3-dev): {flags.stderr.strip()}")
+        unavailable(f"libfuse3 not found by pkg-config (Debian: libfuse3-dev): {flags.stderr.strip()}")
     with open(SOURCE, "rb") as f:
         tag = hashlib.sha256(f.read()).hexdigest()[:12]
     out_dir = os.path.join(tempfile.gettempdir(), f"kvtier-fusefault-{tag}")
@@ -82,7 +85,23 @@ class FaultFS:
         self._ctl(f"{kind} {glob} {int(arg)} {int(count)}\n")
 
     def clear(self) -> None:
+        """Remove every rule and release every stalled operation."""
         self._ctl("clear\n")
+
+    def stall(self, op: str, glob: str, ms: int = 0, count: int = -1) -> None:
+        """Stall operation ``op`` (STALL_OPS) on paths matching ``glob``: ``ms``
+        milliseconds, or (0) until :meth:`clear`."""
+        assert op in STALL_OPS
+        self.add(f"stall_{op}", glob, arg=ms, count=count)
+
+    def wait_hits(self, kind: str, n: int, timeout: float = 10.0) -> None:
+        """Wait until rules of ``kind`` fired ``n`` times (a stall: ``n``
+        operations are waiting); AssertionError after ``timeout`` seconds."""
+        end = time.monotonic() + timeout
+        while self.hits(kind) < n:
+            if time.monotonic() > end:
+                raise AssertionError(f"{kind}: {self.hits(kind)} hits after {timeout} s, expected {n}")
+            time.sleep(0.005)
 
     def rules(self) -> List[dict]:
         with open(os.path.join(self.mnt, CTL)) as f:
@@ -113,19 +132,25 @@ def mount_fusefault(workdir) -> Iterator[FaultFS]:
     os.makedirs(backing, exist_ok=True)
     os.makedirs(mnt, exist_ok=True)
     log = open(os.path.join(os.fspath(workdir), "fusefault.log"), "w+")
-    proc = subprocess.Popen([exe, backing, mnt, "-f"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([exe, backing, mnt, "-f", "-o", f"max_threads={MAX_THREADS}"],
+                            stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 10
         while not os.path.ismount(mnt):
             if proc.poll() is not None:
                 log.seek(0)
-                pytest.skip(f"fusefault mount refused (exit {proc.returncode}): {log.read().strip()}")
+                unavailable(f"fusefault mount refused (exit {proc.returncode}): {log.read().strip()}")
             if time.monotonic() > deadline:
                 raise AssertionError("fusefault did not mount within 10 s")
             time.sleep(0.02)
-        yield FaultFS(backing, mnt)
+        ff = FaultFS(backing, mnt)
+        yield ff
     finally:
         if os.path.ismount(mnt):
+            try:  # stalled operations would keep the unmount busy
+                ff.clear()
+            except (OSError, NameError):
+                pass
             if subprocess.run(["fusermount3", "-u", mnt], capture_output=True).returncode != 0:
                 subprocess.run(["fusermount3", "-u", "-z", mnt], capture_output=True)
         try:
