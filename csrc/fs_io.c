@@ -266,7 +266,9 @@ static int sync_existing(const char *dest, int *op)
 }
 
 /* One try at storing one block. Returns 0, or an errno value with *op (the
- * temp is removed; a published block never is). */
+ * temp is removed; a published block never is), or KVT_STORE_LATE: published,
+ * but the job expired during the rename (job_state.h). */
+#define KVT_STORE_LATE (-1)
 static int store_try(const char *tmp, const char *dest, const uint8_t *buf, size_t len, int use_o_direct,
                      int checksum, int durable, kvt_job_state *js, int *op)
 {
@@ -322,7 +324,8 @@ static int store_try(const char *tmp, const char *dest, const uint8_t *buf, size
         *op = KVT_OP_RENAME;
         if (rename_r(tmp, dest) != 0)
             err = errno;
-        kvt_job_commit_end(js);
+        if (!kvt_job_commit_end(js) && !err)
+            return KVT_STORE_LATE;
     }
     if (err) {
         unlink(tmp);
@@ -371,6 +374,10 @@ int kvt_batch_store(const char *const *tmp_paths, const char *const *dest_paths,
         int op = KVT_OP_NONE;
         int e = store_one(tmp_paths[i], dest_paths[i], (const uint8_t *)bufs[i], lens[i], use_o_direct, checksum,
                           durable, js, &op);
+        if (e == KVT_STORE_LATE) { /* block i published; the job expired meanwhile */
+            set_fail(res, ETIMEDOUT, i + 1, 0);
+            break;
+        }
         if (e) {
             set_fail(res, e, i, 0);
             res->op = op;

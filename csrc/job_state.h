@@ -8,6 +8,12 @@
  *   LIVE -> EXPIRED      the caller gave up (deadline): spins while COMMITTING,
  *                        so once it succeeds no byte enters the view and no
  *                        block is published by this job any more
+ *   COMMITTING -> EXPIRED  a store's rename outlived the deadline (a hung
+ *                        filesystem can hold it forever, so JobState.expire
+ *                        does not wait for a store): the rename may still
+ *                        publish that block (written and checksummed before
+ *                        the deadline); the section's end then fails and the
+ *                        store stops there
  *   LIVE -> DONE         the job finished (caller's bookkeeping)
  * Plain C11 atomics, sequentially consistent: the copy happens-after the CAS
  * that took COMMITTING and happens-before the store that gives it back. */
@@ -34,10 +40,11 @@ static inline int kvt_job_commit_begin(kvt_job_state *js)
     return js == NULL || kvt_job_cas(js, KVT_JOB_LIVE, KVT_JOB_COMMITTING);
 }
 
-static inline void kvt_job_commit_end(kvt_job_state *js)
+/* Leave a commit section: 1 if the job is LIVE again, 0 if it was expired
+ * during the section (COMMITTING -> EXPIRED, stores only): stop there. */
+static inline int kvt_job_commit_end(kvt_job_state *js)
 {
-    if (js != NULL)
-        atomic_store(js, KVT_JOB_LIVE);
+    return js == NULL || kvt_job_cas(js, KVT_JOB_COMMITTING, KVT_JOB_LIVE);
 }
 
 /* 1 while the job is LIVE (a cheap look before starting work). */

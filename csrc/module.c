@@ -1056,7 +1056,9 @@ static PyObject *kvt_py_batch_store_block(PyObject *mod, PyObject *const *args, 
     if (add_counts(counts, &res.counts) < 0)
         goto done;
     if (rc != 0) {
-        raise_batch_error(&res, PySequence_Fast_GET_ITEM(s1, (Py_ssize_t)res.index));
+        /* index n: the last block was published as its job expired (its path) */
+        size_t at = res.index < (size_t)n ? res.index : (size_t)n - 1;
+        raise_batch_error(&res, PySequence_Fast_GET_ITEM(s1, (Py_ssize_t)at));
         goto done;
     }
     Py_INCREF(Py_None);

@@ -55,6 +55,7 @@ if _c_core_importable() and not _imported_by_kvtier():
 import ctypes as _ctypes
 import errno as _errno
 import fcntl as _fcntl
+import mmap as _mmap
 import os as _os
 import stat as _stat
 import struct as _struct
@@ -339,7 +340,11 @@ def _sync_existing(dest, counts):
     _count_into(counts, "durable_existing")
 
 
-def _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts):
+class _Late(Exception):
+    """A store's block was renamed, but its job expired during the rename."""
+
+
+def _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, word=None):
     try:
         st = _os.lstat(dest)
     except FileNotFoundError:
@@ -382,8 +387,20 @@ def _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts):
                 _op("sync", _os.fdatasync, fd)
         finally:
             _op("close", _close, fd)
-        _op("rename", _retry_eintr, _os.rename, tmp, dest)
-    except BaseException:
+        if word is None:
+            _op("rename", _retry_eintr, _os.rename, tmp, dest)
+        else:  # commit section: the rename only while the job is live
+            if not job_state_cas(word, _LIVE, _COMMITTING):
+                raise OSError(_errno.ETIMEDOUT, _os.strerror(_errno.ETIMEDOUT))  # temp unlinked below
+            try:
+                _op("rename", _retry_eintr, _os.rename, tmp, dest)
+            finally:
+                late = not job_state_cas(word, _COMMITTING, _LIVE)
+            if late:
+                raise _Late()
+    except BaseException as e:
+        if isinstance(e, _Late):
+            raise
         try:
             _os.unlink(tmp)
         except OSError:
@@ -396,12 +413,12 @@ def _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts):
         _op("sync", _fsync_dir, dest)
 
 
-def _store_one(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts):
+def _store_one(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, word=None):
     """One block under the error policy: EAGAIN/ESTALE retried from the start."""
     attempt = 0
     while True:
         try:
-            return _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts)
+            return _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, word)
         except OSError as e:
             if not _policy.retry_transient(e.errno, attempt, counts):
                 raise
@@ -642,6 +659,60 @@ def _unlink_if_same(path, fd):
         pass
 
 
+# Job state words (kvtier.io.JobState): LIVE=0, COMMITTING=1, EXPIRED=2, DONE=3.
+_LIVE, _COMMITTING = 0, 1
+_job_lock = _threading.Lock()
+
+
+def _word_view(buf):
+    """The job state word of ``buf`` (a writable buffer of >= 4 bytes, 4-byte
+    aligned: its first 4 bytes) as a one-item memoryview of format "I", as
+    kvtier._C checks it: TypeError (not a buffer), BufferError (read-only or
+    not contiguous), ValueError (shorter, or misaligned)."""
+    try:
+        mv = memoryview(buf)
+    except TypeError:
+        raise TypeError(f"job_state must be a writable buffer, not {type(buf).__name__}") from None
+    if mv.readonly or not mv.c_contiguous:
+        raise BufferError(f"job_state must be a writable buffer (a {type(buf).__name__} is read-only)"
+                          if mv.readonly else "job_state must be a contiguous buffer")
+    mv = mv.cast("B")
+    if mv.nbytes < 4:
+        raise ValueError(f"job_state must be a buffer of >= 4 bytes, got {mv.nbytes}")
+    if _buffer_address(mv) % 4:
+        raise ValueError("job_state must be 4-byte aligned")
+    return mv[:4].cast("I")
+
+
+def _py_job_state_cas(buf, old, new, /):
+    """kvtier._C.job_state_cas without the C core: if the word in ``buf`` is
+    ``old``, set it to ``new`` and return True, else False; under one
+    process-wide lock, which every party then uses (kvtier.io.JobState)."""
+    w = _word_view(buf)
+    with _job_lock:
+        if w[0] != old:
+            return False
+        w[0] = new
+        return True
+
+
+def _job_state_cas_fn():
+    try:
+        from kvtier import _C
+    except ImportError:
+        return _py_job_state_cas
+    return getattr(_C, "job_state_cas", _py_job_state_cas)
+
+
+job_state_cas = _job_state_cas_fn()
+"""CAS on a job state word: the C core's (C11 atomics) when built, else the
+lock-based one above. kvtier.io.JobState and this module use the same."""
+
+
+def _expired(path, index, num_retried=0):
+    return _batch_error(_errno.ETIMEDOUT, path, index, False, num_retried)
+
+
 def batch_lookup(paths, block_size=0, /):
     """For each path (str, bytes or os.PathLike) whether it is a regular file
     (lstat: a symlink, directory or FIFO is not) of ``block_size`` bytes (any
@@ -685,12 +756,16 @@ def _merge_counts(counts, mine):
 
 
 def batch_store_block(tmp_paths, dest_paths, buffers, /, use_o_direct=True, checksum=False, durable=False, *,
-                      counts=None):
+                      counts=None, job_state=None):
     """Pure-Python kvtier._C.batch_store_block: same arguments, protocol and
     errors (OSError with errno, filename = dest path, num_succeeded,
     checksum_failed=False, num_retried=0, operation, condemned=None; the
     failing block's temp is removed). ``counts``: a dict the policy counters
-    of this call are added to."""
+    of this call are added to. With ``job_state`` (a job state word,
+    kvtier.io.JobState): a block is started only while the job is LIVE and
+    renamed only in a commit section (LIVE -> COMMITTING, rename, -> LIVE); an
+    expired job stops with OSError ETIMEDOUT (num_succeeded = blocks
+    published, the unrenamed temp unlinked)."""
     for obj, what in ((tmp_paths, "tmp_paths"), (dest_paths, "dest_paths"), (buffers, "buffers")):
         _check_list(obj, what)
     if not len(tmp_paths) == len(dest_paths) == len(buffers):
@@ -703,13 +778,18 @@ def batch_store_block(tmp_paths, dest_paths, buffers, /, use_o_direct=True, chec
     tmps = _encode_paths(tmp_paths, "tmp_paths")
     dests = _encode_paths(dest_paths, "dest_paths")
     views = _views(buffers, writable=False)
+    word = None if job_state is None else _word_view(job_state)
     crc_fn = _block_crc_fn() if checksum else None
     mine: dict = {}
     _tls.counts = mine  # _retry_eintr counts into it
     try:
         for i, (tmp, dest, mv) in enumerate(zip(tmps, dests, views)):
+            if word is not None and word[0] != _LIVE:
+                raise _expired(dest_paths[i], i)
             try:
-                _store_one(tmp, dest, mv, bool(use_o_direct), bool(checksum), crc_fn, bool(durable), mine)
+                _store_one(tmp, dest, mv, bool(use_o_direct), bool(checksum), crc_fn, bool(durable), mine, word)
+            except _Late:  # block i published as the job expired: stopped before block i + 1
+                raise _expired(dest_paths[min(i + 1, len(dest_paths) - 1)], i + 1) from None
             except OSError as e:
                 raise _batch_error(e.errno or _errno.EIO, dest_paths[i], i, False, 0,
                                    getattr(e, "kvt_op", None) or "") from None
@@ -717,7 +797,7 @@ def batch_store_block(tmp_paths, dest_paths, buffers, /, use_o_direct=True, chec
         _merge_counts(counts, mine)
 
 
-def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False, *, counts=None):
+def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False, *, counts=None, job_state=None):
     """Pure-Python kvtier._C.batch_load_block: same arguments, protocol,
     return value (blocks re-read once after a first mismatch, int) and errors
     (docs/design.md "Error policy": EBADMSG + checksum_failed and EIO with
@@ -725,7 +805,11 @@ def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False
     OSError's ``num_retried`` (int) counts the blocks of the batch re-read
     after a first mismatch, the failing block included (1 for a block
     condemned on its re-read). ``counts``: a dict the policy counters of this
-    call are added to."""
+    call are added to. With ``job_state`` (a job state word,
+    kvtier.io.JobState): each block is loaded and verified in private
+    page-aligned memory and copied into its buffer in a commit section (LIVE
+    -> COMMITTING, copy, -> LIVE); an expired job stops with OSError
+    ETIMEDOUT (num_succeeded = blocks copied) and writes nothing more."""
     _check_list(source_paths, "source_paths")
     _check_list(buffers, "buffers")
     if len(source_paths) != len(buffers):
@@ -734,15 +818,28 @@ def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False
     checksum = _mode(checksum)
     srcs = _encode_paths(source_paths, "source_paths")
     views = _views(buffers, writable=True)
+    word = None if job_state is None else _word_view(job_state)
     crc_fn = _block_crc_fn() if checksum else None
+    private = None
+    if word is not None:
+        # page-aligned, so O_DIRECT stays usable; unmapped when the last view of
+        # it (an exception's traceback may hold one) is gone
+        private = memoryview(_mmap.mmap(-1, max(max((len(mv) for mv in views), default=0), 1)))
+    return _load_batch(source_paths, srcs, views, use_o_direct, checksum, crc_fn, word, private, counts)
+
+
+def _load_batch(source_paths, srcs, views, use_o_direct, checksum, crc_fn, word, private, counts):
     retried_total = 0
     mine: dict = {}
     _tls.counts = mine  # _retry_eintr counts into it
     try:
         for i, (src, mv) in enumerate(zip(srcs, views)):
             retried_out = [False]
+            if word is not None and word[0] != _LIVE:
+                raise _expired(source_paths[i], i, retried_total)
+            dst = mv if word is None else private[: len(mv)]
             try:
-                _load_one(src, mv, bool(use_o_direct), checksum, crc_fn, mine, retried_out)
+                _load_one(src, dst, bool(use_o_direct), checksum, crc_fn, mine, retried_out)
             except _Verdict as v:
                 raise _batch_error(v.err, source_paths[i], i, v.cause in ("checksum", "identity"),
                                    retried_total + retried_out[0], v.op, v.cause) from None
@@ -750,6 +847,15 @@ def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False
                 raise _batch_error(e.errno or _errno.EIO, source_paths[i], i, False,
                                    retried_total + retried_out[0], getattr(e, "kvt_op", None) or "") from None
             retried_total += retried_out[0]
+            if word is not None:  # commit section: the caller's memory is written only while live
+                if not job_state_cas(word, _LIVE, _COMMITTING):
+                    raise _expired(source_paths[i], i, retried_total)
+                try:
+                    mv[:] = dst
+                finally:
+                    late = not job_state_cas(word, _COMMITTING, _LIVE)
+                if late:
+                    raise _expired(source_paths[i], i + 1, retried_total)
     finally:
         _merge_counts(counts, mine)
     return retried_total

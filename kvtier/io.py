@@ -44,14 +44,25 @@ pure-Python fallback (``kvtier.fallback``), same semantics and bytes.
 ``KVTIER_IO_BACKEND=c|python`` forces one (any other value fails the import
 with ValueError); by default the C core when importable. The choice is
 ``kvtier.io.backend``; :func:`for_backend` gives either explicitly.
+
+Deadlines. With ``job_state`` (a :class:`JobState`), a load reads each block
+into private memory and copies it into ``view`` only inside a commit section
+(state LIVE -> COMMITTING, copy, -> LIVE), and a store renames each temp only
+inside one; whoever gave up on the job calls :meth:`JobState.expire`, after
+which nothing more is written into ``view`` and no further block is published.
+A call that finds its job expired at a commit point stops with OSError
+ETIMEDOUT (``num_succeeded`` = blocks committed; a store unlinks that block's
+temp instead of renaming it).
 """
 from __future__ import annotations
 
+import array
 import errno
 import mmap
 import operator
 import os
 import secrets
+import time
 from typing import Sequence, Union
 
 # torch CPU tensors are taken as their bytes, the same conversion as the C core
@@ -160,6 +171,102 @@ def _check_blocks(paths, view, offsets, block_size, writable):
     return paths, views
 
 
+LIVE, COMMITTING, EXPIRED, DONE = 0, 1, 2, 3
+"""Values of a job state word (:class:`JobState`)."""
+_STATE_NAMES = ("LIVE", "COMMITTING", "EXPIRED", "DONE")
+
+
+_cas_cache: list = []
+
+
+def _job_state_cas():
+    """The compare-and-swap on job state words: the fallback's choice, which is
+    the C core's (C11 atomics) when built, else its own (one process-wide
+    lock). One per process, chosen at first use, so every party of a job uses
+    the same one."""
+    if not _cas_cache:
+        _cas_cache.append(_fallback_module().job_state_cas)
+    return _cas_cache[0]
+
+
+class JobState:
+    """The liveness of one I/O job, shared by the thread doing its I/O and the
+    one that may give up on it.
+
+    One 32-bit word in a small writable buffer (``buffer``, 4 bytes, aligned),
+    passed to ``batch_load_block`` / ``batch_store_block`` as ``job_state``.
+    States: ``LIVE`` (0) the job may run; ``COMMITTING`` (1) the I/O thread is
+    writing into the caller's memory or renaming a temp onto its destination;
+    ``EXPIRED`` (2) given up: the I/O stops at its next commit point (OSError
+    ETIMEDOUT) and writes nothing more; ``DONE`` (3) the I/O finished and its
+    result stands. Every change is one compare-and-swap
+    (``kvtier._C.job_state_cas(buffer, old, new) -> bool``, C11 atomics; the
+    fallback's, under a lock, where the C core is not built), so a job is
+    either expired or done, never both, and exactly one party reports it.
+
+    The I/O side: LIVE -> COMMITTING before each copy into the caller's view
+    (load) or each rename (store), COMMITTING -> LIVE after it; a failed
+    swap at either point means the job expired: stop with ETIMEDOUT.
+    """
+
+    __slots__ = ("buffer", "_cas")
+
+    def __init__(self) -> None:
+        self.buffer = array.array("I", [LIVE])  # 4-byte item, malloc'd: aligned
+        self._cas = _job_state_cas()
+
+    @property
+    def state(self) -> int:
+        """The current state (LIVE, COMMITTING, EXPIRED or DONE)."""
+        return self.buffer[0]
+
+    def expire(self, wait_commit: bool = True) -> bool:
+        """Give up on the job: LIVE -> EXPIRED. Returns True if this call
+        expired it (from then on nothing more is written into the caller's
+        view, no further block is published), False if it was already DONE
+        (the result stands) or already EXPIRED.
+
+        While the I/O thread is COMMITTING, ``wait_commit`` (loads: a copy into
+        memory, bounded) spins until the section ends and then expires. Without
+        it (stores: a rename, which a hung filesystem can hold forever) the
+        section itself is expired: COMMITTING -> EXPIRED at once; the rename in
+        the kernel may still complete, publishing a complete block whose bytes
+        were written and checksummed before the deadline, and the store stops
+        there (its release swap fails)."""
+        spins = 0
+        while True:
+            if self._cas(self.buffer, LIVE, EXPIRED):
+                return True
+            s = self.buffer[0]
+            if s == COMMITTING:
+                if not wait_commit:
+                    if self._cas(self.buffer, COMMITTING, EXPIRED):
+                        return True
+                    continue
+                spins += 1
+                time.sleep(0 if spins < 100 else 1e-5)
+            elif s != LIVE:
+                return False
+
+    def finish(self) -> bool:
+        """The I/O side's end: LIVE -> DONE. True: the result stands (report
+        it); False: the job had expired (its result is dropped)."""
+        return self._cas(self.buffer, LIVE, DONE)
+
+    def __repr__(self) -> str:
+        s = self.state
+        return f"JobState({_STATE_NAMES[s] if s < len(_STATE_NAMES) else s})"
+
+
+def _job_state_arg(job_state) -> dict:
+    """``job_state``: None, a :class:`JobState`, or a bare state word (a writable
+    buffer of >= 4 bytes, 4-byte aligned, its first 4 bytes the word), checked by
+    the backend (TypeError, BufferError, ValueError)."""
+    if job_state is None:
+        return {}
+    return {"job_state": job_state.buffer if isinstance(job_state, JobState) else job_state}
+
+
 class BlockIO:
     """The batch_* entry points bound to one backend ("c" or "python")."""
 
@@ -187,7 +294,7 @@ class BlockIO:
         use_o_direct: bool = True,
         checksum: "bool | str" = False,
         durable: bool = False,
-        job_state=None,
+        job_state: "JobState | None" = None,
         *,
         counts: "dict | None" = None,
     ) -> None:
@@ -205,16 +312,17 @@ class BlockIO:
         size) is replaced. With ``checksum`` (True or "strict") the identity
         xattr ``user.kvtier.id`` is set too (:func:`kvtier.policy.block_identity`).
         ``counts``: a dict the call's policy counters are added to
-        (:data:`kvtier.policy.COUNT_NAMES`). Errors: module docstring; a store
-        OSError names the destination and leaves no temp behind.
-        ``job_state``: None, or the job's state word (a writable buffer of
-        >= 4 bytes, 4-byte aligned; kvtier._C.job_state_cas): each rename
-        happens only while it is LIVE; else OSError(ETIMEDOUT), temp removed."""
+        (:data:`kvtier.policy.COUNT_NAMES`). With ``job_state`` (a
+        :class:`JobState`, or a bare state word: a writable buffer of >= 4
+        bytes, 4-byte aligned) each rename runs in a commit section; an expired
+        job stops with OSError ETIMEDOUT and unlinks the temp it did not rename
+        (module docstring, "Deadlines"). Errors: module docstring; a store
+        OSError names the destination and leaves no temp behind."""
         checksum = _policy.check_mode(checksum)
         paths, views = _check_blocks(paths, view, offsets, block_size, writable=False)
         tag = secrets.token_hex(8)  # one per call: the destinations of a batch differ already
         tmps = [_tmp_with(p, tag) for p in paths]
-        kw = {} if job_state is None else {"job_state": job_state}
+        kw = _job_state_arg(job_state)
         if counts is not None:
             kw["counts"] = counts
         self.impl.batch_store_block(tmps, paths, views, bool(use_o_direct), checksum, durable=bool(durable), **kw)
@@ -227,7 +335,7 @@ class BlockIO:
         block_size: int,
         use_o_direct: bool = True,
         checksum: "bool | str" = False,
-        job_state=None,
+        job_state: "JobState | None" = None,
         *,
         counts: "dict | None" = None,
     ) -> int:
@@ -247,14 +355,14 @@ class BlockIO:
         a block without CRC record is ENODATA (a miss, kept) instead of an
         unverified load. ``counts``: a dict the call's policy counters are
         added to (:data:`kvtier.policy.COUNT_NAMES`: unverified loads,
-        re-reads, condemned blocks by cause, retries by errno).
-        ``job_state``: None, or the job's state word (see batch_store_block):
-        bytes enter ``view`` only in commit sections while it is LIVE; once it
-        is not, OSError(ETIMEDOUT) with num_succeeded = blocks fully loaded
-        and no byte written into ``view`` after the state left LIVE."""
+        re-reads, condemned blocks by cause, retries by errno). With
+        ``job_state`` (see batch_store_block) bytes are read into private
+        memory and enter ``view`` only in commit sections; an expired job
+        stops with OSError ETIMEDOUT (``num_succeeded`` = blocks fully loaded)
+        and writes nothing more (module docstring, "Deadlines")."""
         checksum = _policy.check_mode(checksum)
         paths, views = _check_blocks(paths, view, offsets, block_size, writable=True)
-        kw = {} if job_state is None else {"job_state": job_state}
+        kw = _job_state_arg(job_state)
         if counts is not None:
             kw["counts"] = counts
         return self.impl.batch_load_block(paths, views, bool(use_o_direct), checksum, **kw)
@@ -382,6 +490,11 @@ def probe_xattr(directory: PathT) -> bool:
 __all__ = [
     "BACKENDS",
     "BlockIO",
+    "COMMITTING",
+    "DONE",
+    "EXPIRED",
+    "JobState",
+    "LIVE",
     "XATTR_NAME",
     "backend",
     "batch_load_block",
