@@ -19,6 +19,12 @@ Pieces, each in one place:
 - **Results**: each submitted job yields exactly one :class:`Finished` from
   :meth:`TierEngine.take_finished` (unless :meth:`TierEngine.shutdown` discarded it
   before it ran: then its id is in shutdown's return value instead).
+- **Deadlines** (``io_timeout_s`` > 0): each running job has a deadline and a
+  :class:`kvtier.io.JobState`; a watchdog thread reports a job past its deadline as failed
+  (ETIMEDOUT) through ``JobState.expire()``, so the late I/O writes nothing more, and
+  replaces the thread stuck in it (up to ``max_stuck`` stuck threads; at the cap new jobs
+  fail fast with EAGAIN).  Lookups run off-thread with the same deadline
+  (:mod:`kvtier.deadline`).  docs/tier.md, "Deadlines".
 - **Counters**: :class:`Counters`, the tier's totals; :meth:`Counters.count_job` is the
   one place where a finished job is counted, :meth:`Counters.snapshot` is what the
   standalone metrics tracker (:mod:`kvtier.metrics`) and the vLLM adapter read.
@@ -31,11 +37,15 @@ contract"); a transient error keeps the file.
 from __future__ import annotations
 
 import collections
+import errno
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+
+from kvtier.deadline import DEFAULT_IO_TIMEOUT_S, OffThread, check_timeout, timed_out
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +73,11 @@ COUNTERS: Dict[str, str] = {
     "checksum_failures": "load jobs stopped by a block that failed CRC32C verification",
     "checksum_retries": "blocks re-read once after a first CRC32C mismatch",
     "blocks_condemned": "blocks condemned by a second CRC32C mismatch (file removed)",
+    "load_timeouts": "load jobs reported failed at their deadline (io_timeout_s)",
+    "store_timeouts": "store jobs reported failed at their deadline (io_timeout_s)",
+    "jobs_refused": "jobs failed at once (EAGAIN) because the cap of stuck threads was reached",
+    "lookup_timeouts": "lookups answered as misses at their deadline",
+    "stuck_threads": "gauge: threads still in a filesystem call that outlived its deadline",
 }
 
 
@@ -80,6 +95,7 @@ class Counters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._v: Dict[str, float] = dict.fromkeys(COUNTERS, 0)
+        self.stuck_gauge: Optional[Callable[[], int]] = None  # set by the engine: its stuck threads
 
     def count_job(self, is_promotion: bool, success: bool, n_keys: int, n_ok: int,
                   block_bytes: int, io_time: Optional[float], checksum_failed: bool = False,
@@ -111,14 +127,18 @@ class Counters:
             self._v[name] += amount
 
     def snapshot(self) -> Dict[str, float]:
-        """A copy of every counter: ``{name: value}`` (names: :data:`COUNTERS`)."""
+        """A copy of every counter: ``{name: value}`` (names: :data:`COUNTERS`;
+        ``stuck_threads`` is a gauge, read from the engine feeding these counters)."""
         with self._lock:
-            return dict(self._v)
+            snap = dict(self._v)
+        gauge = self.stuck_gauge
+        snap["stuck_threads"] = gauge() if gauge is not None else 0
+        return snap
 
 
 # ---------------------------------------------------------------------- jobs
 
-@dataclass
+@dataclass(eq=False)  # identity: a running job is a member of the engine's set
 class Job:
     """A queued job: ``keys[i]`` (opaque to the engine) <-> file ``paths[i]`` <-> bytes
     ``[offsets[i], offsets[i] + block_size)`` of the engine's view."""
@@ -129,6 +149,11 @@ class Job:
     offsets: List[int]
     is_promotion: bool
     submitted_at: float = 0.0
+    state: Any = None  # kvtier.io.JobState while it runs under a deadline
+    deadline: float = 0.0  # time.monotonic() seconds
+    worker: Any = None  # the _Worker running it
+    started_at: float = 0.0
+    returned: bool = False  # its I/O call returned (set under the engine's lock)
 
 
 @dataclass(frozen=True)
@@ -174,15 +199,23 @@ class TierEngine:
         checksum / use_o_direct / durable: passed to every ``kvtier.io`` batch call.
         counters: where finished jobs are counted (default a new :class:`Counters`).
         thread_name: thread name prefix (threads are ``<prefix>_r<i>`` / ``_w<i>``).
+        io_timeout_s: deadline of a job, counted from the start of its I/O, and of a
+            :meth:`lookup` (seconds, > 0), or 0 for none (docs/tier.md, "Deadlines").
+        root: the tier root, named by the errors of lookups and refused jobs.
 
     Thread-safety: every method may be called from any thread.  Methods never block on
-    I/O except :meth:`drain` and :meth:`shutdown` (``wait=True``).
+    I/O except :meth:`drain` and :meth:`shutdown` (``wait=True``), and with a deadline
+    those return once every job has a result, at most ``io_timeout_s`` after the last
+    job started.
     """
 
     def __init__(self, view: memoryview, block_size: int, path_of: Callable[[Any], str], *,
                  n_read_threads: int = 16, n_write_threads: int = 16, checksum: bool = False,
                  use_o_direct: bool = True, durable: bool = False,
-                 counters: Optional[Counters] = None, thread_name: str = "kvtier_fs") -> None:
+                 counters: Optional[Counters] = None, thread_name: str = "kvtier_fs",
+                 io_timeout_s: float = DEFAULT_IO_TIMEOUT_S, root: str = "") -> None:
+        self.io_timeout_s = check_timeout(io_timeout_s)
+        self.root = root
         self.view = view
         self.block_size = block_size
         self.path_of = path_of
@@ -190,7 +223,10 @@ class TierEngine:
         self.use_o_direct = use_o_direct
         self.durable = durable
         self.counters = counters if counters is not None else Counters()
-        self._cond = threading.Condition(threading.Lock())
+        self.counters.stuck_gauge = lambda: self.stuck_threads
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)
+        self._watch = threading.Condition(lock)  # the watchdog's wake-ups
         self._load_q: "collections.deque[Job]" = collections.deque()
         self._store_q: "collections.deque[Job]" = collections.deque()
         self._finished: "collections.deque[Finished]" = collections.deque()
@@ -198,11 +234,32 @@ class TierEngine:
         self._inflight = 0  # queued or running
         self._stop = False
         self.threads: List[threading.Thread] = []
+        self._thread_name = thread_name
+        self._n_started = {True: 0, False: 0}  # threads started per group, for their names
+        # deadlines: jobs running under a JobState, healthy threads per group (True:
+        # read-priority) and their targets, threads stuck past a deadline, and the cap
+        self._running: set = set()
+        self._target = {True: n_read_threads, False: n_write_threads}
+        self._healthy = {True: 0, False: 0}
+        self._stuck = 0
+        self.max_stuck = n_read_threads + n_write_threads
+        self._lookups = OffThread(f"{thread_name}_lookup", max_stuck=self.max_stuck)
+        self._workers: List[_Worker] = []
+        self._JobState = _io().JobState if self.io_timeout_s else None
         for i in range(n_read_threads):
-            self._start_thread(f"{thread_name}_r{i}", True)
+            self._start_thread(True)
         for i in range(n_write_threads):
-            self._start_thread(f"{thread_name}_w{i}", False)
+            self._start_thread(False)
+        self._watchdog: Optional[threading.Thread] = None
+        if self.io_timeout_s:
+            self._watchdog = threading.Thread(target=self._watch_deadlines, name=f"{thread_name}_watchdog",
+                                              daemon=True)
+            self._watchdog.start()
 
+    @property
+    def stuck_threads(self) -> int:
+        """Threads still in a filesystem call that outlived its deadline (jobs and lookups)."""
+        return self._stuck + self._lookups.stuck
     # ------------------------------------------------------------------ submit / collect
     def submit(self, job_id: Hashable, keys: Sequence[Any], offsets: Sequence[int],
                is_promotion: bool) -> None:
@@ -222,6 +279,9 @@ class TierEngine:
             job.submitted_at = time.monotonic()
             if not keys:
                 self._finished.append(Finished(job_id, is_promotion, (), 0, 0.0, 0.0))
+                return
+            if self._stuck >= self.max_stuck:  # the filesystem holds the cap of threads
+                self._refuse(job)
                 return
             self._inflight += 1
             (self._load_q if is_promotion else self._store_q).append(job)
@@ -251,8 +311,13 @@ class TierEngine:
 
     def shutdown(self, wait: bool = True) -> List[Hashable]:
         """Stop: queued jobs are discarded (never run, never reported), running jobs
-        finish, threads are joined (``wait``).  Returns the discarded job ids.
-        Idempotent; later submits raise RuntimeError."""
+        finish or reach their deadline, threads are joined (``wait``) except those
+        stuck in the filesystem past a deadline (left to end by themselves).  With a
+        deadline, ``wait=True`` returns at most ``io_timeout_s`` after the last running
+        job started, and ``wait=False`` expires the running jobs at once (reported
+        failed, ECANCELED): once it returns, no job writes into the view or publishes a
+        block.  Returns the discarded job ids.  Idempotent; later submits raise
+        RuntimeError."""
         with self._cond:
             discarded = [j.job_id for j in list(self._load_q) + list(self._store_q)]
             self._inflight -= len(discarded)
@@ -262,8 +327,18 @@ class TierEngine:
             self._store_q.clear()
             self._stop = True
             self._cond.notify_all()
+            self._watch.notify_all()
+            running = [] if wait else list(self._running)
+            self._running.difference_update(running)
+        self._lookups.close()
+        self._expire(running, errno.ECANCELED, "cancelled by shutdown(wait=False)")
         if wait:
-            for t in self.threads:
+            with self._cond:  # every running job reported: finished, or expired by the watchdog
+                self._cond.wait_for(lambda: self._inflight == 0)
+                threads = [w.thread for w in self._workers if not w.stuck]
+            if self._watchdog is not None:
+                threads.append(self._watchdog)
+            for t in threads:
                 if t is not threading.current_thread():
                     t.join()
         return discarded
@@ -273,32 +348,153 @@ class TierEngine:
         return self._stop
 
     # ------------------------------------------------------------------ pool
-    def _start_thread(self, name: str, load_priority: bool) -> None:
-        t = threading.Thread(target=self._worker, args=(load_priority,), name=name, daemon=True)
-        t.start()
-        self.threads.append(t)
+    def _start_thread(self, load_priority: bool) -> None:
+        """A new healthy thread of group ``load_priority`` (caller holds the lock, or
+        is the constructor)."""
+        name = f"{self._thread_name}_{'r' if load_priority else 'w'}{self._n_started[load_priority]}"
+        self._n_started[load_priority] += 1  # replacements continue the numbering
+        w = _Worker(load_priority)
+        w.thread = threading.Thread(target=self._worker, args=(w,), name=name, daemon=True)
+        self._healthy[load_priority] += 1
+        self._workers.append(w)
+        w.thread.start()
+        self.threads.append(w.thread)
 
-    def _worker(self, load_priority: bool) -> None:
-        first, second = (self._load_q, self._store_q) if load_priority else (self._store_q, self._load_q)
+    def _worker(self, w: "_Worker") -> None:
+        first, second = (self._load_q, self._store_q) if w.load_priority else (self._store_q, self._load_q)
         while True:
             with self._cond:
                 while not (self._stop or first or second):
                     self._cond.wait()
                 if self._stop:
+                    self._healthy[w.load_priority] -= 1
                     return
                 job = first.popleft() if first else second.popleft()
+                if self.io_timeout_s:
+                    job.state, job.worker = self._JobState(), w
+                    job.started_at = time.monotonic()
+                    job.deadline = job.started_at + self.io_timeout_s
+                    self._running.add(job)
+                    self._watch.notify()
             result = self.run_job(job)
             with self._cond:
-                self._finished.append(result)
-                self._inflight -= 1
+                job.returned = True
+                self._running.discard(job)
+                if job.state is None or job.state.finish():  # else the watchdog reported it
+                    self._count(job, result)
+                    self._finished.append(result)
+                    self._inflight -= 1
+                if w.stuck:  # back from a call that outlived its deadline
+                    w.stuck = False
+                    self._stuck -= 1
+                    if self._healthy[w.load_priority] >= self._target[w.load_priority] or self._stop:
+                        self._cond.notify_all()
+                        return  # replaced meanwhile
+                    self._healthy[w.load_priority] += 1
                 self._cond.notify_all()
+                if self._stop:
+                    self._watch.notify()  # it ends once every job has a result
+
+    # ------------------------------------------------------------------ deadlines
+    def _watch_deadlines(self) -> None:
+        """The watchdog: reports each running job past its deadline (once, through
+        JobState.expire) and replaces the thread stuck in it."""
+        lock = self._cond
+        with lock:
+            while not (self._stop and self._inflight == 0):
+                now = time.monotonic()
+                due = [j for j in self._running if j.deadline <= now]
+                if not due:
+                    nxt = min((j.deadline for j in self._running), default=None)
+                    self._watch.wait(None if nxt is None else max(nxt - now, 0.001))
+                    continue
+                for j in due:
+                    self._running.discard(j)
+                lock.release()
+                try:
+                    self._expire(due, errno.ETIMEDOUT, "past its deadline (io_timeout_s)")
+                finally:
+                    lock.acquire()
+
+    def _expire(self, jobs: List[Job], err_no: int, why: str) -> None:
+        """Expire running ``jobs`` (taken out of ``_running``; lock not held: a load's
+        expire() waits for its commit section, a copy) and report each that this call
+        expired (the others finished first: their workers report them)."""
+        expired = [j for j in jobs if j.state.expire(wait_commit=j.is_promotion)]
+        if not expired:
+            return
+        with self._cond:
+            for j in expired:
+                self._expired(j, err_no, why)
+            self._cond.notify_all()
+
+    def _expired(self, job: Job, err_no: int, why: str) -> None:
+        """Report ``job`` failed (``err_no``: ETIMEDOUT at its deadline, ECANCELED by
+        shutdown); its thread, if still in the I/O call, is stuck (lock held)."""
+        now = time.monotonic()
+        op = "load" if job.is_promotion else "store"
+        what = f"{op} job {job.job_id!r} ({len(job.keys)} blocks, the first named here) {why}"
+        if err_no == errno.ETIMEDOUT:
+            err = timed_out(what, self.io_timeout_s, job.paths[0])
+            self.counters.add(f"{op}_timeouts")
+        else:
+            err = OSError(err_no, f"{what} ({os.strerror(err_no)})", job.paths[0])
+        logger.warning("%s", err)
+        result = Finished(job.job_id, job.is_promotion, job.keys, 0, now - job.started_at,
+                          now - job.submitted_at, err)
+        self._count(job, result)
+        self._finished.append(result)
+        self._inflight -= 1
+        w = job.worker
+        if not job.returned:  # the worker is still in the I/O call; it drops the result on return
+            w.stuck = True
+            self._stuck += 1
+            self._healthy[w.load_priority] -= 1
+            if self._stuck <= self.max_stuck and not self._stop:
+                self._start_thread(w.load_priority)
+            if self._healthy[True] + self._healthy[False] == 0:
+                self._fail_queued()
+
+    def _refuse(self, job: Job) -> None:
+        """Fail ``job`` at once: the cap of stuck threads is reached (lock held)."""
+        err = OSError(errno.EAGAIN, f"{self._stuck} threads of this tier are stuck in the filesystem past "
+                      f"their deadline (cap {self.max_stuck}): job not started", self.root or job.paths[0])
+        result = Finished(job.job_id, job.is_promotion, job.keys, 0, 0.0, time.monotonic() - job.submitted_at,
+                          err)
+        self._count(job, result)
+        self.counters.add("jobs_refused")
+        self._finished.append(result)
+        self._cond.notify_all()
+
+    def _fail_queued(self) -> None:
+        """No healthy thread left: the queued jobs are refused (lock held)."""
+        for q in (self._load_q, self._store_q):
+            while q:
+                self._inflight -= 1
+                self._refuse(q.popleft())
+
+    def lookup(self, paths: Sequence[str]) -> List[bool]:
+        """Whether each path exists (one ``kvtier.io.batch_lookup`` call).  With a
+        deadline the call runs on another thread and after ``io_timeout_s`` every path
+        is answered as a miss (False; counted in ``lookup_timeouts``)."""
+        kio = _io()
+        try:
+            found = self._lookups.call(kio.batch_lookup, list(paths), timeout=self.io_timeout_s,
+                                       what="lookup", path=self.root or (paths[0] if paths else ""))
+        except TimeoutError as e:
+            logger.warning("%s", e)
+            self.counters.add("lookup_timeouts")
+            return [False] * len(paths)
+        return [bool(x) for x in found]
 
     # ------------------------------------------------------------------ the job
     def run_job(self, job: Job) -> Finished:
-        """Run one job: one batch call into ``kvtier.io``, then count it.  Never raises:
-        an error becomes ``Finished.error`` (an OSError's ``num_succeeded`` gives the
-        partial keep)."""
+        """Run one job: one batch call into ``kvtier.io`` (with the job's JobState under
+        a deadline).  Never raises: an error becomes ``Finished.error`` (an OSError's
+        ``num_succeeded`` gives the partial keep).  Counted by the caller, once the
+        job's result is known to stand (:meth:`_count`)."""
         kio = _io()
+        js = {} if job.state is None else {"job_state": job.state}
         n = len(job.keys)
         err: Optional[BaseException] = None
         n_ok, checksum_failed, retries = n, False, 0
@@ -306,12 +502,12 @@ class TierEngine:
         try:
             if job.is_promotion:
                 ret = kio.batch_load_block(job.paths, self.view, job.offsets, self.block_size,
-                                           use_o_direct=self.use_o_direct, checksum=self.checksum)
+                                           use_o_direct=self.use_o_direct, checksum=self.checksum, **js)
                 retries = int(ret or 0)
             else:
                 extra = {"durable": True} if self.durable else {}
                 kio.batch_store_block(job.paths, self.view, job.offsets, self.block_size,
-                                      use_o_direct=self.use_o_direct, checksum=self.checksum, **extra)
+                                      use_o_direct=self.use_o_direct, checksum=self.checksum, **extra, **js)
         except OSError as e:
             err = e
             n_ok = max(0, min(int(getattr(e, "num_succeeded", 0) or 0), n))
@@ -324,11 +520,24 @@ class TierEngine:
         if err is not None:
             logger.warning("%s job %r failed at block %d of %d: %s",
                            "load" if job.is_promotion else "store", job.job_id, n_ok, n, err)
-        result = Finished(job.job_id, job.is_promotion, job.keys, n_ok, t1 - t0,
-                          t1 - job.submitted_at, err, checksum_failed, retries)
+        return Finished(job.job_id, job.is_promotion, job.keys, n_ok, t1 - t0,
+                        t1 - job.submitted_at, err, checksum_failed, retries)
+
+    def _count(self, job: Job, r: Finished) -> None:
         try:
-            self.counters.count_job(job.is_promotion, err is None, n, n_ok, self.block_size,
-                                    result.io_time, checksum_failed, retries)
+            self.counters.count_job(job.is_promotion, r.success, len(job.keys), r.n_ok, self.block_size,
+                                    r.io_time, r.checksum_failed, r.checksum_retries)
         except Exception:  # counting must never break the data path
             logger.exception("counting a finished job failed")
-        return result
+
+
+class _Worker:
+    """A pool thread: its group (``load_priority``) and whether it is stuck in a call
+    that outlived its deadline."""
+
+    __slots__ = ("load_priority", "stuck", "thread")
+
+    def __init__(self, load_priority: bool) -> None:
+        self.load_priority = load_priority
+        self.stuck = False
+        self.thread: Optional[threading.Thread] = None

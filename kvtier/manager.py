@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 from kvtier._fallback_crc import _is_torch_tensor, torch_bytes_view
+from kvtier.deadline import DEFAULT_IO_TIMEOUT_S, check_timeout, run_with_deadline
 from kvtier.engine import TierEngine
 from kvtier.file_mapper import FileMapper, Key
 from kvtier.metrics import TieringMetricsTracker, tier_label
@@ -260,6 +261,7 @@ class FileSystemTierManager:
         registry: Any = None,
         sweep_stale_temps_after: Optional[float] = None,  # stale-temp sweep (kvtier/sweep.py)
         durable: bool = False,  # fdatasync temp + fsync dir on store
+        io_timeout_s: float = DEFAULT_IO_TIMEOUT_S,  # deadline of a job, lookup, startup probe
     ) -> None:
         # ---- configuration checks: no I/O until all of them pass ----
         for name, v in (("n_read_threads", n_read_threads), ("n_write_threads", n_write_threads)):
@@ -271,6 +273,7 @@ class FileSystemTierManager:
                         ("durable", durable)):
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+        io_timeout_s = check_timeout(io_timeout_s)
         if sweep_stale_temps_after is not None:  # validate before any I/O
             from kvtier.sweep import check_older_than
             check_older_than(sweep_stale_temps_after)
@@ -295,17 +298,22 @@ class FileSystemTierManager:
         self.n_read_threads = n_read_threads
         self.n_write_threads = n_write_threads
 
-        # ---- startup checks that touch the filesystem ----
+        # ---- startup checks that touch the filesystem, under the deadline ----
         from kvtier import io as kio
 
-        prepare_root(self.root_dir, self.file_mapper.rank_path, checksum_blocks)
-        self.last_sweep = None  # kvtier.sweep.SweepResult of the startup sweep, if any
-        if sweep_stale_temps_after is not None:
-            from kvtier.sweep import sweep_stale_temps
-            self.last_sweep = sweep_stale_temps(self.file_mapper.rank_path, sweep_stale_temps_after)
-        self.file_mapper.write_run_config()
-        self.file_mapper.write_block_info(self.block_size)
-        self.use_o_direct = bool(use_o_direct and kio.probe_o_direct(self.file_mapper.rank_path))
+        def startup() -> None:
+            prepare_root(self.root_dir, self.file_mapper.rank_path, checksum_blocks)
+            self.last_sweep = None  # kvtier.sweep.SweepResult of the startup sweep, if any
+            if sweep_stale_temps_after is not None:
+                from kvtier.sweep import sweep_stale_temps
+                self.last_sweep = sweep_stale_temps(self.file_mapper.rank_path, sweep_stale_temps_after)
+            self.file_mapper.write_run_config()
+            self.file_mapper.write_block_info(self.block_size)
+            self.use_o_direct = bool(use_o_direct and kio.probe_o_direct(self.file_mapper.rank_path))
+
+        run_with_deadline(startup, timeout=io_timeout_s, path=self.root_dir,
+                          what=f"tier root {self.root_dir!r}: startup probes (create, write, xattr, O_DIRECT)")
+        self.io_timeout_s = io_timeout_s
         if use_o_direct and not self.use_o_direct:
             fstype, _ = filesystem_type(self.root_dir)
             logger.warning(
@@ -321,7 +329,7 @@ class FileSystemTierManager:
             self._view, self.block_size, self._path_of, n_read_threads=n_read_threads,
             n_write_threads=n_write_threads, checksum=checksum_blocks,
             use_o_direct=self.use_o_direct, durable=durable, counters=self.metrics.counters,
-            thread_name="kvtier_fs")
+            thread_name="kvtier_fs", io_timeout_s=io_timeout_s, root=self.root_dir)
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -436,9 +444,7 @@ class FileSystemTierManager:
         paths = self.file_mapper.get_file_names(list(keys))
         if not paths:
             return []
-        from kvtier import io as kio
-
-        return [bool(x) for x in kio.batch_lookup(paths)]
+        return self._engine.lookup(paths)
 
     def drain_jobs(self, timeout: Optional[float] = None) -> bool:
         """Block until every submitted job has finished (results stay available from

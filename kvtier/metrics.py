@@ -19,6 +19,15 @@ Counters (names and help text as vLLM's ``TieringOffloadingMetrics``; label ``ti
 ``kvtier:kv_offload_tiering_checksum_condemned``   kvtier's own: blocks of this tier condemned
                                                    (mismatched again: EBADMSG, file removed);
                                                    checksums on only
+``kvtier:kv_offload_tiering_timeouts``             kvtier's own, label ``op`` (``load``,
+                                                   ``store``, ``lookup``): jobs reported failed
+                                                   and lookups answered as misses at their
+                                                   deadline (``io_timeout_s``)
+``kvtier:kv_offload_tiering_jobs_refused``         kvtier's own: jobs failed at once (EAGAIN)
+                                                   while the cap of stuck threads is reached
+``kvtier:kv_offload_tiering_stuck_threads``        kvtier's own, a gauge: threads of this tier
+                                                   still in a filesystem call that outlived its
+                                                   deadline
 =================================================  ============================================
 
 prometheus_client exposes a Counter named ``X`` as the sample ``X_total`` (plus
@@ -47,7 +56,7 @@ import re
 from typing import Callable, Iterable, Mapping, Optional, Tuple, Union
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvtier.engine import Counters
 
@@ -61,6 +70,10 @@ CHECKSUM_FAILURES = "vllm:kv_offload_tiering_checksum_failures"
 CHECKSUM_RETRIES = "kvtier:kv_offload_tiering_checksum_retries"
 CHECKSUM_CONDEMNED = "kvtier:kv_offload_tiering_checksum_condemned"
 
+TIMEOUTS = "kvtier:kv_offload_tiering_timeouts"
+JOBS_REFUSED = "kvtier:kv_offload_tiering_jobs_refused"
+STUCK_THREADS = "kvtier:kv_offload_tiering_stuck_threads"
+
 LABELNAMES = ("tier",)
 
 _DOCS = {
@@ -73,6 +86,9 @@ _DOCS = {
     CHECKSUM_FAILURES: "Number of secondary-tier loads that failed CRC32C checksum verification.",
     CHECKSUM_RETRIES: "Blocks re-read once after a first CRC32C mismatch (loaded if the re-read verified).",
     CHECKSUM_CONDEMNED: "Blocks condemned after a second CRC32C mismatch (EBADMSG, file removed).",
+    TIMEOUTS: "Jobs reported failed, and lookups answered as misses, at their deadline (io_timeout_s), by op.",
+    JOBS_REFUSED: "Jobs failed at once because the cap of threads stuck in the filesystem was reached.",
+    STUCK_THREADS: "Threads still in a filesystem call that outlived its deadline.",
 }
 
 
@@ -148,6 +164,20 @@ class _CountersCollector:
             if with_values:
                 fam.add_metric([self._t.tier], float(snap[COUNTER_OF[name]]))
             yield fam
+        # deadlines (docs/tier.md, "Deadlines")
+        fam = CounterMetricFamily(TIMEOUTS, _DOCS[TIMEOUTS], labels=LABELNAMES + ("op",))
+        if with_values:
+            for op in ("load", "store", "lookup"):
+                fam.add_metric([self._t.tier, op], float(snap[f"{op}_timeouts"]))
+        yield fam
+        fam = CounterMetricFamily(JOBS_REFUSED, _DOCS[JOBS_REFUSED], labels=LABELNAMES)
+        if with_values:
+            fam.add_metric([self._t.tier], float(snap["jobs_refused"]))
+        yield fam
+        fam = GaugeMetricFamily(STUCK_THREADS, _DOCS[STUCK_THREADS], labels=LABELNAMES)
+        if with_values:
+            fam.add_metric([self._t.tier], float(snap["stuck_threads"]))
+        yield fam
 
     def describe(self) -> Iterable[CounterMetricFamily]:
         return self._families(False)

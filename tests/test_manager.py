@@ -207,7 +207,7 @@ def test_fs_ebadmsg_not_counted(tier, monkeypatch):
     keys = keys_for(4)
     assert run(m, TransferJob(1, keys, list(range(4))), load=False).success
 
-    def fs_ebadmsg(paths, view, offsets, block_size, use_o_direct=True, checksum=False):
+    def fs_ebadmsg(paths, view, offsets, block_size, use_o_direct=True, checksum=False, **kw):
         e = OSError(errno.EBADMSG, os.strerror(errno.EBADMSG), paths[2])
         e.num_succeeded = 2
         e.checksum_failed = False  # the filesystem said EBADMSG (e.g. ext4 metadata csum)

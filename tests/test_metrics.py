@@ -23,7 +23,24 @@ BASE = [
     "vllm:kv_offload_tiering_write_time_total",
     "vllm:kv_offload_tiering_promotion_job_failures_total",
     "vllm:kv_offload_tiering_cascade_job_failures_total",
+    # deadlines, kvtier's own (timeouts: one sample per op)
+    "kvtier:kv_offload_tiering_timeouts_total",
+    "kvtier:kv_offload_tiering_jobs_refused_total",
+    "kvtier:kv_offload_tiering_stuck_threads",
 ]
+
+
+def test_deadline_metrics_read_the_counters():
+    reg = CollectorRegistry()
+    t = m.TieringMetricsTracker("1:fs", registry=reg)
+    t.counters.add("load_timeouts", 2)
+    t.counters.add("lookup_timeouts")
+    t.counters.add("jobs_refused", 3)
+    t.counters.stuck_gauge = lambda: 4
+    get = reg.get_sample_value
+    assert [get(m.TIMEOUTS + "_total", {"tier": "1:fs", "op": op}) for op in ("load", "store", "lookup")] == [2, 0, 1]
+    assert get(m.JOBS_REFUSED + "_total", {"tier": "1:fs"}) == 3
+    assert get(m.STUCK_THREADS, {"tier": "1:fs"}) == 4
 
 
 def test_exposed_names_match_vllm_checksums_off():
@@ -122,7 +139,7 @@ def test_counter_source_constant_and_per_sample_labels():
     def rows():
         return sorted((s.name, tuple(sorted(s.labels.items())), s.value)
                       for fam in text_string_to_metric_families(generate_latest(reg).decode())
-                      for s in fam.samples if s.name.startswith("kvtier:"))
+                      for s in fam.samples if s.name.startswith("kvtier:dsa"))
 
     base = (("backend", "dsa-model"), ("tier", "1:fs"))
     assert rows() == [("kvtier:dsa_cpu_redo_total", base, 4.0)]  # no by-status sample yet

@@ -1,0 +1,59 @@
+"""kvtier.deadline: calls with a deadline on threads that may be abandoned."""
+from __future__ import annotations
+
+import errno
+import threading
+import time
+
+import pytest
+
+from kvtier.deadline import DEFAULT_IO_TIMEOUT_S, OffThread, check_timeout
+
+
+def test_check_timeout():
+    assert check_timeout(0) == 0.0 and check_timeout(2) == 2.0 and check_timeout(0.25) == 0.25
+    assert DEFAULT_IO_TIMEOUT_S > 0
+    for bad in (True, "1", None):
+        with pytest.raises(TypeError, match="io_timeout_s"):
+            check_timeout(bad)
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="io_timeout_s"):
+            check_timeout(bad)
+
+
+@pytest.mark.timeout(30)
+def test_offthread_result_error_timeout_and_fail_fast():
+    ot = OffThread("t", max_stuck=2)
+    assert ot.call(lambda a, b: a + b, 2, 3, timeout=5, what="x", path="/p") == 5
+    with pytest.raises(KeyError):
+        ot.call({}.__getitem__, "k", timeout=5, what="x", path="/p")
+    gate = threading.Event()
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as ei:
+        ot.call(gate.wait, timeout=0.2, what="probe of /root", path="/root")
+    assert 0.2 <= time.monotonic() - t0 < 2
+    assert ei.value.errno == errno.ETIMEDOUT and ei.value.filename == "/root"
+    assert "probe of /root" in str(ei.value)
+    assert ot.stuck == 1
+    assert ot.call(lambda: 7, timeout=5, what="x", path="/p") == 7  # another thread serves
+    with pytest.raises(TimeoutError):
+        ot.call(gate.wait, timeout=0.1, what="x", path="/p")
+    assert ot.stuck == 2
+    ran = []
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="still stuck"):  # the cap: fail fast, nothing started
+        ot.call(ran.append, 1, timeout=5, what="x", path="/p")
+    assert ran == [] and time.monotonic() - t0 < 1
+    gate.set()  # the filesystem answers: the stuck threads end
+    end = time.monotonic() + 5
+    while ot.stuck and time.monotonic() < end:
+        time.sleep(0.01)
+    assert ot.stuck == 0
+    assert ot.call(lambda: 8, timeout=5, what="x", path="/p") == 8
+    ot.close()
+
+
+def test_offthread_without_deadline_runs_on_the_caller():
+    ot = OffThread("t", max_stuck=1)
+    assert ot.call(threading.get_ident, timeout=0, what="x", path="/p") == threading.get_ident()
+    assert ot.call(threading.get_ident, timeout=1, what="x", path="/p") != threading.get_ident()

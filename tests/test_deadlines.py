@@ -1,0 +1,330 @@
+"""Deadlines of the tier (docs/tier.md, "Deadlines"), under a filesystem that
+stops answering: the FUSE fault filesystem (tests/fusefault) holds read,
+write, getxattr, open, rename or stat of chosen paths until released. Every
+stall is released at teardown (the ``area`` fixture), so nothing hangs; each
+test has a pytest-timeout bound besides.
+
+What they prove, with ``io_timeout_s`` = 0.3 s: a job past its deadline is
+reported failed exactly once (ETIMEDOUT, counted as a timeout of its op) and
+from then on writes nothing into the caller's buffer and publishes nothing;
+healthy jobs are served while threads hang (they are replaced); at the cap of
+stuck threads new jobs fail fast; drain_jobs / shutdown / lookup / the
+constructor return within the deadline. Job bodies run on the C core and the
+fallback (``io_backend``, swapped into kvtier.io, which the engine calls).
+"""
+from __future__ import annotations
+
+import errno
+import glob
+import os
+import time
+
+import numpy as np
+import pytest
+
+from kvtier import io as kio
+from kvtier.manager import FileSystemTierManager, TransferJob
+from fusefault.mount import mount_fusefault
+
+pytestmark = [pytest.mark.mount, pytest.mark.timeout(120)]
+
+BS = 64 * 1024
+NB = 16
+T = 0.3  # io_timeout_s in these tests
+SLACK = 3.0  # generous bound on scheduling noise of a shared, loaded machine
+
+
+@pytest.fixture(scope="module")
+def ff(tmp_path_factory):
+    """The fault filesystem (tests that use it need root and mount(2))."""
+    with mount_fusefault(tmp_path_factory.mktemp("fusefault")) as fs:
+        yield fs
+
+
+@pytest.fixture
+def area(ff, request):
+    name = request.node.name.replace("[", "_").replace("]", "").replace("-", "_")
+    d = os.path.join(ff.mnt, name)
+    os.makedirs(d)
+    yield d
+    ff.clear()  # releases every stalled operation
+
+
+@pytest.fixture
+def backend(io_backend, monkeypatch):
+    """The engine calls kvtier.io.batch_*: bind them to the backend under test."""
+    monkeypatch.setattr(kio, "batch_load_block", io_backend.batch_load_block)
+    monkeypatch.setattr(kio, "batch_store_block", io_backend.batch_store_block)
+    monkeypatch.setattr(kio, "batch_lookup", io_backend.batch_lookup)
+    return io_backend
+
+
+def key(i):
+    # a different first-level directory per block: a stalled rename (which holds
+    # its directory) does not hold the healthy blocks
+    return (bytes([i]) + bytes(15), 0)
+
+
+def tier_on(root, buf, io_timeout_s=T, **kw):
+    """A tier whose jobs and lookups have ``io_timeout_s``. Its startup (some 30
+    FUSE round trips, slow on a loaded machine) gets a longer one: that deadline
+    has its own test (test_constructor_probe_under_a_stall_names_the_root)."""
+    kw.setdefault("checksum_blocks", True)
+    tier = FileSystemTierManager(buf, root, "m", io_timeout_s=max(io_timeout_s, 30), **kw)
+    tier._engine.io_timeout_s = io_timeout_s
+    return tier
+
+
+def glob_of(tier, ff, k):
+    return "/" + os.path.relpath(tier.file_mapper._file_name(*k), ff.mnt)
+
+
+def counters(tier):
+    return tier.metrics.counters.snapshot()
+
+
+def wait_until(cond, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.01)
+
+
+def filled(seed):
+    return np.random.default_rng(seed).integers(0, 256, (NB, BS), dtype=np.uint8)
+
+
+def store_all(tier, ids):
+    """Store blocks ``ids`` from rows ``ids``, without a deadline (setup must not
+    race the 0.3 s one on a loaded machine)."""
+    ids = list(ids)
+    kio.batch_store_block([tier.file_mapper._file_name(*key(i)) for i in ids], tier._view,
+                          [i * BS for i in ids], BS, checksum=True)
+
+
+@pytest.mark.parametrize("op", ["read", "getxattr", "open"])
+def test_late_load_is_reported_once_and_never_writes_the_reused_row(backend, ff, area, op):
+    buf = filled(1)
+    data = buf.copy()
+    with tier_on(area, buf, n_read_threads=1, n_write_threads=1) as tier:
+        store_all(tier, [0, 1])
+        ff.stall(op, glob_of(tier, ff, key(1)))
+        buf[:] = 0
+        t0 = time.monotonic()
+        tier.submit_load(TransferJob("L", [key(0), key(1)], [4, 5]))
+        ff.wait_hits(f"stall_{op}", 1)
+        assert tier.drain_jobs(T + SLACK)  # a result for every job, from the deadline
+        assert time.monotonic() - t0 < T + SLACK
+        (r,) = tier.get_finished_jobs()
+        assert (r.job_id, r.success, r.successful_keys) == ("L", False, ())
+        assert isinstance(r.error, TimeoutError) and r.error.errno == errno.ETIMEDOUT
+        c = counters(tier)
+        assert (c["load_timeouts"], c["load_failures"], c["stuck_threads"]) == (1, 1, 1)
+        reg = tier.metrics.registry
+        assert reg.get_sample_value("kvtier:kv_offload_tiering_timeouts_total", {"tier": "1:fs", "op": "load"}) == 1
+        assert reg.get_sample_value("kvtier:kv_offload_tiering_timeouts_total", {"tier": "1:fs", "op": "store"}) == 0
+        assert reg.get_sample_value("kvtier:kv_offload_tiering_stuck_threads", {"tier": "1:fs"}) == 1
+        assert reg.get_sample_value("vllm:kv_offload_tiering_promotion_job_failures_total", {"tier": "1:fs"}) == 1
+        buf[4:6] = 0xA7  # the caller reuses the rows for other blocks
+        ff.clear()
+        wait_until(lambda: counters(tier)["stuck_threads"] == 0)  # the late load returned
+        assert (buf[4:6] == 0xA7).all()  # ... and wrote nothing
+        assert tier.get_finished_jobs() == []  # reported once
+        assert counters(tier)["load_jobs"] == 1
+        # the same blocks load once the filesystem answers: a deadline removes nothing
+        ff.clear()
+        tier.submit_load(TransferJob("L2", [key(0), key(1)], [4, 5]))
+        assert tier.drain_jobs(30)
+        (r,) = tier.get_finished_jobs()
+        assert r.success and np.array_equal(buf[4:6], data[0:2])
+
+
+def test_n_plus_one_stalls_for_n_threads_leave_no_healthy_job_behind(backend, ff, area):
+    """2 threads, 3 loads stalled in read, then 6 healthy loads: the healthy
+    ones all load (the stuck threads are replaced at the deadline), the
+    stalled ones time out, every job gets exactly one result."""
+    buf = filled(2)
+    data = buf.copy()
+    with tier_on(area, buf, n_read_threads=1, n_write_threads=1) as tier:
+        store_all(tier, range(9))
+        for i in range(3):
+            ff.stall("read", glob_of(tier, ff, key(i)))
+        buf[:] = 0
+        for i in range(3):
+            tier.submit_load(TransferJob(f"S{i}", [key(i)], [i]))
+        ff.wait_hits("stall_read", 2)
+        for i in range(3, 9):
+            tier.submit_load(TransferJob(f"H{i}", [key(i)], [i]))
+        assert tier.drain_jobs(3 * T + SLACK)
+        res = {r.job_id: r for r in tier.get_finished_jobs()}
+        assert sorted(res) == sorted([f"S{i}" for i in range(3)] + [f"H{i}" for i in range(3, 9)])
+        for i in range(3, 9):
+            assert res[f"H{i}"].success, res[f"H{i}"].error
+            assert np.array_equal(buf[i], data[i])
+        for i in range(3):
+            assert not res[f"S{i}"].success and res[f"S{i}"].error.errno == errno.ETIMEDOUT
+        c = counters(tier)
+        assert c["load_timeouts"] == 3 and c["stuck_threads"] == 3
+        ff.clear()
+        wait_until(lambda: counters(tier)["stuck_threads"] == 0)
+        assert (buf[0:3] == 0).all()
+        assert tier.get_finished_jobs() == []
+
+
+def test_at_the_cap_of_stuck_threads_new_jobs_fail_fast(backend, ff, area):
+    """The cap is the pool's size (2 here): with 2 threads stuck, a new job
+    fails at once (EAGAIN) instead of queueing; when the filesystem answers
+    the tier serves again."""
+    buf = filled(3)
+    with tier_on(area, buf, n_read_threads=1, n_write_threads=1) as tier:
+        store_all(tier, range(3))
+        for i in range(2):
+            ff.stall("read", glob_of(tier, ff, key(i)))
+            tier.submit_load(TransferJob(f"S{i}", [key(i)], [i]))
+        ff.wait_hits("stall_read", 2)
+        assert tier.drain_jobs(T + SLACK)
+        assert counters(tier)["stuck_threads"] == 2
+        assert len(tier.get_finished_jobs()) == 2
+        t0 = time.monotonic()
+        tier.submit_load(TransferJob("F", [key(2)], [2]))
+        tier.submit_store(TransferJob("G", [key(9)], [9]))
+        assert tier.drain_jobs(SLACK)
+        assert time.monotonic() - t0 < T  # not a deadline: at once
+        res = {r.job_id: r for r in tier.get_finished_jobs()}
+        assert {j: (r.success, r.error.errno) for j, r in res.items()} == {
+            "F": (False, errno.EAGAIN), "G": (False, errno.EAGAIN)}
+        assert "stuck" in str(res["F"].error)
+        c = counters(tier)
+        assert c["jobs_refused"] == 2 and c["load_timeouts"] == 2 and c["store_timeouts"] == 0
+        assert tier.metrics.registry.get_sample_value("kvtier:kv_offload_tiering_jobs_refused_total",
+                                                      {"tier": "1:fs"}) == 2
+        ff.clear()
+        wait_until(lambda: counters(tier)["stuck_threads"] == 0)
+        tier.submit_load(TransferJob("F", [key(2)], [2]))
+        assert tier.drain_jobs(30)
+        (r,) = tier.get_finished_jobs()
+        assert r.success, r.error
+
+
+@pytest.mark.parametrize("op", ["write", "open"])
+def test_late_store_never_publishes(backend, ff, area, op):
+    buf = filled(4)
+    with tier_on(area, buf) as tier:
+        path = tier.file_mapper._file_name(*key(7))
+        ff.stall(op, glob_of(tier, ff, key(7)) + "_*.tmp")
+        tier.submit_store(TransferJob("S", [key(7)], [7]))
+        ff.wait_hits(f"stall_{op}", 1)
+        assert tier.drain_jobs(T + SLACK)
+        (r,) = tier.get_finished_jobs()
+        assert (r.success, r.error.errno, r.successful_keys) == (False, errno.ETIMEDOUT, ())
+        assert counters(tier)["store_timeouts"] == 1
+        ff.clear()
+        wait_until(lambda: counters(tier)["stuck_threads"] == 0)
+        d = os.path.dirname(ff.backing_of(path))
+        assert not os.path.exists(ff.backing_of(path))
+        assert glob.glob(os.path.join(d, "*.tmp")) == []
+        assert tier.lookup([key(7)]) == [False]
+
+
+def test_store_with_a_hung_rename_is_reported_at_its_deadline(backend, ff, area):
+    """The rename cannot be taken back: the job is reported failed at the
+    deadline without waiting for it; the rename, when it completes, publishes
+    the complete block (written and checksummed before the deadline)."""
+    buf = filled(5)
+    with tier_on(area, buf) as tier:
+        ff.stall("rename", glob_of(tier, ff, key(8)))
+        tier.submit_store(TransferJob("S", [key(8)], [8]))
+        ff.wait_hits("stall_rename", 1)
+        assert tier.drain_jobs(T + SLACK)
+        (r,) = tier.get_finished_jobs()
+        assert (r.success, r.error.errno) == (False, errno.ETIMEDOUT)
+        ff.clear()
+        wait_until(lambda: counters(tier)["stuck_threads"] == 0)
+        out = np.zeros_like(buf)
+        kio.batch_load_block([tier.file_mapper._file_name(*key(8))], out, [0], BS, checksum=True)
+        assert np.array_equal(out[0], buf[8])
+
+
+def test_shutdown_does_not_wait_beyond_the_deadline(backend, ff, area):
+    buf = filled(6)
+    tier = tier_on(area, buf)
+    store_all(tier, [0])
+    ff.stall("read", glob_of(tier, ff, key(0)))
+    tier.submit_load(TransferJob("L", [key(0)], [3]))
+    ff.wait_hits("stall_read", 1)
+    t0 = time.monotonic()
+    tier.shutdown()
+    assert time.monotonic() - t0 < T + SLACK
+    (r,) = tier.get_finished_jobs()
+    assert r.error.errno == errno.ETIMEDOUT
+    buf[3] = 0x11
+    ff.clear()
+    wait_until(lambda: counters(tier)["stuck_threads"] == 0)
+    assert (buf[3] == 0x11).all()
+
+
+def test_lookup_under_a_stall_is_a_miss_after_its_deadline(backend, ff, area):
+    buf = filled(7)
+    with tier_on(area, buf) as tier:
+        store_all(tier, [0, 1])
+        ff.stall("getattr", glob_of(tier, ff, key(1)))
+        t0 = time.monotonic()
+        assert tier.lookup([key(0), key(1)]) == [False, False]
+        assert T <= time.monotonic() - t0 < T + SLACK
+        c = counters(tier)
+        assert c["lookup_timeouts"] == 1 and c["stuck_threads"] == 1
+        ff.clear()
+        wait_until(lambda: counters(tier)["stuck_threads"] == 0)
+        assert tier.lookup([key(0), key(1)]) == [True, True]
+
+
+def test_constructor_probe_under_a_stall_names_the_root(ff, area):
+    ff.stall("open", "*/.kvtier_probe_*")
+    buf = filled(8)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as ei:
+        FileSystemTierManager(buf, area, "m", io_timeout_s=T)
+    assert time.monotonic() - t0 < T + SLACK
+    assert ei.value.errno == errno.ETIMEDOUT and ei.value.filename == area
+    assert area in str(ei.value) or "tier root" in str(ei.value)
+
+
+def test_shutdown_without_waiting_expires_running_jobs_at_once(backend, ff, area):
+    """shutdown(wait=False) returns at once and the stalled load is expired
+    by it (reported ECANCELED): the caller may reuse its rows right away."""
+    buf = filled(9)
+    tier = tier_on(area, buf, io_timeout_s=60)  # the deadline plays no part here
+    store_all(tier, [0])
+    ff.stall("read", glob_of(tier, ff, key(0)))
+    tier.submit_load(TransferJob("L", [key(0)], [3]))
+    ff.wait_hits("stall_read", 1)
+    t0 = time.monotonic()
+    assert tier.shutdown(wait=False) == []
+    assert time.monotonic() - t0 < SLACK
+    (r,) = tier.get_finished_jobs()
+    assert (r.job_id, r.success, r.error.errno) == ("L", False, errno.ECANCELED)
+    buf[3] = 0x22
+    ff.clear()
+    wait_until(lambda: counters(tier)["stuck_threads"] == 0)
+    assert (buf[3] == 0x22).all()
+    assert counters(tier)["load_timeouts"] == 0 and counters(tier)["load_failures"] == 1
+
+
+def test_io_timeout_s_checked_before_any_io_and_zero_means_none(tmp_path):
+    buf = filled(10)
+    root = tmp_path / "never"
+    for bad, exc in ((-1, ValueError), (float("inf"), ValueError), ("5", TypeError), (True, TypeError)):
+        with pytest.raises(exc, match="io_timeout_s"):
+            FileSystemTierManager(buf, root, "m", io_timeout_s=bad)
+    assert not root.exists()
+    with FileSystemTierManager(buf, tmp_path / "t", "m", io_timeout_s=0) as tier:
+        assert tier._engine._watchdog is None and tier.io_timeout_s == 0
+        tier.submit_store(TransferJob("s", [key(1)], [1]))
+        assert tier.drain_jobs(30)
+        assert tier.get_finished_jobs()[0].success
+        assert tier.lookup([key(1), key(2)]) == [True, False]
+        out = buf.copy()
+        buf[1] = 0
+        tier.submit_load(TransferJob("l", [key(1)], [1]))
+        assert tier.drain_jobs(30) and tier.get_finished_jobs()[0].success
+        assert np.array_equal(buf[1], out[1])
