@@ -26,8 +26,9 @@ released; lookups run on vLLM's ``AsyncLookupManager`` thread through kvtier's C
 (``JobResult.successful_keys``) and marks the rest a miss, so the next lookup of a
 condemned block is a MISS and the block is recomputed and stored again.
 
-Metrics (in vLLM's stats path, label ``tier`` as vLLM's, e.g. ``"1:kvtier"``), with
-checksums on: ``vllm:kv_offload_tiering_checksum_failures`` (loads stopped by a block that
+Metrics (in vLLM's stats path, label ``tier`` as vLLM's, e.g. ``"1:kvtier"``): every
+counter of the tier engine that vLLM does not derive itself (:func:`metrics`), e.g. with
+checksums on ``vllm:kv_offload_tiering_checksum_failures`` (loads stopped by a block that
 failed verification), ``kvtier:kv_offload_tiering_checksum_retries`` (blocks re-read once
 after a first mismatch), ``kvtier:kv_offload_tiering_checksum_condemned`` (blocks removed
 after a second mismatch).  vLLM derives read/write bytes, time and job failures from the
@@ -68,15 +69,34 @@ FS_KEYS: Dict[str, Any] = {"root_dir": None, "n_read_threads": 16, "n_write_thre
 KVTIER_KEYS: Dict[str, Any] = {"checksum_blocks": True, "durable": False, "use_o_direct": True,
                                "sweep_stale_temps_after": None}
 
-#: kvtier's metrics in vLLM's stats path: metric name -> (engine counter, help).
-METRICS: Dict[str, tuple] = {
-    "vllm:kv_offload_tiering_checksum_failures": (
-        "checksum_failures", "Number of secondary-tier loads that failed CRC32C checksum verification."),
-    "kvtier:kv_offload_tiering_checksum_retries": (
-        "checksum_retries", "Blocks re-read once after a first CRC32C mismatch (loaded if the re-read verified)."),
-    "kvtier:kv_offload_tiering_checksum_condemned": (
-        "blocks_condemned", "Blocks condemned after a second CRC32C mismatch (EBADMSG, file removed)."),
+#: Engine counters (:data:`kvtier.engine.COUNTERS`) that vLLM derives itself from the
+#: JobResults (read/write bytes and time, job failures): never emitted again by this tier.
+VLLM_DERIVED = frozenset({"store_jobs", "load_jobs", "store_failures", "load_failures", "bytes_written",
+                          "bytes_read", "write_time", "read_time"})
+#: Counters that exist only with checksums on.
+CHECKSUM_ONLY = frozenset({"checksum_failures", "checksum_retries", "blocks_condemned"})
+_METRIC_NAMES = {
+    "checksum_failures": "vllm:kv_offload_tiering_checksum_failures",  # vLLM PR #57912's name
+    "checksum_retries": "kvtier:kv_offload_tiering_checksum_retries",
+    "blocks_condemned": "kvtier:kv_offload_tiering_checksum_condemned",
 }
+
+
+def metrics(checksum_blocks: bool) -> Dict[str, tuple]:
+    """kvtier's metrics in vLLM's stats path: ``{metric name: (engine counter, help)}``:
+    every engine counter vLLM does not derive itself, named ``kvtier:kv_offload_tiering_<counter>``
+    (the three checksum counters keep their established names; they exist only with
+    checksums on)."""
+    from kvtier.engine import COUNTERS
+
+    out = {}
+    for counter, doc in COUNTERS.items():
+        if counter in VLLM_DERIVED or (counter in CHECKSUM_ONLY and not checksum_blocks):
+            continue
+        name = _METRIC_NAMES.get(counter, f"kvtier:kv_offload_tiering_{counter}")
+        out[name] = (counter, doc[:1].upper() + doc[1:] + ".")
+    return out
+
 
 #: ``config_info()`` label names (static facts of the tier).
 CONFIG_INFO_KEYS = ("kvtier_checksum_blocks", "kvtier_o_direct", "kvtier_durable", "kvtier_crc32c_backend",
@@ -208,6 +228,7 @@ class KvtierTier(SecondaryTierManager):
                                   checksum=self.checksum_blocks, use_o_direct=self.use_o_direct,
                                   durable=self.durable, thread_name="kvtier_vllm")
         self._reported: Dict[str, float] = {}  # counters at the last get_stats()
+        self._metrics = metrics(self.checksum_blocks)
         self._discarded: List[JobResult] = []
         self._lookup = _Lookup(tier_type, self.file_mapper.get_file_name)
         logger.info("kvtier tier %s at %s: checksum_blocks=%s, O_DIRECT=%s, durable=%s",
@@ -237,24 +258,20 @@ class KvtierTier(SecondaryTierManager):
 
     @classmethod
     def build_metric_definitions(cls, tier_config: Dict[str, Any]) -> Dict[str, Any]:
-        """kvtier's counters (module docstring), declared only with checksums on."""
-        if not _checksum_on(tier_config):
-            return {}
+        """kvtier's counters (:func:`metrics`), the checksum ones only with checksums on."""
         return {name: OffloadingCounterMetadata(documentation=doc, labelnames=(TIER_LABEL,))
-                for name, (_, doc) in METRICS.items()}
+                for name, (_, doc) in metrics(_checksum_on(tier_config)).items()}
 
     def counters(self) -> Dict[str, float]:
         """The engine's counters (:data:`kvtier.engine.COUNTERS`), a snapshot."""
         return self._engine.counters.snapshot()
 
     def get_stats(self):
-        """The increase of kvtier's counters since the last call, as
-        ``OffloadingConnectorStats`` (None when nothing changed or checksums are off)."""
-        if not self.checksum_blocks:
-            return None
+        """The increase of kvtier's counters (:func:`metrics`) since the last call, as
+        ``OffloadingConnectorStats`` (None when nothing changed)."""
         snap = self._engine.counters.snapshot()
         stats = None
-        for name, (counter, _) in METRICS.items():
+        for name, (counter, _) in self._metrics.items():
             delta = snap[counter] - self._reported.get(counter, 0)
             if delta:
                 if stats is None:

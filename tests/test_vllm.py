@@ -256,7 +256,16 @@ def test_metric_definitions_in_the_spec(vllm, tmp_path):
     for name in ("vllm:kv_offload_tiering_checksum_failures", "kvtier:kv_offload_tiering_checksum_retries",
                  "kvtier:kv_offload_tiering_checksum_condemned"):
         assert on[name].labelnames == ("tier",) and type(on[name]).__name__ == "OffloadingCounterMetadata"
-    assert "vllm:kv_offload_tiering_checksum_failures" not in defs(checksum_blocks=False)
+    off = defs(checksum_blocks=False)
+    assert "vllm:kv_offload_tiering_checksum_failures" not in off
+    assert "kvtier:kv_offload_tiering_checksum_condemned" not in off
+    # every engine counter vLLM does not derive itself is declared; none it derives is
+    from kvtier.engine import COUNTERS
+    from kvtier.vllm import VLLM_DERIVED, metrics
+
+    declared = {c for c, _ in metrics(True).values()}
+    assert declared == set(COUNTERS) - VLLM_DERIVED and declared <= set(COUNTERS)
+    assert not any(f"kvtier:kv_offload_tiering_{c}" in on for c in VLLM_DERIVED)
     keys = TieringOffloadingSpec.config_info_keys({"secondary_tiers": [tier_config("kvtier", str(tmp_path))]})
     assert set(CONFIG_INFO_KEYS) <= set(keys) and keys.count("tier") == 1  # vLLM adds "tier" once
 
