@@ -7,7 +7,9 @@ chunkservers) run in a network namespace of their own, the two FUSE clients ("no
 (``nsenter --net=/run/netns/NS``, so the client mounts land in this mount namespace, where
 the tests run); teardown stops exactly those PIDs (and the brick PIDs glusterd wrote into
 its private run directory), never anything by name, and deletes the two namespaces. No
-traffic leaves them.
+traffic leaves them. Each work directory records what it started (state.json); a run
+killed before its teardown is swept by the next one (:func:`sweep_leftovers`: only what
+that record names, once its owner process is gone).
 
 Clients mount with the options docs/shared-filesystems.md recommends
 (``--fopen-keep-cache=false`` for GlusterFS, ``mfsxattrcacheto=0`` for MooseFS) unless
@@ -26,6 +28,7 @@ Missing root, /dev/fuse, ``ip netns`` or the packages (``scripts/bootstrap --tes
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -108,6 +111,66 @@ def _wait(what: str, cond, timeout: float = START_TIMEOUT, procs=()) -> None:
         time.sleep(0.1)
 
 
+STATE = "state.json"  # in a cluster's work directory: what it started, for sweep_leftovers
+
+
+def _note(work: str, **lists) -> None:
+    """Add to the work directory's record of what was started (owner PID, netns, PIDs, mounts)."""
+    path = os.path.join(work, STATE)
+    try:
+        with open(path) as f:
+            st = json.load(f)
+    except FileNotFoundError:
+        st = {"owner": os.getpid(), "netns": [], "pids": [], "mounts": []}
+    for k, v in lists.items():
+        st[k] += v
+    with open(path + ".tmp", "w") as f:
+        json.dump(st, f)
+    os.replace(path + ".tmp", path)
+
+
+def sweep_leftovers(workdir: Optional[str] = None) -> List[str]:
+    """Tear down clusters left by a killed run (its owner process is gone): by its own
+    record only (state.json and glusterd's brick PID files in its work directory): unmount
+    its mounts, stop its PIDs whose command line names the work directory, delete its
+    namespaces, remove the directory. Returns the directories swept."""
+    base = workdir or tempfile.gettempdir()
+    swept = []
+    for d in sorted(os.listdir(base)):
+        work = os.path.join(base, d)
+        if not d.startswith(("kvtier-glusterfs-", "kvtier-moosefs-")) or not os.path.isfile(os.path.join(work, STATE)):
+            continue
+        with open(os.path.join(work, STATE)) as f:
+            st = json.load(f)
+        if os.path.exists(f"/proc/{st['owner']}"):
+            continue  # its owner still runs (another session's cluster)
+        for mnt in st["mounts"]:
+            if _mounted(mnt):
+                subprocess.run(["umount", "-l", mnt], stderr=subprocess.DEVNULL)
+        vols = os.path.join(work, "run", "vols", "kvt")
+        bricks = [int(open(os.path.join(vols, f)).read().strip() or 0) for f in os.listdir(vols)
+                  if f.endswith(".pid")] if os.path.isdir(vols) else []
+        leftovers = []  # a brick's socket and log outside the work directory
+        for pid in [*st["pids"], *bricks]:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().decode(errors="replace").split("\0")
+                if any(work in a for a in argv):
+                    leftovers += [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-S", "-l")]
+                    os.kill(pid, signal.SIGCONT)
+                    os.kill(pid, signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+        for f in leftovers:
+            with contextlib.suppress(OSError):
+                os.unlink(f)
+        for ns in st["netns"]:
+            subprocess.run(["ip", "netns", "delete", ns], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        shutil.rmtree(work, ignore_errors=True)
+        swept.append(work)
+    return swept
+
+
 class Network:
     """Two network namespaces (servers, clients) joined by a veth pair on ``SUBNET``.0/24."""
 
@@ -159,6 +222,7 @@ class Cluster:
         p = subprocess.Popen(self.net.cmd(ns, argv), stdout=log, stderr=subprocess.STDOUT,
                              stdin=subprocess.DEVNULL, start_new_session=True)
         self._procs[name] = p
+        _note(self.work, pids=[p.pid])
         return p
 
     def log_tail(self, n: int = 4000) -> str:
@@ -217,6 +281,7 @@ class Cluster:
         """A new client mount (``defaults``: without the recommended options)."""
         mnt = os.path.join(self.work, f"mnt-{node}")
         os.makedirs(mnt)
+        _note(self.work, mounts=[mnt])
         opts = [] if defaults else RECOMMENDED[self.kind]
         if self.kind == "glusterfs":
             argv = ["/usr/sbin/glusterfs", "-N", f"--volfile-server={SERVER_IP}", "--volfile-id=/kvt",
@@ -368,12 +433,15 @@ def cluster(kind: str, workdir: Optional[str] = None, net: Optional[Network] = N
     if why:
         _unavailable(why)
     own_net = net is None
+    sweep_leftovers(workdir)
     work = tempfile.mkdtemp(prefix=f"kvtier-{kind}-", dir=workdir)
     c = None
     try:
         if own_net:
+            tag = f"{os.getpid() % 100000}{kind[0]}"
+            _note(work, netns=[f"kvt{tag}s", f"kvt{tag}c"])  # before they exist: a crash leaves a record
             try:
-                net = Network(f"{os.getpid() % 100000}{kind[0]}")
+                net = Network(tag)
             except RuntimeError as e:
                 _unavailable(f"cannot create network namespaces: {e}")
         c = Cluster(kind, net, work)

@@ -203,24 +203,16 @@ def test_two_client_bench(dfs, dfs_dirs):
     assert os.listdir(a) == []  # the bench directory is removed
 
 
-@pytest.mark.parametrize("kind", ["glusterfs", "moosefs"])
-def test_cluster_teardown_leaves_nothing(kind):
-    """tests/dfs.py stops every daemon it started and deletes its namespaces, mounts and files
-    (run in a process of its own: the session's clusters stay up meanwhile)."""
+def _parse_up_line(out):
     import ast
     import re
 
-    why = _dfs.missing(kind)
-    if why:
-        from ci import unavailable
+    m = re.search(r"mounts (\[.*?\]), storage PIDs (\[.*?\]), namespaces (\S+) (\S+), PIDs (\[.*?\])", out)
+    assert m, out
+    return ast.literal_eval(m[1]), ast.literal_eval(m[2]), m[3], m[4], ast.literal_eval(m[5])
 
-        unavailable(why)
-    p = subprocess.run([sys.executable, os.path.join(HERE, "dfs.py"), kind, "0"], stdout=subprocess.PIPE,
-                       stderr=subprocess.PIPE, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    m = re.search(r"mounts (\[.*?\]), storage PIDs (\[.*?\]), namespaces (\S+) (\S+), PIDs (\[.*?\])", p.stdout)
-    mounts, storage, ns_s, ns_c, pids = ast.literal_eval(m[1]), ast.literal_eval(m[2]), m[3], m[4], ast.literal_eval(m[5])
-    assert len(mounts) == 2 and len(storage) == 2 and set(storage) <= set(pids)
+
+def _assert_nothing_left(mounts, ns_s, ns_c, pids):
     work = os.path.dirname(mounts[0])
     for pid in pids:  # gone, a zombie of a reaper that is not ours, or the PID reused by another program
         try:
@@ -237,3 +229,51 @@ def test_cluster_teardown_leaves_nothing(kind):
     for mnt in mounts:
         assert mnt not in mi and not os.path.exists(os.path.dirname(mnt))
 
+
+@pytest.mark.parametrize("kind", ["glusterfs", "moosefs"])
+def test_cluster_teardown_leaves_nothing(kind):
+    """tests/dfs.py stops every daemon it started and deletes its namespaces, mounts and files
+    (run in a process of its own: the session's clusters stay up meanwhile)."""
+    import ast
+    import re
+
+    why = _dfs.missing(kind)
+    if why:
+        from ci import unavailable
+
+        unavailable(why)
+    p = subprocess.run([sys.executable, os.path.join(HERE, "dfs.py"), kind, "0"], stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    mounts, storage, ns_s, ns_c, pids = _parse_up_line(p.stdout)
+    assert len(mounts) == 2 and len(storage) == 2 and set(storage) <= set(pids)
+    _assert_nothing_left(mounts, ns_s, ns_c, pids)
+
+
+def test_a_killed_run_is_swept_by_the_next():
+    """SIGKILL the process that started a cluster: no teardown ran; sweep_leftovers (called
+    by every cluster start) stops what that run's record names and deletes the rest."""
+    import signal
+
+    why = _dfs.missing("glusterfs")
+    if why:
+        from ci import unavailable
+
+        unavailable(why)
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "dfs.py"), "glusterfs", "120"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()  # printed once the cluster is up
+        mounts, storage, ns_s, ns_c, pids = _parse_up_line(line)
+    finally:
+        p.kill()
+        p.wait(30)
+    assert all(os.path.exists(f"/proc/{pid}") for pid in pids) and os.path.exists(f"/run/netns/{ns_s}")
+    swept = _dfs.sweep_leftovers()
+    assert os.path.dirname(mounts[0]) in swept
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}/cmdline") and
+                                              open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+                                              for pid in pids):
+        time.sleep(0.1)
+    _assert_nothing_left(mounts, ns_s, ns_c, pids)
