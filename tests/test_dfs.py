@@ -277,3 +277,94 @@ def test_a_killed_run_is_swept_by_the_next():
                                               for pid in pids):
         time.sleep(0.1)
     _assert_nothing_left(mounts, ns_s, ns_c, pids)
+
+
+def test_storage_server_stopped_mid_load(dfs, dfs_dirs):
+    """SIGSTOP one brick / chunkserver: loads of the blocks it holds are misses at the
+    deadline (io_timeout_s), never a hang or a wrong byte; on GlusterFS the blocks on the
+    other brick load through the same tier while it is still stopped (once the client
+    declares it gone); no timed-out row is written late; after SIGCONT every block loads
+    intact."""
+    import itertools
+    import signal
+
+    from kvtier.manager import TransferJob
+
+    a, _ = dfs_dirs
+    if dfs.kind == "moosefs":  # one copy per chunk, so a stopped chunkserver holds the only one
+        dfs.client_tool("mfssetgoal", "-r", "1", a)
+    n = 16
+    paths, src = store_here(a, n=n)
+    where = [dfs.storage_of(p) for p in paths]
+    assert all(len(w) == 1 for w in where), where
+    stalled = [i for i in range(n) if where[i] == [0]]
+    served = [i for i in range(n) if where[i] == [1]]
+    assert stalled and served, where  # 16 random keys over 2 servers: both hold some
+    pid = dfs.storage_pids[0]
+    buf = np.zeros_like(src)
+    deadline = 3.0
+    # threads: 2 x 16, so the stalled jobs (< 16) stay under the stuck-thread cap (its size)
+    t = dfs_node.tier(buf, a, True, True, threads=16, io_timeout_s=deadline)
+
+    ids = itertools.count()
+
+    def load(rows):
+        """One job per block; returns {block: JobResult}."""
+        block_of = {}
+        for i in rows:
+            block_of[j := next(ids)] = i
+            t.submit_load(TransferJob(j, [dfs_node.key(0, i)], [i]))
+        assert t.drain_jobs(timeout=60)
+        return {block_of[r.job_id]: r for r in t.get_finished_jobs()}
+
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            res = load(range(n))
+            took = time.monotonic() - t0
+            for i in stalled:
+                assert not res[i].success and res[i].error.errno == errno.ETIMEDOUT, (i, res[i])
+            for i in served:  # may wait too (GlusterFS: a directory lookup asks every brick;
+                if res[i].success:  # a client busy with the stalled requests); never a wrong byte
+                    assert np.array_equal(buf[i], src[i]), i
+                else:
+                    assert res[i].error.errno == errno.ETIMEDOUT, (i, res[i])
+            assert took < deadline + 10, took
+            before = buf[stalled].copy()  # reported failed: nothing may write these rows from now on
+            # still stopped: the tier keeps serving the blocks on the other brick. GlusterFS: once
+            # a directory's entry times out (1 s) its lookup asks every brick and waits for the
+            # stopped one until the client declares it gone (network.ping-timeout); one block per
+            # try, so a try that still waits leaves one stuck thread, not a pool's worth
+            t0 = time.monotonic()
+            limit = _dfs.GLUSTER_PING_TIMEOUT + 3 * deadline + 10
+            ok = set()
+            while time.monotonic() - t0 < limit and len(ok) < len(served):
+                i = [j for j in served if j not in ok][0]
+                buf[i] = 0
+                r = load([i])[i]
+                if r.success:
+                    assert np.array_equal(buf[i], src[i]), i
+                    ok.add(i)
+                else:
+                    assert r.error.errno in (errno.ETIMEDOUT, errno.EAGAIN), r
+                    time.sleep(0.5)
+            if dfs.kind == "glusterfs":
+                assert ok == set(served), f"blocks on the running brick not served within {limit} s"
+            # MooseFS: its client may hold every read while one chunkserver is silent (seen on a
+            # loaded machine); the deadline then keeps each a miss (checked above)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(1.0)  # the stalled reads complete now: their rows must stay untouched
+        assert np.array_equal(buf[stalled], before), "a timed-out load wrote into the buffer late"
+        ok = set()
+        for attempt in range(30):  # the client reconnects: bounded
+            res = load([i for i in range(n) if i not in ok])
+            ok |= {i for i, r in res.items() if r.success}
+            if len(ok) == n:
+                break
+            time.sleep(0.5)
+        assert ok == set(range(n)) and np.array_equal(buf, src)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        t.shutdown()
