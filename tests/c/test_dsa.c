@@ -736,7 +736,8 @@ static void test_timeout_late_completion(void)
     kvt_dsa_engine_set_timeout(r.e, 20000000ull); /* 20 ms */
     size_t n = 100000;
     uint8_t *b = random_buf(n, 78), *dst = calloc(1, n);
-    kvt_dsa_model_inject(r.m, KVT_DSA_FAULT_HANG, 1, 100000000ull); /* completes 100 ms late */
+    /* completes 1 s late: far past the 20 ms timeout even on a loaded host under ASan */
+    kvt_dsa_model_inject(r.m, KVT_DSA_FAULT_HANG, 1, 1000000000ull);
     kvt_dsa_op op;
     kvt_dsa_copy_crc_submit(r.e, &op, dst, b, n, 0);
     CHECK(op.comp != NULL); /* on the device: an engine-owned record */
@@ -748,7 +749,7 @@ static void test_timeout_late_completion(void)
     CHECK_EQ(counters(r.e).timeouts, 1);
     free(b); /* the caller's buffers are the caller's (the late device touches no data here) */
     free(dst);
-    struct timespec ts = {0, 200000000L};
+    struct timespec ts = {1, 200000000L};
     nanosleep(&ts, NULL); /* the late record write happens meanwhile */
     kvt_dsa_model_stats st;
     kvt_dsa_model_get_stats(r.m, &st);
