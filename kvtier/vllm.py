@@ -13,7 +13,9 @@ Use (``vllm serve ... --kv-transfer-config``; README "Use with vLLM")::
 Keys: every key of ``"fs"`` (``root_dir``, ``n_read_threads=16``, ``n_write_threads=16``,
 ``enable_kv_events=False``, ``locality=None``; ``backpressure`` is taken by vLLM's factory)
 and kvtier's own (``checksum_blocks=True``, ``durable=False``, ``use_o_direct=True``,
-``sweep_stale_temps_after=None``; meanings as :class:`kvtier.manager.FileSystemTierManager`).
+``sweep_stale_temps_after=None``, ``io_timeout_s`` (the engine's job deadline, default
+:data:`kvtier.deadline.DEFAULT_IO_TIMEOUT_S`); meanings as
+:class:`kvtier.manager.FileSystemTierManager`).
 An unknown key is a TypeError listing the valid ones.
 
 Files: the paths and ``config.json`` are vLLM's own (``FileMapper.from_offloading_spec(...,
@@ -67,7 +69,7 @@ FS_KEYS: Dict[str, Any] = {"root_dir": None, "n_read_threads": 16, "n_write_thre
                            "enable_kv_events": False, "locality": None}
 #: kvtier's own keys, with their defaults.
 KVTIER_KEYS: Dict[str, Any] = {"checksum_blocks": True, "durable": False, "use_o_direct": True,
-                               "sweep_stale_temps_after": None}
+                               "sweep_stale_temps_after": None, "io_timeout_s": None}
 
 #: Engine counters (:data:`kvtier.engine.COUNTERS`) that vLLM derives itself from the
 #: JobResults (read/write bytes and time, job failures): never emitted again by this tier.
@@ -82,11 +84,16 @@ _METRIC_NAMES = {
 }
 
 
+def is_gauge(doc: str) -> bool:
+    """An engine "counter" documented as ``"gauge: ..."`` is a level, not a total."""
+    return doc.lower().startswith("gauge:")
+
+
 def metrics(checksum_blocks: bool) -> Dict[str, tuple]:
     """kvtier's metrics in vLLM's stats path: ``{metric name: (engine counter, help)}``:
     every engine counter vLLM does not derive itself, named ``kvtier:kv_offload_tiering_<counter>``
     (the three checksum counters keep their established names; they exist only with
-    checksums on)."""
+    checksums on).  Those whose help starts with ``gauge:`` are gauges (:func:`is_gauge`)."""
     from kvtier.engine import COUNTERS
 
     out = {}
@@ -173,6 +180,10 @@ class KvtierTier(SecondaryTierManager):
             from kvtier.sweep import check_older_than
 
             check_older_than(cfg["sweep_stale_temps_after"])
+        if cfg["io_timeout_s"] is not None:
+            from kvtier.deadline import check_timeout
+
+            check_timeout(cfg["io_timeout_s"])
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(cfg["locality"]) if cfg["locality"] is not None else None
         self.checksum_blocks: bool = cfg["checksum_blocks"]
@@ -226,7 +237,9 @@ class KvtierTier(SecondaryTierManager):
                                   n_read_threads=cfg["n_read_threads"],
                                   n_write_threads=cfg["n_write_threads"],
                                   checksum=self.checksum_blocks, use_o_direct=self.use_o_direct,
-                                  durable=self.durable, thread_name="kvtier_vllm")
+                                  durable=self.durable, thread_name="kvtier_vllm",
+                                  root=root_dir, **({} if cfg["io_timeout_s"] is None
+                                                    else {"io_timeout_s": cfg["io_timeout_s"]}))
         self._reported: Dict[str, float] = {}  # counters at the last get_stats()
         self._metrics = metrics(self.checksum_blocks)
         self._discarded: List[JobResult] = []
@@ -259,7 +272,10 @@ class KvtierTier(SecondaryTierManager):
     @classmethod
     def build_metric_definitions(cls, tier_config: Dict[str, Any]) -> Dict[str, Any]:
         """kvtier's counters (:func:`metrics`), the checksum ones only with checksums on."""
-        return {name: OffloadingCounterMetadata(documentation=doc, labelnames=(TIER_LABEL,))
+        from vllm.v1.kv_offload.base import OffloadingGaugeMetadata
+
+        return {name: (OffloadingGaugeMetadata if is_gauge(doc) else OffloadingCounterMetadata)(
+                    documentation=doc, labelnames=(TIER_LABEL,))
                 for name, (_, doc) in metrics(_checksum_on(tier_config)).items()}
 
     def counters(self) -> Dict[str, float]:
@@ -271,7 +287,8 @@ class KvtierTier(SecondaryTierManager):
         ``OffloadingConnectorStats`` (None when nothing changed)."""
         snap = self._engine.counters.snapshot()
         stats = None
-        for name, (counter, _) in self._metrics.items():
+        for name, (counter, doc) in self._metrics.items():
+            gauge = is_gauge(doc)
             delta = snap[counter] - self._reported.get(counter, 0)
             if delta:
                 if stats is None:
@@ -280,7 +297,10 @@ class KvtierTier(SecondaryTierManager):
                     )
 
                     stats = OffloadingConnectorStats()
-                stats.increase_counter(name, delta, (self.tier_label,))
+                if gauge:
+                    stats.set_gauge(name, snap[counter], (self.tier_label,))
+                else:
+                    stats.increase_counter(name, delta, (self.tier_label,))
         self._reported = snap
         return stats
 

@@ -232,9 +232,11 @@ def test_unknown_key_is_a_type_error(vllm, tmp_path, kind):
 def test_fs_keys_accepted_and_checksums_default_on(harness, tmp_path):
     h = harness([tier_config("kvtier", str(tmp_path / "a"), enable_kv_events=False, locality="REMOTE",
                              backpressure={"backpressure_cls": "EMABackpressureDetector"}),
-                 tier_config("kvtier", str(tmp_path / "b"), checksum_blocks=False, durable=True)])
+                 tier_config("kvtier", str(tmp_path / "b"), checksum_blocks=False, durable=True,
+                             io_timeout_s=30)])
     a, b = h.tiers
     assert a.checksum_blocks is True and b.checksum_blocks is False and b.durable is True
+    assert b._engine.io_timeout_s == 30
     assert a.locality.name == "REMOTE" and a.bp_detector is not None
     assert (a.tier_label, b.tier_label) == ("1:kvtier", "2:kvtier")
     infos = h.manager.config_info()
@@ -266,6 +268,9 @@ def test_metric_definitions_in_the_spec(vllm, tmp_path):
     declared = {c for c, _ in metrics(True).values()}
     assert declared == set(COUNTERS) - VLLM_DERIVED and declared <= set(COUNTERS)
     assert not any(f"kvtier:kv_offload_tiering_{c}" in on for c in VLLM_DERIVED)
+    # a level (the engine's stuck threads) is a gauge, not a counter
+    gauges = {n for n, m in on.items() if type(m).__name__ == "OffloadingGaugeMetadata" and n.startswith("kvtier:")}
+    assert gauges == {f"kvtier:kv_offload_tiering_{c}" for c, d in COUNTERS.items() if d.startswith("gauge:")}
     keys = TieringOffloadingSpec.config_info_keys({"secondary_tiers": [tier_config("kvtier", str(tmp_path))]})
     assert set(CONFIG_INFO_KEYS) <= set(keys) and keys.count("tier") == 1  # vLLM adds "tier" once
 
