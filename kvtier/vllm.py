@@ -125,16 +125,16 @@ def _checksum_on(tier_config: Dict[str, Any]) -> bool:
 
 class _Lookup(AsyncLookupManager):
     """vLLM's async lookup state machine; the existence checks are one C call per batch
-    (``kvtier.io.batch_lookup``: faccessat per path, GIL released)."""
+    (``kvtier.io.batch_lookup``: faccessat per path, GIL released) through the engine,
+    which answers misses after ``io_timeout_s`` on a filesystem that does not answer."""
 
-    def __init__(self, tier_type: str, path_of) -> None:
+    def __init__(self, tier_type: str, path_of, lookup_paths) -> None:
         super().__init__(tier_type=tier_type)
         self._path_of = path_of
+        self._lookup_paths = lookup_paths
 
     def batch_lookup(self, keys, req_context) -> Iterable[bool]:
-        from kvtier import io as kio
-
-        return kio.batch_lookup([self._path_of(k) for k in keys])
+        return self._lookup_paths([self._path_of(k) for k in keys])
 
 
 # (id(spec), tier_type, root_dir) -> tiers built so far, to tell equal configs apart
@@ -216,17 +216,25 @@ class KvtierTier(SecondaryTierManager):
             blocks_per_file=offloading_spec.blocks_per_chunk, parallel_agnostic=True)
         self.root_dir = root_dir
         rank_path = f"{self.file_mapper.base_path}_r{self.file_mapper.rank}"
-        prepare_root(root_dir, rank_path, self.checksum_blocks)
-        self.last_sweep = None
-        if cfg["sweep_stale_temps_after"] is not None:
-            from kvtier.sweep import sweep_stale_temps
 
-            self.last_sweep = sweep_stale_temps(rank_path, cfg["sweep_stale_temps_after"])
-        config_path = self.file_mapper.get_config_file_path()
-        os.makedirs(os.path.dirname(config_path), exist_ok=True)
-        write_json_if_absent(config_path, self.file_mapper.get_run_config())  # bytes as vLLM's
-        write_block_info(os.path.dirname(config_path), bs)  # kvtier.json, for `kvtier scrub`
-        self.use_o_direct = bool(cfg["use_o_direct"] and kio.probe_o_direct(rank_path))
+        def startup() -> None:  # under the deadline: a root that does not answer is named
+            prepare_root(root_dir, rank_path, self.checksum_blocks)
+            self.last_sweep = None
+            if cfg["sweep_stale_temps_after"] is not None:
+                from kvtier.sweep import sweep_stale_temps
+
+                self.last_sweep = sweep_stale_temps(rank_path, cfg["sweep_stale_temps_after"])
+            config_path = self.file_mapper.get_config_file_path()
+            os.makedirs(os.path.dirname(config_path), exist_ok=True)
+            write_json_if_absent(config_path, self.file_mapper.get_run_config())  # bytes as vLLM's
+            write_block_info(os.path.dirname(config_path), bs)  # kvtier.json, for `kvtier scrub`
+            self.use_o_direct = bool(cfg["use_o_direct"] and kio.probe_o_direct(rank_path))
+
+        from kvtier.deadline import DEFAULT_IO_TIMEOUT_S, run_with_deadline
+
+        run_with_deadline(startup, path=root_dir,
+                          timeout=DEFAULT_IO_TIMEOUT_S if cfg["io_timeout_s"] is None else cfg["io_timeout_s"],
+                          what=f"tier root {root_dir!r}: startup probes (create, write, xattr, O_DIRECT)")
         if cfg["use_o_direct"] and not self.use_o_direct:
             logger.warning("O_DIRECT is not supported at %r (%s); using buffered I/O for the '%s' KV "
                            "offload tier.", root_dir, filesystem_type(root_dir)[0], tier_type)
@@ -243,7 +251,7 @@ class KvtierTier(SecondaryTierManager):
         self._reported: Dict[str, float] = {}  # counters at the last get_stats()
         self._metrics = metrics(self.checksum_blocks)
         self._discarded: List[JobResult] = []
-        self._lookup = _Lookup(tier_type, self.file_mapper.get_file_name)
+        self._lookup = _Lookup(tier_type, self.file_mapper.get_file_name, self._engine.lookup)
         logger.info("kvtier tier %s at %s: checksum_blocks=%s, O_DIRECT=%s, durable=%s",
                     self.tier_label, self.file_mapper.base_path, self.checksum_blocks,
                     self.use_o_direct, self.durable)

@@ -245,6 +245,24 @@ def test_fs_keys_accepted_and_checksums_default_on(harness, tmp_path):
     assert infos[1]["kvtier_crc32c_backend"] == kvtier.crc32c_backend
 
 
+def test_lookups_go_through_the_engine_deadline(harness, tmp_path, monkeypatch):
+    """vLLM's lookup thread asks the engine, which answers misses after io_timeout_s
+    when the filesystem does not answer (docs/tier.md, "Deadlines")."""
+    import threading
+
+    from kvtier import io as kio
+
+    h = harness([tier_config("kvtier", str(tmp_path / "a"), io_timeout_s=0.2)])
+    (a,) = h.tiers
+    gate = threading.Event()
+    real = kio.batch_lookup
+    monkeypatch.setattr(kio, "batch_lookup", lambda paths, *args: (gate.wait(30), real(paths, *args))[1])
+    assert a._lookup.batch_lookup([bytes(16) + bytes(4)], None) == [False]
+    snap = a.counters()
+    assert snap["lookup_timeouts"] == 1 and snap["stuck_threads"] == 1
+    gate.set()
+
+
 def test_metric_definitions_in_the_spec(vllm, tmp_path):
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
