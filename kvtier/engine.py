@@ -38,12 +38,15 @@ from __future__ import annotations
 
 import collections
 import errno
+import errno as _errno
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+
+from kvtier import policy as _policy
 
 from kvtier.deadline import DEFAULT_IO_TIMEOUT_S, OffThread, check_timeout, timed_out
 
@@ -78,7 +81,24 @@ COUNTERS: Dict[str, str] = {
     "jobs_refused": "jobs failed at once (EAGAIN) because the cap of stuck threads was reached",
     "lookup_timeouts": "lookups answered as misses at their deadline",
     "stuck_threads": "gauge: threads still in a filesystem call that outlived its deadline",
+    "root_lost": "times the tier root was found deleted or replaced while running (restored)",
 }
+COUNTERS.update(_policy.COUNT_DOCS)  # the error policy's counters (kvtier.policy)
+
+#: Prefix of the snapshot keys of failed I/O calls: ``io_error:<operation>:<ERRNO>``
+#: (operation: kvtier.policy.OPERATIONS, or "none" for an error of no call, e.g. a
+#: deadline's ETIMEDOUT; ERRNO: the errno's name).
+IO_ERROR_PREFIX = "io_error:"
+
+#: At most one warning per this many seconds about unverified loads, per tier.
+UNVERIFIED_WARN_INTERVAL = 60.0
+
+
+def io_error_key(exc: BaseException) -> str:
+    """The snapshot key counting ``exc`` (an OSError of a batch call)."""
+    code = getattr(exc, "errno", None)
+    name = _errno.errorcode.get(code, str(code)) if code is not None else "unknown"
+    return f"{IO_ERROR_PREFIX}{getattr(exc, 'operation', '') or 'none'}:{name}"
 
 
 class Counters:
@@ -99,13 +119,22 @@ class Counters:
 
     def count_job(self, is_promotion: bool, success: bool, n_keys: int, n_ok: int,
                   block_bytes: int, io_time: Optional[float], checksum_failed: bool = False,
-                  checksum_retries: int = 0) -> None:
+                  checksum_retries: int = 0, policy_counts: Optional[Mapping[str, int]] = None,
+                  error: Optional[BaseException] = None) -> None:
         """Count one finished job of ``n_keys`` blocks of ``block_bytes`` bytes, ``n_ok``
-        of them transferred; ``io_time`` seconds (None: not measured)."""
+        of them transferred; ``io_time`` seconds (None: not measured).  ``policy_counts``:
+        the batch call's ``counts=`` dict (:data:`kvtier.policy.COUNT_NAMES`); ``error``:
+        the OSError that stopped it (counted under :func:`io_error_key`)."""
         v = self._v
         with self._lock:
             v["load_jobs" if is_promotion else "store_jobs"] += 1
             v["checksum_retries"] += checksum_retries
+            for k, n in (policy_counts or {}).items():
+                if k in v:
+                    v[k] += n
+            if isinstance(error, OSError):
+                key = io_error_key(error)
+                v[key] = v.get(key, 0) + 1
             count = n_keys
             if not success:
                 v["load_failures" if is_promotion else "store_failures"] += 1
@@ -126,8 +155,15 @@ class Counters:
                 raise KeyError(name)
             self._v[name] += amount
 
+    def io_errors(self) -> Dict[Tuple[str, str], float]:
+        """``{(operation, ERRNO name): count}`` of the failed I/O calls counted so far."""
+        with self._lock:
+            return {tuple(k[len(IO_ERROR_PREFIX):].split(":", 1)): n for k, n in self._v.items()
+                    if k.startswith(IO_ERROR_PREFIX)}
+
     def snapshot(self) -> Dict[str, float]:
-        """A copy of every counter: ``{name: value}`` (names: :data:`COUNTERS`;
+        """A copy of every counter: ``{name: value}`` (names: :data:`COUNTERS`, plus one
+        ``io_error:<operation>:<ERRNO>`` key per kind of failed I/O call seen;
         ``stuck_threads`` is a gauge, read from the engine feeding these counters)."""
         with self._lock:
             snap = dict(self._v)
@@ -178,6 +214,7 @@ class Finished:
     error: Optional[BaseException] = field(default=None, compare=False)
     checksum_failed: bool = False
     checksum_retries: int = 0
+    policy_counts: Dict[str, int] = field(default_factory=dict, compare=False)  # the call's counts=
 
     @property
     def success(self) -> bool:
@@ -202,6 +239,9 @@ class TierEngine:
         io_timeout_s: deadline of a job, counted from the start of its I/O, and of a
             :meth:`lookup` (seconds, > 0), or 0 for none (docs/tier.md, "Deadlines").
         root: the tier root, named by the errors of lookups and refused jobs.
+        before_job: called on the job's thread before each job's I/O (the shell's check
+            that its tier root is still there, :meth:`kvtier.manager.FileSystemTierManager`);
+            an exception from it is logged, never raised.
 
     Thread-safety: every method may be called from any thread.  Methods never block on
     I/O except :meth:`drain` and :meth:`shutdown` (``wait=True``), and with a deadline
@@ -213,9 +253,12 @@ class TierEngine:
                  n_read_threads: int = 16, n_write_threads: int = 16, checksum: bool = False,
                  use_o_direct: bool = True, durable: bool = False,
                  counters: Optional[Counters] = None, thread_name: str = "kvtier_fs",
-                 io_timeout_s: float = DEFAULT_IO_TIMEOUT_S, root: str = "") -> None:
+                 io_timeout_s: float = DEFAULT_IO_TIMEOUT_S, root: str = "",
+                 before_job: Optional[Callable[[], None]] = None) -> None:
         self.io_timeout_s = check_timeout(io_timeout_s)
         self.root = root
+        self.before_job = before_job
+        self._warned_unverified = -UNVERIFIED_WARN_INTERVAL
         self.view = view
         self.block_size = block_size
         self.path_of = path_of
@@ -473,13 +516,14 @@ class TierEngine:
                 self._inflight -= 1
                 self._refuse(q.popleft())
 
-    def lookup(self, paths: Sequence[str]) -> List[bool]:
-        """Whether each path exists (one ``kvtier.io.batch_lookup`` call).  With a
-        deadline the call runs on another thread and after ``io_timeout_s`` every path
-        is answered as a miss (False; counted in ``lookup_timeouts``)."""
+    def lookup(self, paths: Sequence[str], block_size: int = 0) -> List[bool]:
+        """Whether each path is a regular file (of ``block_size`` bytes when not 0; one
+        ``kvtier.io.batch_lookup`` call).  With a deadline the call runs on another thread
+        and after ``io_timeout_s`` every path is answered as a miss (False; counted in
+        ``lookup_timeouts``)."""
         kio = _io()
         try:
-            found = self._lookups.call(kio.batch_lookup, list(paths), timeout=self.io_timeout_s,
+            found = self._lookups.call(kio.batch_lookup, list(paths), block_size, timeout=self.io_timeout_s,
                                        what="lookup", path=self.root or (paths[0] if paths else ""))
         except TimeoutError as e:
             logger.warning("%s", e)
@@ -498,16 +542,24 @@ class TierEngine:
         n = len(job.keys)
         err: Optional[BaseException] = None
         n_ok, checksum_failed, retries = n, False, 0
+        if self.before_job is not None:
+            try:
+                self.before_job()
+            except Exception:  # a check must never break the data path
+                logger.exception("the check before a job failed")
+        counts: Dict[str, int] = {}
         t0 = time.monotonic()
         try:
             if job.is_promotion:
                 ret = kio.batch_load_block(job.paths, self.view, job.offsets, self.block_size,
-                                           use_o_direct=self.use_o_direct, checksum=self.checksum, **js)
+                                           use_o_direct=self.use_o_direct, checksum=self.checksum,
+                                           counts=counts, **js)
                 retries = int(ret or 0)
             else:
                 extra = {"durable": True} if self.durable else {}
                 kio.batch_store_block(job.paths, self.view, job.offsets, self.block_size,
-                                      use_o_direct=self.use_o_direct, checksum=self.checksum, **extra, **js)
+                                      use_o_direct=self.use_o_direct, checksum=self.checksum,
+                                      counts=counts, **extra, **js)
         except OSError as e:
             err = e
             n_ok = max(0, min(int(getattr(e, "num_succeeded", 0) or 0), n))
@@ -520,13 +572,20 @@ class TierEngine:
         if err is not None:
             logger.warning("%s job %r failed at block %d of %d: %s",
                            "load" if job.is_promotion else "store", job.job_id, n_ok, n, err)
+        if counts.get("unverified") and t1 - self._warned_unverified >= UNVERIFIED_WARN_INTERVAL:
+            self._warned_unverified = t1  # rate-limited: at most one per interval per tier
+            logger.warning("loaded %d block(s) without a CRC32C record (stored by vLLM or with checksums "
+                           "off, or copied without xattrs): unverified; counted as 'unverified'; "
+                           "checksum_blocks='strict' makes them misses, 'kvtier scrub --adopt' records "
+                           "checksums for them", counts["unverified"])
         return Finished(job.job_id, job.is_promotion, job.keys, n_ok, t1 - t0,
-                        t1 - job.submitted_at, err, checksum_failed, retries)
+                        t1 - job.submitted_at, err, checksum_failed, retries, counts)
 
     def _count(self, job: Job, r: Finished) -> None:
         try:
             self.counters.count_job(job.is_promotion, r.success, len(job.keys), r.n_ok, self.block_size,
-                                    r.io_time, r.checksum_failed, r.checksum_retries)
+                                    r.io_time, r.checksum_failed, r.checksum_retries, r.policy_counts,
+                                    r.error)
         except Exception:  # counting must never break the data path
             logger.exception("counting a finished job failed")
 

@@ -202,8 +202,13 @@ class FileSystemTierManager:
         model_name ... canonical_format: the FileMapper fields (vLLM 0.33's names) (:class:`FileMapper`).
         block_size: bytes per block (checked against a 2-D buffer's row stride).
         n_read_threads / n_write_threads: read- and write-priority threads, >= 1.
-        checksum_blocks: record CRC32C in xattr ``user.vllm.kv_crc32c`` on store and
-            verify it on load.  Blocks stored without it still load (unverified).
+        checksum_blocks: False, True or ``"strict"``.  True / "strict": record CRC32C in
+            xattr ``user.vllm.kv_crc32c`` and the identity record ``user.kvtier.id`` on
+            store, verify them on load.  A block without a CRC record (stored by vLLM
+            with checksums off, or copied without xattrs) loads with True, counted as
+            ``unverified`` (a warning at most once a minute), and is a miss with
+            "strict" (kept on disk, counted as ``unverified_miss``); ``kvtier scrub
+            --adopt`` records checksums for such blocks.
         use_o_direct: use O_DIRECT when the filesystem accepts it (probed at startup;
             a warning and buffered I/O if refused).
         tier_idx / tier_type: metric label ``f"{tier_idx+1}:{tier_type}"`` ("1:fs").
@@ -269,11 +274,13 @@ class FileSystemTierManager:
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
-        for name, v in (("checksum_blocks", checksum_blocks), ("use_o_direct", use_o_direct),
-                        ("durable", durable)):
+        for name, v in (("use_o_direct", use_o_direct), ("durable", durable)):
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
         io_timeout_s = check_timeout(io_timeout_s)
+        from kvtier.policy import check_mode
+
+        check_mode(checksum_blocks, "checksum_blocks")
         if sweep_stale_temps_after is not None:  # validate before any I/O
             from kvtier.sweep import check_older_than
             check_older_than(sweep_stale_temps_after)
@@ -283,8 +290,8 @@ class FileSystemTierManager:
                 raise TypeError("metrics must be a kvtier.metrics.TieringMetricsTracker")
             if registry is not None:
                 raise ValueError("pass either metrics or registry, not both")
-            if metrics.checksums != checksum_blocks:
-                raise ValueError("metrics.checksums must equal checksum_blocks")
+            if metrics.checksums != bool(checksum_blocks):
+                raise ValueError("metrics.checksums must equal bool(checksum_blocks)")
         self._view, self.block_size, self.num_blocks = _primary_view(primary, block_size)
         self._primary = primary  # keep the exporter alive
         self.file_mapper = FileMapper(
@@ -298,11 +305,16 @@ class FileSystemTierManager:
         self.n_read_threads = n_read_threads
         self.n_write_threads = n_write_threads
 
+        # ---- metrics first: a refused registration (same tier label twice on one
+        # registry) leaves nothing on disk ----
+        self.metrics = metrics if metrics is not None else TieringMetricsTracker(
+            label, checksums=bool(checksum_blocks), registry=registry)
+
         # ---- startup checks that touch the filesystem, under the deadline ----
         from kvtier import io as kio
 
         def startup() -> None:
-            prepare_root(self.root_dir, self.file_mapper.rank_path, checksum_blocks)
+            prepare_root(self.root_dir, self.file_mapper.rank_path, bool(checksum_blocks))
             self.last_sweep = None  # kvtier.sweep.SweepResult of the startup sweep, if any
             if sweep_stale_temps_after is not None:
                 from kvtier.sweep import sweep_stale_temps
@@ -311,8 +323,13 @@ class FileSystemTierManager:
             self.file_mapper.write_block_info(self.block_size)
             self.use_o_direct = bool(use_o_direct and kio.probe_o_direct(self.file_mapper.rank_path))
 
-        run_with_deadline(startup, timeout=io_timeout_s, path=self.root_dir,
-                          what=f"tier root {self.root_dir!r}: startup probes (create, write, xattr, O_DIRECT)")
+        try:
+            run_with_deadline(startup, timeout=io_timeout_s, path=self.root_dir,
+                              what=f"tier root {self.root_dir!r}: startup probes (create, write, xattr, O_DIRECT)")
+        except BaseException:
+            if metrics is None:
+                self.metrics.close()
+            raise
         self.io_timeout_s = io_timeout_s
         if use_o_direct and not self.use_o_direct:
             fstype, _ = filesystem_type(self.root_dir)
@@ -320,8 +337,8 @@ class FileSystemTierManager:
                 "O_DIRECT is not supported at %r (%s); using buffered I/O for the %s tier",
                 self.root_dir, fstype, label,
             )
-        self.metrics = metrics if metrics is not None else TieringMetricsTracker(
-            label, checksums=checksum_blocks, registry=registry)
+        self._root_id = self._root_identity()
+        self._root_lock = threading.Lock()
         self._export_dsa_counters()
 
         # ---- the engine: pools, jobs, results; counts into the tracker's counters ----
@@ -329,7 +346,49 @@ class FileSystemTierManager:
             self._view, self.block_size, self._path_of, n_read_threads=n_read_threads,
             n_write_threads=n_write_threads, checksum=checksum_blocks,
             use_o_direct=self.use_o_direct, durable=durable, counters=self.metrics.counters,
-            thread_name="kvtier_fs", io_timeout_s=io_timeout_s, root=self.root_dir)
+            thread_name="kvtier_fs", io_timeout_s=io_timeout_s, root=self.root_dir,
+            before_job=self._check_root)
+
+    # ------------------------------------------------------------------ root
+    def _root_identity(self) -> Optional[Tuple[int, int, int, int]]:
+        """(st_dev, st_ino) of the root (symlinks followed) and of the rank directory, or
+        None when either is missing."""
+        try:
+            a, b = os.stat(self.root_dir), os.stat(self.file_mapper.rank_path)
+        except OSError:
+            return None
+        return a.st_dev, a.st_ino, b.st_dev, b.st_ino
+
+    def _check_root(self) -> None:
+        """Before each job: the tier root (or its rank directory) deleted, or replaced
+        (a symlink swapped to another directory), is reported (an error log line and the
+        ``root_lost`` counter), then restored: directories recreated and ``config.json`` /
+        ``kvtier.json`` written again, so the blocks stored next land in a root that says
+        what they are.  A store that was writing while the root went away removes its
+        temp (the C core and fallback unlink the temp on any failure)."""
+        now = self._root_identity()
+        if now is not None and now == self._root_id:
+            return
+        with self._root_lock:
+            now = self._root_identity()
+            if now is not None and now == self._root_id:
+                return
+            try:
+                st = os.stat(self.root_dir)
+                replaced = self._root_id is not None and (st.st_dev, st.st_ino) != self._root_id[:2]
+            except OSError:
+                replaced = False
+            logger.error("tier root %r of the %s tier was %s while running; recreating it with its "
+                         "config files", self.root_dir, self.metrics.tier,
+                         "replaced (a symlink swapped: another directory is there now)" if replaced
+                         else "deleted")
+            self.metrics.counters.add("root_lost")
+            real = os.path.realpath(self.root_dir)  # a symlinked root whose target went: recreate that
+            prepare_root(real, os.path.join(real, os.path.relpath(self.file_mapper.rank_path, self.root_dir)),
+                         False)
+            self.file_mapper.write_run_config()
+            self.file_mapper.write_block_info(self.block_size)
+            self._root_id = self._root_identity()
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -440,11 +499,13 @@ class FileSystemTierManager:
                 for f in self._engine.take_finished()]
 
     def lookup(self, keys: Sequence[Key]) -> List[bool]:
-        """For each key, True if its block file exists (one C call for all keys)."""
+        """For each key, True if its block file is a regular file of the block size (one C
+        call for all keys; a directory, symlink, FIFO or file of another size is a miss, as
+        vLLM's own lookup checks the size)."""
         paths = self.file_mapper.get_file_names(list(keys))
         if not paths:
             return []
-        return self._engine.lookup(paths)
+        return self._engine.lookup(paths, self.block_size)
 
     def drain_jobs(self, timeout: Optional[float] = None) -> bool:
         """Block until every submitted job has finished (results stay available from

@@ -30,14 +30,37 @@ Counters (names and help text as vLLM's ``TieringOffloadingMetrics``; label ``ti
                                                    deadline
 =================================================  ============================================
 
+kvtier's error-policy counters (docs/design.md "Error policy"), always registered, one sample
+per label value seen or defined:
+
+=================================================  ============================================
+``kvtier:kv_offload_tiering_condemned_blocks``     blocks removed, by ``cause``: checksum,
+                                                   identity, size, short_read
+``kvtier:kv_offload_tiering_rereads``              blocks read again before a verdict, by
+                                                   ``cause``: checksum, identity (re-read),
+                                                   short_read, size (reopened)
+``kvtier:kv_offload_tiering_retries``              transient errors retried, by ``errno``:
+                                                   EINTR, EAGAIN, ESTALE
+``kvtier:kv_offload_tiering_unverified_blocks``    blocks without CRC record on a checksummed
+                                                   tier, by ``outcome``: loaded, miss (strict)
+``kvtier:kv_offload_tiering_io_errors``            failed jobs by the failing call: labels
+                                                   ``operation`` (open, read, getxattr,
+                                                   verify, write, sync, rename ...) and
+                                                   ``errno`` (EIO, ENOENT, EBADMSG ...)
+``kvtier:kv_offload_tiering_root_lost``            the tier root found deleted or replaced
+                                                   while running (then restored)
+=================================================  ============================================
+
 prometheus_client exposes a Counter named ``X`` as the sample ``X_total`` (plus
 ``X_created``), exactly as vLLM's own counters appear on its ``/metrics`` endpoint
 (e.g. ``vllm:kv_offload_tiering_read_bytes_total{tier="1:fs"}``).
 
 Registry: by default each tracker registers into its own fresh
-:class:`prometheus_client.CollectorRegistry`, so several tiers (or tests) in one process
-never collide.  Pass ``registry=prometheus_client.REGISTRY`` to export on the process's
-default ``/metrics`` (only one tracker per tier label may do so).
+:class:`prometheus_client.CollectorRegistry`.  Any number of trackers with different tier
+labels may share one registry (e.g. ``registry=prometheus_client.REGISTRY``, the process's
+default ``/metrics``): the first registers one collector for that registry, each tracker
+adds its samples to the same metric families.  A second tracker with the same tier label
+on one registry is a ValueError (raised before a tier touches its root directory).
 
 The values are a tier engine's :class:`kvtier.engine.Counters`, read at scrape time; the
 counting rules live there (as vLLM's ``TieringMetricsTracker``): a failed job counts one
@@ -53,12 +76,14 @@ and one per-sample label (the DSA CPU redos by ``status``).
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable, Mapping, Optional, Tuple, Union
+import threading
+import weakref
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvtier.engine import Counters
+from kvtier.engine import IO_ERROR_PREFIX, Counters
 
 READ_BYTES = "vllm:kv_offload_tiering_read_bytes"
 READ_TIME = "vllm:kv_offload_tiering_read_time"
@@ -73,8 +98,30 @@ CHECKSUM_CONDEMNED = "kvtier:kv_offload_tiering_checksum_condemned"
 TIMEOUTS = "kvtier:kv_offload_tiering_timeouts"
 JOBS_REFUSED = "kvtier:kv_offload_tiering_jobs_refused"
 STUCK_THREADS = "kvtier:kv_offload_tiering_stuck_threads"
+CONDEMNED_BLOCKS = "kvtier:kv_offload_tiering_condemned_blocks"
+REREADS = "kvtier:kv_offload_tiering_rereads"
+RETRIES = "kvtier:kv_offload_tiering_retries"
+UNVERIFIED_BLOCKS = "kvtier:kv_offload_tiering_unverified_blocks"
+IO_ERRORS = "kvtier:kv_offload_tiering_io_errors"
+ROOT_LOST = "kvtier:kv_offload_tiering_root_lost"
 
 LABELNAMES = ("tier",)
+
+#: Labelled families of kvtier's error-policy counters: name -> (help, label name,
+#: {label value: Counters snapshot key}).
+POLICY_FAMILIES: Dict[str, Tuple[str, str, Dict[str, str]]] = {
+    CONDEMNED_BLOCKS: ("Blocks condemned (file removed), by cause.", "cause",
+                       {"checksum": "condemned_checksum", "identity": "condemned_identity",
+                        "size": "condemned_size", "short_read": "condemned_short"}),
+    REREADS: ("Blocks read again before a verdict (re-read or reopened), by cause.", "cause",
+              {"checksum": "reread_checksum", "identity": "reread_identity",
+               "short_read": "reread_short", "size": "restat_size"}),
+    RETRIES: ("Transient errors retried, by errno.", "errno",
+              {"EINTR": "retry_eintr", "EAGAIN": "retry_eagain", "ESTALE": "retry_estale"}),
+    UNVERIFIED_BLOCKS: ("Blocks without a CRC32C record on a checksummed tier, by outcome "
+                        "(loaded unverified, or a miss in strict mode).", "outcome",
+                        {"loaded": "unverified", "miss": "unverified_miss"}),
+}
 
 _DOCS = {
     READ_BYTES: "Total bytes read from secondary tiers into the primary tier.",
@@ -151,39 +198,90 @@ COUNTER_OF = {
 }
 
 
-class _CountersCollector:
-    """Exports the tracker's counters, read from its Counters snapshot at scrape time."""
+def _tracker_families(t: "TieringMetricsTracker") -> Iterable[CounterMetricFamily]:
+    """The families of one tracker, with its samples, read from its Counters at scrape time."""
+    snap = t.counters.snapshot()
+    for name in t._names:
+        fam = CounterMetricFamily(name, _DOCS[name], labels=LABELNAMES)
+        fam.add_metric([t.tier], float(snap[COUNTER_OF[name]]))
+        yield fam
+    for name, (doc, label, keys) in POLICY_FAMILIES.items():
+        fam = CounterMetricFamily(name, doc, labels=LABELNAMES + (label,))
+        for value, key in keys.items():
+            fam.add_metric([t.tier, value], float(snap.get(key, 0)))
+        yield fam
+    fam = CounterMetricFamily(IO_ERRORS, "Failed jobs by the failing call and errno.",
+                              labels=LABELNAMES + ("operation", "errno"))
+    for key in sorted(k for k in snap if k.startswith(IO_ERROR_PREFIX)):
+        op, err = key[len(IO_ERROR_PREFIX):].split(":", 1)
+        fam.add_metric([t.tier, op, err], float(snap[key]))
+    yield fam
+    fam = CounterMetricFamily(ROOT_LOST, "Times the tier root was found deleted or replaced while running.",
+                              labels=LABELNAMES)
+    fam.add_metric([t.tier], float(snap.get("root_lost", 0)))
+    yield fam
+    # deadlines (docs/tier.md, "Deadlines")
+    fam = CounterMetricFamily(TIMEOUTS, _DOCS[TIMEOUTS], labels=LABELNAMES + ("op",))
+    for op in ("load", "store", "lookup"):
+        fam.add_metric([t.tier, op], float(snap[f"{op}_timeouts"]))
+    yield fam
+    fam = CounterMetricFamily(JOBS_REFUSED, _DOCS[JOBS_REFUSED], labels=LABELNAMES)
+    fam.add_metric([t.tier], float(snap["jobs_refused"]))
+    yield fam
+    fam = GaugeMetricFamily(STUCK_THREADS, _DOCS[STUCK_THREADS], labels=LABELNAMES)
+    fam.add_metric([t.tier], float(snap["stuck_threads"]))
+    yield fam
+    for src in list(t._sources):
+        yield from src.collect()
 
-    def __init__(self, tracker: "TieringMetricsTracker") -> None:
-        self._t = tracker
 
-    def _families(self, with_values: bool) -> Iterable[CounterMetricFamily]:
-        snap = self._t.counters.snapshot() if with_values else {}
-        for name in self._t._names:
-            fam = CounterMetricFamily(name, _DOCS[name], labels=LABELNAMES)
-            if with_values:
-                fam.add_metric([self._t.tier], float(snap[COUNTER_OF[name]]))
-            yield fam
-        # deadlines (docs/tier.md, "Deadlines")
-        fam = CounterMetricFamily(TIMEOUTS, _DOCS[TIMEOUTS], labels=LABELNAMES + ("op",))
-        if with_values:
-            for op in ("load", "store", "lookup"):
-                fam.add_metric([self._t.tier, op], float(snap[f"{op}_timeouts"]))
-        yield fam
-        fam = CounterMetricFamily(JOBS_REFUSED, _DOCS[JOBS_REFUSED], labels=LABELNAMES)
-        if with_values:
-            fam.add_metric([self._t.tier], float(snap["jobs_refused"]))
-        yield fam
-        fam = GaugeMetricFamily(STUCK_THREADS, _DOCS[STUCK_THREADS], labels=LABELNAMES)
-        if with_values:
-            fam.add_metric([self._t.tier], float(snap["stuck_threads"]))
-        yield fam
+class _RegistryCollector:
+    """The one collector of a registry: every tracker on it adds its samples to the same
+    families (so tiers never collide on metric names; their tier labels differ)."""
+
+    def __init__(self) -> None:
+        self.trackers: List["TieringMetricsTracker"] = []
 
     def describe(self) -> Iterable[CounterMetricFamily]:
-        return self._families(False)
+        return []  # families vary with the trackers: never checked against other collectors
 
     def collect(self) -> Iterable[CounterMetricFamily]:
-        return self._families(True)
+        fams: Dict[str, CounterMetricFamily] = {}
+        for t in list(self.trackers):
+            for fam in _tracker_families(t):
+                have = fams.get(fam.name)
+                if have is None:
+                    fams[fam.name] = fam
+                else:
+                    have.samples.extend(fam.samples)
+        return list(fams.values())
+
+
+_shared_lock = threading.Lock()
+_shared: "weakref.WeakKeyDictionary[CollectorRegistry, _RegistryCollector]" = weakref.WeakKeyDictionary()
+
+
+def _attach(t: "TieringMetricsTracker") -> None:
+    with _shared_lock:
+        col = _shared.get(t.registry)
+        if col is None:
+            col = _shared[t.registry] = _RegistryCollector()
+            t.registry.register(col)
+        if any(o.tier == t.tier for o in col.trackers):
+            raise ValueError(f"a tracker with tier label {t.tier!r} is already registered on this registry; "
+                             "give each tier its own tier_idx / tier_type")
+        col.trackers.append(t)
+
+
+def _detach(t: "TieringMetricsTracker") -> None:
+    with _shared_lock:
+        col = _shared.get(t.registry)
+        if col is None or t not in col.trackers:
+            return
+        col.trackers.remove(t)
+        if not col.trackers:
+            t.registry.unregister(col)
+            del _shared[t.registry]
 
 
 class TieringMetricsTracker:
@@ -218,13 +316,13 @@ class TieringMetricsTracker:
         if self.checksums:
             names += [CHECKSUM_FAILURES, CHECKSUM_RETRIES, CHECKSUM_CONDEMNED]
         self._names = names
-        self._collector: Optional[_CountersCollector] = _CountersCollector(self)
-        self.registry.register(self._collector)
         self._sources: list = []
+        _attach(self)
+        self._attached = True
 
     def has(self, name: str) -> bool:
         """True if counter ``name`` (without ``_total``) is exported by this tracker."""
-        return self._collector is not None and name in self._names
+        return self._attached and name in self._names
 
     def value(self, name: str) -> float:
         """Current value of counter ``name`` for this tier (KeyError if not exported)."""
@@ -272,15 +370,11 @@ class TieringMetricsTracker:
         const = dict(labels or {})
         for k in const:
             _check_label_name(k, "labels key")
-        col = _SourceCollector(fn, self.tier, const)
-        self.registry.register(col)
-        self._sources.append(col)
+        self._sources.append(_SourceCollector(fn, self.tier, const))  # collected with this tracker
 
     def close(self) -> None:
-        """Unregister everything this tracker registered (lets a new tracker reuse the names)."""
-        for c in list(self._sources):
-            self.registry.unregister(c)
+        """Remove this tracker's samples from its registry (lets a new tracker reuse its
+        tier label there)."""
         self._sources.clear()
-        if self._collector is not None:
-            self.registry.unregister(self._collector)
-            self._collector = None
+        _detach(self)
+        self._attached = False

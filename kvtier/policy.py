@@ -13,23 +13,25 @@ import os
 import time
 from typing import Union
 
-COUNT_NAMES = (
-    "unverified",          # loaded without a CRC record on a checksummed tier
-    "unverified_miss",     # no CRC record in strict mode: a miss, file kept
-    "reread_checksum",     # re-read after a first CRC mismatch
-    "reread_identity",     # re-read after a first identity mismatch
-    "reread_short",        # reopened after a first short read
-    "restat_size",         # reopened after a first wrong size
-    "condemned_checksum",  # CRC mismatch twice: EBADMSG, removed
-    "condemned_identity",  # identity mismatch twice: EBADMSG, removed
-    "condemned_size",      # wrong size on two opens (no intact record of its own): EIO, removed
-    "condemned_short",     # short read on two opens: EIO, removed
-    "retry_eintr",         # EINTR retried in place (what the backend sees; CPython retries some itself)
-    "retry_eagain",        # EAGAIN/EWOULDBLOCK: the block retried from its open
-    "retry_estale",        # ESTALE: the block retried from its open
-    "durable_existing",    # a durable store synced an existing block (file + directory)
-    "replaced",            # a store replaced a symlink, FIFO or file of another size at the block path
-)
+COUNT_DOCS = {
+    "unverified": "blocks loaded without a CRC record on a checksummed tier",
+    "unverified_miss": "blocks without a CRC record in strict mode: a miss, file kept",
+    "reread_checksum": "blocks re-read after a first CRC mismatch",
+    "reread_identity": "blocks re-read after a first identity-record mismatch",
+    "reread_short": "blocks reopened after a first short read",
+    "restat_size": "blocks reopened after a first wrong size",
+    "condemned_checksum": "blocks condemned by a CRC mismatch on two reads (EBADMSG, removed)",
+    "condemned_identity": "blocks condemned by an identity mismatch on two reads (EBADMSG, removed)",
+    "condemned_size": "blocks condemned by a wrong size on two opens (EIO, removed)",
+    "condemned_short": "blocks condemned by a short read on two opens (EIO, removed)",
+    "retry_eintr": "EINTR retried in place (what the backend sees; CPython retries some calls itself)",
+    "retry_eagain": "EAGAIN/EWOULDBLOCK: the block retried from its open",
+    "retry_estale": "ESTALE: the block retried from its open",
+    "durable_existing": "durable stores that synced an existing block (file and directory)",
+    "replaced": "stores that replaced a symlink, FIFO or file of another size at the block path",
+}
+"""The per-call policy counters and their meaning, in the C core's order (csrc/policy.h)."""
+COUNT_NAMES = tuple(COUNT_DOCS)
 """Names of the per-call policy counters, in the C core's order (csrc/policy.h)."""
 
 OPERATIONS = ("open", "stat", "read", "getxattr", "verify", "mkdir", "write", "setxattr", "sync", "close",

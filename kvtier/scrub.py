@@ -8,9 +8,11 @@ status        meaning
 ok            CRC32C equals xattr ``user.vllm.kv_crc32c`` and the size is not known to be
               wrong (a size that differs only from a guessed size is a note, not an error)
 corrupt       CRC32C differs on two reads (the second after POSIX_FADV_DONTNEED, as a load
-              does), or the xattr is not 4 bytes (a load would fail with EBADMSG and
-              remove it)
-no_checksum   no xattr (stored with checksums off): unverified until rewritten
+              does), or the xattr is not 4 bytes, or the identity record
+              ``user.kvtier.id`` is present and not this block's (a block stored under
+              another key's name): a load would fail with EBADMSG and remove it
+no_checksum   no xattr (stored with checksums off, by vLLM, or copied without xattrs):
+              loads unverified (checksum_blocks=True) or is a miss ("strict")
 wrong_size    size differs from a known block size (a load would fail with EIO)
 error         could not be read (EACCES, ELOOP for a symlink, EIO...): kept, reported
 ============  ==========================================================================
@@ -32,8 +34,16 @@ and head dimension are not among them.
 (a block of an unexpected size whose bytes verify is reported and kept: a hybrid cache with
 one size per KV-cache group, or a wrong ``--block-size``, is not corruption), and only if the name still
 points to the file that was read (same st_dev and st_ino: a block republished meanwhile
-stays).  Exit status: 0 clean, 1 if any corrupt or wrong-size block was found (also with
-``--remove``), 2 for usage errors.
+stays).
+
+``--adopt`` records a checksum for ``no_checksum`` blocks an operator trusts (the migration
+path from vLLM's fs tier, or a copy made without xattrs): the CRC32C of the bytes as they
+are now and the identity record of its path and size, set on the open file; a block of a
+known wrong size is not adopted.  ``--strict`` treats ``no_checksum`` blocks (not adopted)
+as findings: exit status 1.
+
+Exit status: 0 clean, 1 if any corrupt or wrong-size block was found (also with
+``--remove``), or with ``--strict`` any unverified block, 2 for usage errors.
 """
 from __future__ import annotations
 
@@ -49,6 +59,7 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Tuple
 
 import kvtier
+from kvtier import policy
 from kvtier.file_mapper import BLOCK_INFO_FILENAME
 
 XATTR_NAME = "user.vllm.kv_crc32c"
@@ -88,6 +99,7 @@ class Finding:
     detail: str = ""
     retried: bool = False
     removed: bool = False
+    adopted: bool = False
 
 
 def _group_of(path: str) -> Optional[int]:
@@ -172,8 +184,22 @@ def _unlink_if_same(path: str, fd: int) -> str:
     return ""
 
 
+def _adopt(fd: int, path: str, size: int, buf: bytearray) -> str:
+    """Record the CRC32C of the open file's bytes and its identity record. Returns "" or
+    why not."""
+    try:
+        crc, n = _crc_of(fd, buf)
+        if n != size:
+            return f"not adopted: read {n} bytes of {size}: file changed during scrub"
+        os.setxattr(fd, XATTR_NAME, crc.to_bytes(4, "big"))
+        os.setxattr(fd, policy.ID_XATTR_NAME, policy.block_identity(path, size))
+    except OSError as e:
+        return f"not adopted: {e.strerror} (errno {e.errno})"
+    return ""
+
+
 def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Optional[str],
-            remove: bool, buf: bytearray) -> Finding:
+            remove: bool, buf: bytearray, adopt: bool = False) -> Finding:
     """Check one block file; with ``remove``, unlink it (fd still open) if provably bad.
 
     Provably bad: a size differing from a known size (kvtier.json / --block-size), a
@@ -216,6 +242,10 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
                         f.removed = not why
                         if why:
                             f.detail += "; " + why
+                elif adopt and e.errno == errno.ENODATA:
+                    why = _adopt(fd, path, size, buf)
+                    f.adopted = not why
+                    f.detail += "; " + (why or "adopted: CRC32C and identity recorded")
             else:
                 f.detail = f"getxattr: {e.strerror} (errno {e.errno})"
             return f
@@ -245,6 +275,20 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
                 f.detail = size_note + "; CRC32C matches: kept (a layout or --block-size mismatch, not corruption)"
                 return f
             if crc == want:
+                try:
+                    ident = os.getxattr(fd, policy.ID_XATTR_NAME)
+                except OSError:
+                    ident = None  # none (written by vLLM), or unreadable: not judged
+                if ident is not None and ident != policy.block_identity(path, size):
+                    f.status = "corrupt"
+                    f.detail = ("identity record user.kvtier.id is not this block's: its bytes verify, "
+                                "but it was stored under another key's name or layout")
+                    if remove:
+                        why = _unlink_if_same(path, fd)
+                        f.removed = not why
+                        if why:
+                            f.detail += "; " + why
+                    return f
                 f.status = "ok"
                 notes = []
                 if f.retried:
@@ -269,7 +313,8 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
         os.close(fd)
 
 
-def scrub(root: str, block_size: Optional[int] = None, remove: bool = False, progress: bool = True) -> dict:
+def scrub(root: str, block_size: Optional[int] = None, remove: bool = False, progress: bool = True,
+          adopt: bool = False, strict: bool = False) -> dict:
     """Scrub the cache at ``root`` (a directory path).
 
     ``block_size``: expected bytes per block where ``kvtier.json`` does not record it.
@@ -321,7 +366,7 @@ def scrub(root: str, block_size: Optional[int] = None, remove: bool = False, pro
         for key in order:
             exp, src = expected[key]
             for path, size in blocks[key]:
-                f = _verify(path, size, exp, src, remove, buf)
+                f = _verify(path, size, exp, src, remove, buf, adopt)
                 counts[f.status] += 1
                 retried += f.retried and f.status == "ok"
                 if f.status != "ok" or f.detail:
@@ -343,7 +388,10 @@ def scrub(root: str, block_size: Optional[int] = None, remove: bool = False, pro
         "retried": retried,
         "findings": [asdict(f) for f in findings],
         "removed": [f.path for f in findings if f.removed],
-        "clean": counts["corrupt"] == 0 and counts["wrong_size"] == 0,
+        "adopted": [f.path for f in findings if f.adopted],
+        "unverified": sum(1 for f in findings if f.status == "no_checksum" and not f.adopted),
+        "clean": counts["corrupt"] == 0 and counts["wrong_size"] == 0 and not (
+            strict and any(f.status == "no_checksum" and not f.adopted for f in findings)),
     }
 
 
@@ -364,9 +412,12 @@ def format_report(d: dict) -> str:
     for f in d["findings"]:
         tag = " [removed]" if f["removed"] else ""
         lines.append(f"{f['status']:<12} {f['path']}: {f['detail']}{tag}")
-    if c.get("no_checksum"):
-        lines.append(f"note: {c['no_checksum']} block(s) have no checksum (stored with checksums off); "
-                     "they load unverified until rewritten")
+    if d.get("adopted"):
+        lines.append(f"adopted: {len(d['adopted'])} block(s) without checksum now have one")
+    if d.get("unverified"):
+        lines.append(f"note: {d['unverified']} block(s) have no checksum (stored with checksums off, by "
+                     "vLLM, or copied without xattrs): they load unverified (a miss with "
+                     "checksum_blocks='strict'); --adopt records checksums for them")
     return "\n".join(lines)
 
 
@@ -380,6 +431,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None,
                    help="expected bytes per block where kvtier.json does not record it")
     p.add_argument("--remove", action="store_true", help="delete corrupt and wrong-size blocks")
+    p.add_argument("--strict", action="store_true",
+                   help="blocks without checksum are findings: exit status 1")
+    p.add_argument("--adopt", action="store_true",
+                   help="record a checksum (and identity) for blocks that have none")
     p.add_argument("--json", action="store_true", help="print a JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=cmd_scrub)
@@ -394,7 +449,8 @@ def cmd_scrub(args: argparse.Namespace) -> int:
     directory or ``--block-size`` is not positive (message on stderr).
     """
     try:
-        d = scrub(args.root, args.block_size, args.remove, not args.no_progress)
+        d = scrub(args.root, args.block_size, args.remove, not args.no_progress,
+                  adopt=getattr(args, "adopt", False), strict=getattr(args, "strict", False))
     except (OSError, ValueError) as e:
         print(f"kvtier scrub: {e}", file=sys.stderr)
         return 2

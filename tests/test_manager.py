@@ -376,7 +376,8 @@ def test_bad_config_raises_before_any_io(tmp_path):
         (dict(n_write_threads=-1), ValueError),
         (dict(n_read_threads=2.0), TypeError),
         (dict(block_size=BS * 2), ValueError),
-        (dict(checksum_blocks="yes"), TypeError),
+        (dict(checksum_blocks="yes"), ValueError),
+        (dict(checksum_blocks=1), TypeError),
         (dict(tp_size=0), ValueError),
     ]
     for kw, exc in cases:

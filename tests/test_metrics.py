@@ -16,7 +16,11 @@ def samples(registry):
     return out
 
 
-BASE = [
+POLICY = [  # kvtier's error-policy families, always registered (docs/tier.md "Metrics")
+    f"{n}_total" for n in (m.CONDEMNED_BLOCKS, m.REREADS, m.RETRIES, m.UNVERIFIED_BLOCKS, m.ROOT_LOST)
+]
+
+BASE = POLICY + [
     "vllm:kv_offload_tiering_read_bytes_total",
     "vllm:kv_offload_tiering_read_time_total",
     "vllm:kv_offload_tiering_write_bytes_total",
@@ -47,7 +51,7 @@ def test_exposed_names_match_vllm_checksums_off():
     reg = CollectorRegistry()
     m.TieringMetricsTracker("1:fs", checksums=False, registry=reg)
     s = samples(reg)
-    assert sorted(n for n, _ in s) == sorted(BASE)
+    assert sorted({n for n, _ in s}) == sorted(BASE)  # io_errors: no sample before an error
     assert all(t == "1:fs" for _, t in s)
     assert "vllm:kv_offload_tiering_checksum_failures_total" not in generate_latest(reg).decode()
 
@@ -55,7 +59,7 @@ def test_exposed_names_match_vllm_checksums_off():
 def test_checksum_metric_only_when_on():
     reg = CollectorRegistry()
     m.TieringMetricsTracker("1:fs", checksums=True, registry=reg)
-    assert sorted(n for n, _ in samples(reg)) == sorted(BASE + [
+    assert sorted({n for n, _ in samples(reg)}) == sorted(BASE + [
         "vllm:kv_offload_tiering_checksum_failures_total",
         "kvtier:kv_offload_tiering_checksum_retries_total",
         "kvtier:kv_offload_tiering_checksum_condemned_total",
