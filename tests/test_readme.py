@@ -2,6 +2,10 @@
 import re
 from pathlib import Path
 
+import pytest
+
+from ci import unavailable
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
@@ -34,3 +38,22 @@ def test_python_example_runs(tmp_path):
     assert loaded.successful_keys == stored.successful_keys
     bins = list((tmp_path / "kv").rglob("00112233445566778899aabbccddeeff.bin"))
     assert len(bins) == 1 and bins[0].stat().st_size == 2 << 20
+
+
+@pytest.mark.vllm
+def test_use_with_vllm_command_is_a_config_vllm_accepts():
+    """The README's `vllm serve ... --kv-transfer-config '...'` JSON, read the way vLLM 0.33
+    reads it (human-readable numbers such as 8G expanded first), gives an integer
+    cpu_bytes_to_use (a quoted "8G" stays a string and fails int() in vLLM's CPU spec) and
+    a kvtier secondary tier."""
+    import json
+
+    try:
+        from vllm.engine.arg_utils import _expand_json_human_readable_numbers as expand
+    except ImportError as e:
+        unavailable(f"vLLM 0.33 is not installed: {e}")
+    cfg = re.search(r"--kv-transfer-config '(.*?)'", README, re.S).group(1)
+    extra = json.loads(expand(cfg))["kv_connector_extra_config"]
+    assert extra["cpu_bytes_to_use"] == 8 * 2**30
+    assert int(extra["cpu_bytes_to_use"]) == 8 * 2**30
+    assert extra["secondary_tiers"] == [{"type": "kvtier", "root_dir": "/mnt/nvme/kv"}]
