@@ -558,7 +558,7 @@ def run_doctor(root: str, peer: Optional[str] = None, wait: float = 5.0) -> dict
         try:
             r = fn(*a)
         except OSError as e:  # an error the probe did not expect: kvtier would meet it too
-            r = Check(check_name, FAIL, f"{_err(e)}" + (f" on {e.filename}" if e.filename else ""),
+            r = Check(check_name, FAIL, f"{_err(e)} on {e.filename or a[0]}",
                       "fix the filesystem error above (see the client's log)", {"errno": e.errno})
         checks.extend(r if isinstance(r, list) else [r])
 
@@ -573,8 +573,13 @@ def run_doctor(root: str, peer: Optional[str] = None, wait: float = 5.0) -> dict
             probe("peer", check_peer, work, os.path.join(peer, name), wait)
         from kvtier import io as kio
 
-        kv["o_direct"] = bool(kio.probe_o_direct(work))
-        kv["checksums"] = bool(kio.probe_xattr(work))
+        try:
+            kv["o_direct"] = bool(kio.probe_o_direct(work))
+            kv["checksums"] = bool(kio.probe_xattr(work))
+        except OSError as e:  # e.g. ENOSPC on a full filesystem: a failed check, not a traceback
+            checks.append(Check("kvtier_probe", FAIL, f"kvtier's own I/O probe failed: {_err(e)} on "
+                                f"{e.filename or work}", "fix the filesystem error above (free space, "
+                                "permissions, the client's log)", {"errno": e.errno}))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return _finish(root, peer, m, checks, kv)

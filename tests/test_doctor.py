@@ -85,6 +85,26 @@ def test_read_only_mount_fails():
         assert "EROFS" in check(d, "writable")["detail"]
 
 
+def test_full_filesystem_fails_naming_enospc():
+    with mount_tmpfs(size="8m") as root:
+        with open(os.path.join(root, "fill"), "wb") as f:
+            with pytest.raises(OSError) as ei:
+                while True:
+                    f.write(b"\0" * (1 << 20))
+                    f.flush()
+        assert ei.value.errno == errno.ENOSPC
+        code, d, err = doctor(root)
+        assert code == 2 and d is not None, err
+        assert "Traceback" not in err
+        assert check(d, "space")["status"] == "fail"
+        fails = [c for c in d["checks"] if c["status"] == "fail" and c["name"] != "space"]
+        assert fails and all("ENOSPC" in c["detail"] and root in c["detail"] for c in fails), \
+            [(c["name"], c["detail"]) for c in fails]
+        assert check(d, "kvtier_probe")["data"]["errno"] == errno.ENOSPC
+        assert d["kvtier"]["runs"] is False
+        assert sorted(os.listdir(root)) == ["fill"]
+
+
 def test_fusefault_passthrough_and_faults(tmp_path):
     with mount_fusefault(tmp_path) as ff:
         code, d, err = doctor(ff.mnt)
