@@ -12,6 +12,8 @@ Fair by construction: every mode loads the same files (stored with checksums on;
 mode without checksums ignores the record), the modes take turns pass by pass (the
 order alternating between repeats), and a load pass repeats its jobs until it has
 run at least ``--min-pass-s`` seconds, so a pass is not one burst of a few ms.
+Every store pass (vLLM's too) starts from an empty root directory and creates the
+blocks' directories (the same two-level layout, :mod:`kvtier.file_mapper`'s) while timed.
 
 Block geometry (bytes per block) = 2 (K and V) x layers x KV heads x head dim x dtype
 bytes x tokens per block: one file holds every layer's K and V for ``--tokens`` tokens,
@@ -319,11 +321,10 @@ def run_bench(preset: str = DEFAULT_PRESET, tokens: int = DEFAULT_TOKENS, blocks
         blocks_mgr = mgrs[("load", load_src)]
         load_paths = blocks_mgr.file_mapper.get_file_names(keys)
         peer_view = memoryview(buf).cast("B")
-        if vio is not None:
+        if vio is not None:  # the same layout as kvtier's (kvtier.file_mapper) in a root of its own
             peer_root = os.path.join(base, "vllm")
-            peer_paths = [os.path.join(peer_root, f"{i:03x}"[:3], f"b{i}.bin") for i in range(blocks)]
-            for d in {os.path.dirname(x) for x in peer_paths}:
-                os.makedirs(d, exist_ok=True)
+            peer_paths = [os.path.join(peer_root, os.path.relpath(x, blocks_mgr.file_mapper.rank_path))
+                          for x in load_paths]
 
         def add(op, n_jobs, mode, samples):
             wall = [s[0] for s in samples]
@@ -347,17 +348,17 @@ def run_bench(preset: str = DEFAULT_PRESET, tokens: int = DEFAULT_TOKENS, blocks
             for m in store_order:  # each repeat stores into a fresh directory
                 buf[:] = src
                 bar.set_postfix_str(f"store {m}")
+                # every store pass starts from an empty root directory and creates the
+                # blocks' directories (two levels, kvtier.file_mapper's layout) while timed
                 if m == "vllm":
-                    shutil.rmtree(peer_root)
-                    for d in {os.path.dirname(x) for x in peer_paths}:
-                        os.makedirs(d, exist_ok=True)
+                    shutil.rmtree(peer_root, ignore_errors=True)
+                    os.makedirs(peer_root)
                     s = _peer_pass(vio, peer_pool, "store", keys, peer_paths, peer_view, bs, store_jobs,
                                    o_direct, 0)
                 else:
                     mgr = mgrs[("store", m)]
-                    if r or m != load_src:
-                        shutil.rmtree(mgr.file_mapper.rank_path)
-                        os.makedirs(mgr.file_mapper.rank_path)
+                    shutil.rmtree(mgr.file_mapper.rank_path)
+                    os.makedirs(mgr.file_mapper.rank_path)
                     s = _pass(mgr, "store", keys, store_jobs, job_base)
                     job_base += store_jobs
                 samples.setdefault(("store", m), []).append(s + (0,))

@@ -114,7 +114,7 @@ def test_bench_modes_load_the_same_files_over_long_passes(tmp_path, monkeypatch)
 
 
 @pytest.mark.vllm
-def test_bench_vllm_column(tmp_path):
+def test_bench_vllm_column(tmp_path, monkeypatch):
     """With vLLM installed the table gets vLLM's own fs tier I/O (fs_io_C) for the same
     jobs: stores and loads succeed, its loads are verified byte for byte like ours."""
     from kvtier.peer import load_vllm_io
@@ -122,9 +122,33 @@ def test_bench_vllm_column(tmp_path):
     vio, note = load_vllm_io()
     if vio is None:
         unavailable(f"vLLM's fs tier io: {note}")
+    # every store pass, kvtier's and vLLM's, starts from the same directory state (an empty
+    # root) and leaves the same tree (kvtier.file_mapper's layout): the same directory work timed
+    stores = []
+
+    def tree(root):
+        return sorted(os.path.relpath(os.path.join(d, x), root) for d, ds, fs in os.walk(root) for x in ds + fs)
+
+    def spy(real, op_arg, root_of):
+        def f(*a, **kw):
+            root = root_of(*a)
+            before = tree(root) if a[op_arg] == "store" else None
+            out = real(*a, **kw)
+            if before is not None:
+                stores.append((before, tree(root)))
+            return out
+        return f
+
+    rank_root = lambda mgr, *a: mgr.file_mapper.rank_path  # noqa: E731
+    peer_root = lambda vio, pool, op, keys, paths, *a: os.path.dirname(os.path.dirname(os.path.dirname(paths[0])))  # noqa: E731
+    monkeypatch.setattr(bench, "_pass", spy(bench._pass, 1, rank_root))
+    monkeypatch.setattr(bench, "_peer_pass", spy(bench._peer_pass, 2, peer_root))
     d = bench.run_bench("tiny", blocks=8, jobs=(2,), root=str(tmp_path), repeat=1, progress=False,
                         vllm="on", min_pass_s=0)
     assert d["ok"] and d["vllm"].startswith("vLLM 0.33")
+    assert len(stores) == 3 and all(before == [] for before, _ in stores)
+    after = [t for _, t in stores]
+    assert after[0] == after[1] == after[2] and len([x for x in after[0] if x.endswith(".bin")]) == 8, after
     assert [(r["op"], r["mode"]) for r in d["rows"]] == [
         ("store", "off"), ("store", "on"), ("store", "vllm"), ("load", "off"), ("load", "on"), ("load", "vllm")]
     assert all(r["failed_jobs"] == 0 and r["gbps"] > 0 for r in d["rows"])
