@@ -258,6 +258,12 @@ class JobState:
         return f"JobState({_STATE_NAMES[s] if s < len(_STATE_NAMES) else s})"
 
 
+def _check_bool(v, name: str) -> None:
+    """A flag is True or False: "no" or 0 would pass through bool() as something else."""
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool, not {type(v).__name__} {v!r}")
+
+
 def _job_state_arg(job_state) -> dict:
     """``job_state``: None, a :class:`JobState`, or a bare state word (a writable
     buffer of >= 4 bytes, 4-byte aligned, its first 4 bytes the word), checked by
@@ -319,13 +325,15 @@ class BlockIO:
         (module docstring, "Deadlines"). Errors: module docstring; a store
         OSError names the destination and leaves no temp behind."""
         checksum = _policy.check_mode(checksum)
+        _check_bool(use_o_direct, "use_o_direct")
+        _check_bool(durable, "durable")
         paths, views = _check_blocks(paths, view, offsets, block_size, writable=False)
         tag = secrets.token_hex(8)  # one per call: the destinations of a batch differ already
         tmps = [_tmp_with(p, tag) for p in paths]
         kw = _job_state_arg(job_state)
         if counts is not None:
             kw["counts"] = counts
-        self.impl.batch_store_block(tmps, paths, views, bool(use_o_direct), checksum, durable=bool(durable), **kw)
+        self.impl.batch_store_block(tmps, paths, views, use_o_direct, checksum, durable=durable, **kw)
 
     def batch_load_block(
         self,
@@ -361,11 +369,12 @@ class BlockIO:
         stops with OSError ETIMEDOUT (``num_succeeded`` = blocks fully loaded)
         and writes nothing more (module docstring, "Deadlines")."""
         checksum = _policy.check_mode(checksum)
+        _check_bool(use_o_direct, "use_o_direct")
         paths, views = _check_blocks(paths, view, offsets, block_size, writable=True)
         kw = _job_state_arg(job_state)
         if counts is not None:
             kw["counts"] = counts
-        return self.impl.batch_load_block(paths, views, bool(use_o_direct), checksum, **kw)
+        return self.impl.batch_load_block(paths, views, use_o_direct, checksum, **kw)
 
     def batch_lookup(self, paths: Sequence[PathT], block_size: int = 0) -> list:
         """list[bool]: whether each path is a regular file (not a symlink,

@@ -546,6 +546,23 @@ def test_probe_o_direct(ramfs_dir, ext4_dir):
 # ---------------------------------------------------------------- bad arguments
 
 
+@pytest.mark.parametrize("name", ["use_o_direct", "durable"])
+@pytest.mark.parametrize("value", ["no", 0, 1, None])
+def test_flags_must_be_bool(io_backend, tmp_path, name, value):
+    """durable="no" would be True through bool(): refused, naming the argument, nothing stored."""
+    bs = 4096
+    view = rand_blocks(1, bs)
+    paths = block_paths(tmp_path, 1)
+    with pytest.raises(TypeError, match=rf"^{name} must be a bool"):
+        io_backend.batch_store_block(paths, view, [0], bs, **{name: value})
+    assert not os.path.exists(paths[0])
+    if name == "use_o_direct":
+        with pytest.raises(TypeError, match=r"^use_o_direct must be a bool"):
+            io_backend.batch_load_block(paths, view, [0], bs, use_o_direct=value)
+    io_backend.batch_store_block(paths, view, [0], bs, **{name: False})
+    assert os.path.getsize(paths[0]) == bs
+
+
 def test_bad_arguments_io_layer(io_backend, tmp_path):
     bs = 4096
     view = rand_blocks(2, bs)
