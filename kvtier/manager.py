@@ -221,7 +221,8 @@ class FileSystemTierManager:
             last modified more than this long ago, left by a killed process; never
             ``.bin`` blocks, recent temps or other files (:mod:`kvtier.sweep`). The
             result is ``self.last_sweep``. TypeError / ValueError (before any I/O) for
-            a non-number or a negative or infinite value.
+            a non-number, a value below 60 s (``kvtier.sweep.MIN_SWEEP_AFTER_S``: a
+            shorter one deletes live writers' temps) or an infinite one.
         durable: on store, fdatasync each temp before its rename and fsync its directory
             after, so a stored block survives power loss (default False: a crash can lose
             recently stored blocks, never publish a torn one). Cost: docs/reliability.md.
@@ -282,8 +283,8 @@ class FileSystemTierManager:
 
         check_mode(checksum_blocks, "checksum_blocks")
         if sweep_stale_temps_after is not None:  # validate before any I/O
-            from kvtier.sweep import check_older_than
-            check_older_than(sweep_stale_temps_after)
+            from kvtier.sweep import check_sweep_after
+            check_sweep_after(sweep_stale_temps_after)
         label = tier_label(tier_idx, tier_type)
         if metrics is not None:
             if not isinstance(metrics, TieringMetricsTracker):

@@ -48,15 +48,29 @@ class SweepResult:
     seconds: float = 0.0
 
 
-def check_older_than(older_than: float) -> float:
+MIN_SWEEP_AFTER_S = 60.0
+"""The smallest ``sweep_stale_temps_after`` a tier accepts: a peer starting with a
+threshold shorter than one store takes deletes live writers' temps (use minutes)."""
+
+
+def check_older_than(older_than: float, name: str = "older_than", minimum: float = 0.0) -> float:
     """``older_than`` as a float of seconds. TypeError if it is not a real
-    number (bool included), ValueError if negative, NaN or infinite."""
+    number (bool included), ValueError if below ``minimum`` (0; a tier's
+    ``sweep_stale_temps_after`` key: :data:`MIN_SWEEP_AFTER_S`), NaN or
+    infinite; both name ``name``."""
     if isinstance(older_than, bool) or not isinstance(older_than, (int, float)):
-        raise TypeError(f"older_than must be a number of seconds, not {type(older_than).__name__}")
+        raise TypeError(f"{name} must be a number of seconds, not {type(older_than).__name__}")
     older_than = float(older_than)
-    if not (older_than >= 0.0) or older_than == float("inf"):
-        raise ValueError(f"older_than must be a finite number of seconds >= 0, got {older_than!r}")
+    if not (older_than >= minimum) or older_than == float("inf"):
+        why = (" (shorter thresholds delete the temps of stores still being written: use minutes)"
+               if minimum > 0 else "")
+        raise ValueError(f"{name} must be a finite number of seconds >= {minimum:g}{why}, got {older_than!r}")
     return older_than
+
+
+def check_sweep_after(value: float) -> float:
+    """The ``sweep_stale_temps_after`` key of a tier (manager, vLLM tier)."""
+    return check_older_than(value, "sweep_stale_temps_after", MIN_SWEEP_AFTER_S)
 
 
 def sweep_stale_temps(

@@ -177,9 +177,9 @@ class KvtierTier(SecondaryTierManager):
             if not isinstance(cfg[k], bool):
                 raise TypeError(f"{k} must be a bool, got {type(cfg[k]).__name__}")
         if cfg["sweep_stale_temps_after"] is not None:
-            from kvtier.sweep import check_older_than
+            from kvtier.sweep import check_sweep_after
 
-            check_older_than(cfg["sweep_stale_temps_after"])
+            check_sweep_after(cfg["sweep_stale_temps_after"])
         if cfg["io_timeout_s"] is not None:
             from kvtier.deadline import check_timeout
 

@@ -269,12 +269,28 @@ def test_sweep_bad_threshold_raises_before_any_io(tmp_path, bad, exc):
     from kvtier.manager import FileSystemTierManager
 
     root = tmp_path / "never"
-    with pytest.raises(exc):
+    with pytest.raises(exc, match="^sweep_stale_temps_after must be"):
         FileSystemTierManager(np.zeros((1, 4096), dtype=np.uint8), str(root), "m",
                               sweep_stale_temps_after=bad)
     assert not root.exists()
-    with pytest.raises(exc):
+    with pytest.raises(exc, match="^older_than must be"):
         sweep_stale_temps(str(tmp_path), bad)
+
+
+@pytest.mark.parametrize("short", [0, 0.5, 59.9])
+def test_sweep_after_below_a_minute_is_refused(tmp_path, short):
+    """A tier started with sweep_stale_temps_after=0 would delete the temps other live
+    processes are writing: the key needs >= 60 s (the function itself takes any age)."""
+    from kvtier.manager import FileSystemTierManager
+
+    root = tmp_path / "never"
+    with pytest.raises(ValueError, match=r"^sweep_stale_temps_after must be .*>= 60 .*use minutes"):
+        FileSystemTierManager(np.zeros((1, 4096), dtype=np.uint8), str(root), "m",
+                              sweep_stale_temps_after=short)
+    assert not root.exists()
+    with FileSystemTierManager(np.zeros((1, 4096), dtype=np.uint8), str(root), "m", n_read_threads=1,
+                               n_write_threads=1, sweep_stale_temps_after=60) as m:
+        assert m.last_sweep is not None and m.last_sweep.removed == []
 
 
 def test_sweep_records_unremovable_temps(tmp_path):

@@ -229,6 +229,14 @@ def test_unknown_key_is_a_type_error(vllm, tmp_path, kind):
             assert k in msg
 
 
+def test_sweep_after_below_a_minute_is_a_value_error_naming_the_key(vllm, tmp_path):
+    from vllm_harness import Harness
+
+    with pytest.raises(ValueError, match=r"^sweep_stale_temps_after must be .*>= 60"):
+        Harness([tier_config("kvtier", str(tmp_path / "c"), sweep_stale_temps_after=0)], block_bytes=BS)
+    assert not (tmp_path / "c").exists()
+
+
 def test_fs_keys_accepted_and_checksums_default_on(harness, tmp_path):
     h = harness([tier_config("kvtier", str(tmp_path / "a"), enable_kv_events=False, locality="REMOTE",
                              backpressure={"backpressure_cls": "EMABackpressureDetector"}),
