@@ -211,7 +211,8 @@ class FileSystemTierManager:
             --adopt`` records checksums for such blocks.
         use_o_direct: use O_DIRECT when the filesystem accepts it (probed at startup;
             a warning and buffered I/O if refused).
-        tier_idx / tier_type: metric label ``f"{tier_idx+1}:{tier_type}"`` ("1:fs").
+        tier_idx / tier_type: metric label ``f"{tier_idx+1}:{tier_type}"`` ("1:kvtier"; inside
+            vLLM the tier's label is vLLM's, e.g. "1:kvtier" for a ``"kvtier"`` entry).
         metrics: a :class:`TieringMetricsTracker` to count into (its ``checksums`` must
             match ``checksum_blocks``), or None to make one in ``registry``.
         registry: prometheus_client registry for the tracker made here (default a fresh
@@ -262,7 +263,7 @@ class FileSystemTierManager:
         checksum_blocks: bool = False,
         use_o_direct: bool = True,
         tier_idx: int = 0,
-        tier_type: str = "fs",
+        tier_type: str = "kvtier",
         metrics: Optional[TieringMetricsTracker] = None,
         registry: Any = None,
         sweep_stale_temps_after: Optional[float] = None,  # stale-temp sweep (kvtier/sweep.py)

@@ -139,8 +139,8 @@ _DOCS = {
 }
 
 
-def tier_label(tier_idx: int, tier_type: str = "fs") -> str:
-    """vLLM's tier label: ``f"{tier_idx + 1}:{tier_type}"`` (index 0 -> ``"1:fs"``)."""
+def tier_label(tier_idx: int, tier_type: str = "kvtier") -> str:
+    """vLLM's tier label: ``f"{tier_idx + 1}:{tier_type}"`` (index 0 -> ``"1:kvtier"``; vLLM's own tier is ``"1:fs"``)."""
     if isinstance(tier_idx, bool) or not isinstance(tier_idx, int) or tier_idx < 0:
         raise ValueError(f"tier_idx must be an int >= 0, got {tier_idx!r}")
     if not isinstance(tier_type, str) or not tier_type:
@@ -289,7 +289,7 @@ class TieringMetricsTracker:
     counters, read at scrape time.
 
     Args:
-        tier: label value (default ``"1:fs"``, see :func:`tier_label`).
+        tier: label value (default ``"1:kvtier"``, see :func:`tier_label`).
         checksums: register ``vllm:kv_offload_tiering_checksum_failures`` and kvtier's
             ``..._checksum_retries`` / ``..._checksum_condemned`` (only when the tier
             verifies checksums; absent otherwise).
@@ -301,7 +301,7 @@ class TieringMetricsTracker:
     Thread-safe: :meth:`on_job_finished` may be called from any thread.
     """
 
-    def __init__(self, tier: str = "1:fs", checksums: bool = False,
+    def __init__(self, tier: str = "1:kvtier", checksums: bool = False,
                  registry: Optional[CollectorRegistry] = None,
                  counters: Optional[Counters] = None) -> None:
         if not isinstance(tier, str) or not tier:

@@ -121,10 +121,10 @@ def test_late_load_is_reported_once_and_never_writes_the_reused_row(backend, ff,
         c = counters(tier)
         assert (c["load_timeouts"], c["load_failures"], c["stuck_threads"]) == (1, 1, 1)
         reg = tier.metrics.registry
-        assert reg.get_sample_value("kvtier:kv_offload_tiering_timeouts_total", {"tier": "1:fs", "op": "load"}) == 1
-        assert reg.get_sample_value("kvtier:kv_offload_tiering_timeouts_total", {"tier": "1:fs", "op": "store"}) == 0
-        assert reg.get_sample_value("kvtier:kv_offload_tiering_stuck_threads", {"tier": "1:fs"}) == 1
-        assert reg.get_sample_value("vllm:kv_offload_tiering_promotion_job_failures_total", {"tier": "1:fs"}) == 1
+        assert reg.get_sample_value("kvtier:kv_offload_tiering_timeouts_total", {"tier": "1:kvtier", "op": "load"}) == 1
+        assert reg.get_sample_value("kvtier:kv_offload_tiering_timeouts_total", {"tier": "1:kvtier", "op": "store"}) == 0
+        assert reg.get_sample_value("kvtier:kv_offload_tiering_stuck_threads", {"tier": "1:kvtier"}) == 1
+        assert reg.get_sample_value("vllm:kv_offload_tiering_promotion_job_failures_total", {"tier": "1:kvtier"}) == 1
         buf[4:6] = 0xA7  # the caller reuses the rows for other blocks
         ff.clear()
         wait_until(lambda: counters(tier)["stuck_threads"] == 0)  # the late load returned
@@ -197,7 +197,7 @@ def test_at_the_cap_of_stuck_threads_new_jobs_fail_fast(backend, ff, area):
         c = counters(tier)
         assert c["jobs_refused"] == 2 and c["load_timeouts"] == 2 and c["store_timeouts"] == 0
         assert tier.metrics.registry.get_sample_value("kvtier:kv_offload_tiering_jobs_refused_total",
-                                                      {"tier": "1:fs"}) == 2
+                                                      {"tier": "1:kvtier"}) == 2
         ff.clear()
         wait_until(lambda: counters(tier)["stuck_threads"] == 0)
         tier.submit_load(TransferJob("F", [key(2)], [2]))

@@ -261,7 +261,7 @@ def test_manager_counts_condemned_and_retried_blocks(ff, area):
         assert run(TransferJob("s", keys, list(range(n))), load=False).success
         paths = m.file_mapper.get_file_names(keys)
         assert all(os.path.exists(ff.backing_of(p)) for p in paths)
-        label = {"tier": "1:fs"}
+        label = {"tier": "1:kvtier"}
 
         def metric(name):
             return reg.get_sample_value(name + "_total", label) or 0.0
@@ -303,8 +303,8 @@ def test_manager_counts_condemned_and_retried_blocks(ff, area):
 
 
 def test_checksum_counters_are_per_tier(ff, area):
-    """Two tiers in one process: a transient flip in tier "1:fs" and a persistent
-    one in tier "2:fs" are each counted by their own tier only (the process-wide
+    """Two tiers in one process: a transient flip in tier "1:kvtier" and a persistent
+    one in tier "2:kvtier" are each counted by their own tier only (the process-wide
     kvtier.io.checksum_stats() would give both tiers the same numbers)."""
     from prometheus_client import CollectorRegistry
 
@@ -330,14 +330,14 @@ def test_checksum_counters_are_per_tier(ff, area):
 
         def metric(idx, name):
             _, _, _, reg = tiers[idx]
-            return reg.get_sample_value(name + "_total", {"tier": f"{idx + 1}:fs"})
+            return reg.get_sample_value(name + "_total", {"tier": f"{idx + 1}:kvtier"})
 
         for idx, (m, buf, orig, _) in tiers.items():
             assert run(m, TransferJob("s", keys, list(range(n))), load=False).success
         m0, buf0, orig0, _ = tiers[0]
         m1, buf1, orig1, _ = tiers[1]
-        ff.add("flip", rel(ff, m0.file_mapper.get_file_name(keys[1])), arg=7, count=1)  # tier 1:fs, transient
-        ff.add("flip", rel(ff, m1.file_mapper.get_file_name(keys[0])), arg=7, count=-1)  # tier 2:fs, persistent
+        ff.add("flip", rel(ff, m0.file_mapper.get_file_name(keys[1])), arg=7, count=1)  # tier 1:kvtier, transient
+        ff.add("flip", rel(ff, m1.file_mapper.get_file_name(keys[0])), arg=7, count=-1)  # tier 2:kvtier, persistent
         buf0[:] = 0
         buf1[:] = 0
         r0 = run(m0, TransferJob("l", keys, list(range(n))), load=True)

@@ -98,7 +98,7 @@ def test_copy_without_xattrs_loads_counted_unverified_strict_refuses_scrub_repor
     assert sum("without a CRC32C record" in r.getMessage() for r in caplog.records) == 1  # rate-limited
     reg = t.metrics.registry
     assert samples(reg, "kvtier:kv_offload_tiering_unverified_blocks")[
-        (("outcome", "loaded"), ("tier", "1:fs"))] == 2 * N
+        (("outcome", "loaded"), ("tier", "1:kvtier"))] == 2 * N
     t.shutdown()
 
     t, buf = make_tier(copy, checksum="strict")
@@ -164,7 +164,7 @@ def test_lookup_is_a_miss_for_a_file_of_another_size(tmp_path):
 # ---------------------------------------------------------------- finding 7
 
 def test_two_tiers_share_one_registry(tmp_path):
-    """Two tiers on one registry: both register (labels 1:fs and 2:fs), each counts its own
+    """Two tiers on one registry: both register (labels 1:kvtier and 2:kvtier), each counts its own
     traffic; a third with a label already there is refused before its root is created."""
     reg = CollectorRegistry()
     a, abuf = make_tier(tmp_path / "a", registry=reg, tier_idx=0)
@@ -174,7 +174,7 @@ def test_two_tiers_share_one_registry(tmp_path):
     assert run(a, "s", keys(), list(range(N)), False).success
     assert run(b, "s", keys(2), [0, 1], False).success
     got = samples(reg, "vllm:kv_offload_tiering_write_bytes")
-    assert got == {(("tier", "1:fs"),): N * BS, (("tier", "2:fs"),): 2 * BS}
+    assert got == {(("tier", "1:kvtier"),): N * BS, (("tier", "2:kvtier"),): 2 * BS}
     text = generate_latest(reg).decode()
     assert text.count("# TYPE vllm:kv_offload_tiering_write_bytes_total counter") == 1
     with pytest.raises(ValueError, match="already registered"):
@@ -183,7 +183,7 @@ def test_two_tiers_share_one_registry(tmp_path):
     b.shutdown()
     b.metrics.close()
     c, _ = make_tier(tmp_path / "c", registry=reg, tier_idx=1)  # the label is free again
-    assert set(samples(reg, "vllm:kv_offload_tiering_write_bytes")) == {(("tier", "1:fs"),), (("tier", "2:fs"),)}
+    assert set(samples(reg, "vllm:kv_offload_tiering_write_bytes")) == {(("tier", "1:kvtier"),), (("tier", "2:kvtier"),)}
     a.shutdown()
     c.shutdown()
 
@@ -236,7 +236,7 @@ def test_condemned_blocks_and_io_errors_by_cause(tmp_path):
             for k, v in samples(reg, "kvtier:kv_offload_tiering_io_errors").items()}
     assert errs == {("verify", "EBADMSG"): 2, ("verify", "EIO"): 1, ("open", "ENOENT"): 1,
                     ("stat", "EISDIR"): 1}
-    assert samples(reg, "vllm:kv_offload_tiering_checksum_failures") == {(("tier", "1:fs"),): 2}
+    assert samples(reg, "vllm:kv_offload_tiering_checksum_failures") == {(("tier", "1:kvtier"),): 2}
     t.shutdown()
 
 
@@ -268,7 +268,7 @@ def test_tier_root_lost_while_running(tmp_path, how, caplog):
                for rec in caplog.records), [rec.getMessage() for rec in caplog.records]
     assert sorted(p.relative_to(now) for p in now.rglob("*.json")) == config  # restored
     assert t.metrics.counters.snapshot()["root_lost"] == 1
-    assert samples(t.metrics.registry, "kvtier:kv_offload_tiering_root_lost") == {(("tier", "1:fs"),): 1}
+    assert samples(t.metrics.registry, "kvtier:kv_offload_tiering_root_lost") == {(("tier", "1:kvtier"),): 1}
     assert run(t, "l", keys(2, base=10), [N, N + 1], True).success
     assert np.array_equal(buf[N:N + 2], want[2:4])
     assert list(now.rglob("*.tmp")) == [] and list(tmp_path.rglob("*.tmp")) == []

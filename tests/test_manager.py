@@ -152,13 +152,13 @@ def test_checksum_failure_partial_keep(tier, bad):
         assert np.array_equal(buf[i], orig[i])
     # the provably bad file is removed, every other file kept
     assert [os.path.exists(p) for p in paths] == [i != bad for i in range(8)]
-    assert reg.get_sample_value("vllm:kv_offload_tiering_checksum_failures_total", {"tier": "1:fs"}) == 1
-    assert reg.get_sample_value("vllm:kv_offload_tiering_promotion_job_failures_total", {"tier": "1:fs"}) == 1
-    assert reg.get_sample_value("vllm:kv_offload_tiering_read_bytes_total", {"tier": "1:fs"}) == bad * BS
+    assert reg.get_sample_value("vllm:kv_offload_tiering_checksum_failures_total", {"tier": "1:kvtier"}) == 1
+    assert reg.get_sample_value("vllm:kv_offload_tiering_promotion_job_failures_total", {"tier": "1:kvtier"}) == 1
+    assert reg.get_sample_value("vllm:kv_offload_tiering_read_bytes_total", {"tier": "1:kvtier"}) == bad * BS
     # this tier's own retry-once counts: the bad block was re-read once, then condemned
     assert r.checksum_retries == 1
-    assert reg.get_sample_value("kvtier:kv_offload_tiering_checksum_retries_total", {"tier": "1:fs"}) == 1
-    assert reg.get_sample_value("kvtier:kv_offload_tiering_checksum_condemned_total", {"tier": "1:fs"}) == 1
+    assert reg.get_sample_value("kvtier:kv_offload_tiering_checksum_retries_total", {"tier": "1:kvtier"}) == 1
+    assert reg.get_sample_value("kvtier:kv_offload_tiering_checksum_condemned_total", {"tier": "1:kvtier"}) == 1
     # a lookup now reports the removed block as a miss
     assert m.lookup(keys) == [i != bad for i in range(8)]
 
@@ -245,10 +245,10 @@ def test_checksum_metric_absent_when_off(tier):
     reg = CollectorRegistry()
     m, _ = tier(checksum_blocks=False, registry=reg)
     assert not m.metrics.has(M.CHECKSUM_FAILURES)
-    assert reg.get_sample_value("vllm:kv_offload_tiering_checksum_failures_total", {"tier": "1:fs"}) is None
-    assert reg.get_sample_value("kvtier:kv_offload_tiering_checksum_retries_total", {"tier": "1:fs"}) is None
-    assert reg.get_sample_value("kvtier:kv_offload_tiering_checksum_condemned_total", {"tier": "1:fs"}) is None
-    assert reg.get_sample_value("vllm:kv_offload_tiering_read_bytes_total", {"tier": "1:fs"}) == 0
+    assert reg.get_sample_value("vllm:kv_offload_tiering_checksum_failures_total", {"tier": "1:kvtier"}) is None
+    assert reg.get_sample_value("kvtier:kv_offload_tiering_checksum_retries_total", {"tier": "1:kvtier"}) is None
+    assert reg.get_sample_value("kvtier:kv_offload_tiering_checksum_condemned_total", {"tier": "1:kvtier"}) is None
+    assert reg.get_sample_value("vllm:kv_offload_tiering_read_bytes_total", {"tier": "1:kvtier"}) == 0
 
 
 # ---------------------------------------------------------------- jobs and threads
@@ -483,7 +483,9 @@ def test_o_direct_refused_falls_back_with_warning(ramfs_dir, caplog):
         m = mk(rand_buf(), target)
     try:
         assert m.use_o_direct is False
-        assert any("O_DIRECT" in r.getMessage() for r in caplog.records)
+        # the standalone manager's tier is kvtier's, not vLLM's "fs" tier
+        msgs = [r.getMessage() for r in caplog.records if "O_DIRECT" in r.getMessage()]
+        assert len(msgs) == 1 and msgs[0].endswith("using buffered I/O for the 1:kvtier tier"), msgs
         buf = m._primary
         orig = buf.copy()
         k = keys_for(4)
@@ -586,7 +588,7 @@ def test_dsa_model_counters_exported_by_the_tier(tmp_path):
         samples.setdefault(name, []).append((labels, value))
     assert set(samples) == DSA_SAMPLES
     for name, rows in samples.items():  # the model is never reported as "dsa"
-        assert all(lb["backend"] == "dsa-model" and lb["tier"] == "1:fs" for lb, _ in rows), name
+        assert all(lb["backend"] == "dsa-model" and lb["tier"] == "1:kvtier" for lb, _ in rows), name
 
     def one(name):
         (row,) = samples[name]
@@ -603,7 +605,7 @@ def test_dsa_model_counters_exported_by_the_tier(tmp_path):
     assert one("kvtier:dsa_bytes_on_device_total") == c["bytes_on_device"] > 0
     assert one("kvtier:dsa_wait_seconds_total") == pytest.approx(c["wait_ns"] / 1e9)
     assert samples["kvtier:dsa_cpu_redo_by_status_total"] == [
-        ({"backend": "dsa-model", "tier": "1:fs", "status": "nozero_reserve"}, 1.0)]
+        ({"backend": "dsa-model", "tier": "1:kvtier", "status": "nozero_reserve"}, 1.0)]
     assert c["cpu_redo_by_status"] == {"nozero_reserve": 1}
 
 

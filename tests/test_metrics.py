@@ -109,7 +109,7 @@ def test_default_registry_is_private_and_labels():
     a = m.TieringMetricsTracker()
     b = m.TieringMetricsTracker()  # no duplicate-registration error
     assert a.registry is not b.registry
-    assert m.tier_label(0) == "1:fs" and m.tier_label(1, "s3") == "2:s3"
+    assert m.tier_label(0) == "1:kvtier" and a.tier == "1:kvtier" and m.tier_label(1, "s3") == "2:s3"
     with pytest.raises(ValueError):
         m.tier_label(-1)
     with pytest.raises(ValueError):
