@@ -101,8 +101,8 @@ def test_store_on_a_load_on_b_every_byte(dfs, dfs_dirs, backend):
         assert os.path.getsize(pb) == BS
         assert os.getxattr(pb, "user.vllm.kv_crc32c") == kvtier.crc32c(src[i].tobytes()).to_bytes(4, "big")
     r = node("load", b, backend=backend)
-    assert r["loaded"] == list(range(N)) and r["missed"] == []
-    assert r["mismatched_bytes"] == 0 and r["checksum_failed"] == 0 and r["errors"] == []
+    assert r["loaded"] == list(range(N)) and r["missed"] == [], r
+    assert r["mismatched_bytes"] == 0 and r["checksum_failed"] == 0 and r["errors"] == [], r
     assert not files_under(a)["tmp"]
 
 
@@ -197,7 +197,7 @@ def test_two_client_bench(dfs, dfs_dirs):
         ("kvtier checksum off", "store"), ("kvtier checksum off", "load"),
         ("kvtier checksum on", "store"), ("kvtier checksum on", "load")]
     for r in d["rows"]:
-        assert r["failed_blocks"] == 0 and r["mismatched_bytes"] == 0
+        assert r["failed_blocks"] == 0 and r["mismatched_bytes"] == 0, (r, p.stderr[-3000:])
         assert 0 < r["gbps_a"] and 0 < r["gbps_b"] and r["gbps_total"] > 0
     assert d["fstype"] == dfs.fstype and d["ok"] is True
     assert os.listdir(a) == []  # the bench directory is removed
