@@ -69,3 +69,24 @@ def dfs_dirs(dfs, request):
     os.mkdir(a)
     yield a, b
     shutil.rmtree(a, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ff(tmp_path_factory):
+    """The FUSE fault filesystem (tests/fusefault), one mount per test module (needs root,
+    /dev/fuse and mount(2); tests/ci.py unavailable() otherwise)."""
+    from fusefault.mount import mount_fusefault
+
+    with mount_fusefault(tmp_path_factory.mktemp("fusefault")) as fs:
+        yield fs
+
+
+@pytest.fixture
+def area(ff, request):
+    """A fresh directory under the fault mount for one test; after it, stalled operations
+    are released and the rules cleared."""
+    name = request.node.name.replace("[", "_").replace("]", "").replace("-", "_")
+    d = os.path.join(ff.mnt, name)
+    os.makedirs(d)
+    yield d
+    ff.clear()

@@ -24,7 +24,6 @@ import pytest
 
 from kvtier import io as kio
 from kvtier.manager import FileSystemTierManager, TransferJob
-from fusefault.mount import mount_fusefault
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(120)]
 
@@ -32,22 +31,6 @@ BS = 64 * 1024
 NB = 16
 T = 0.3  # io_timeout_s in these tests
 SLACK = 3.0  # generous bound on scheduling noise of a shared, loaded machine
-
-
-@pytest.fixture(scope="module")
-def ff(tmp_path_factory):
-    """The fault filesystem (tests that use it need root and mount(2))."""
-    with mount_fusefault(tmp_path_factory.mktemp("fusefault")) as fs:
-        yield fs
-
-
-@pytest.fixture
-def area(ff, request):
-    name = request.node.name.replace("[", "_").replace("]", "").replace("-", "_")
-    d = os.path.join(ff.mnt, name)
-    os.makedirs(d)
-    yield d
-    ff.clear()  # releases every stalled operation
 
 
 @pytest.fixture

@@ -18,28 +18,11 @@ import pytest
 
 import kvtier
 from kvtier import io as kio
-from fusefault.mount import mount_fusefault
 
 pytestmark = pytest.mark.mount
 
 BS = 300 * 1024 + 4096  # several FUSE read requests (128 KiB each) per block
 XATTR = "user.vllm.kv_crc32c"
-
-
-@pytest.fixture(scope="module")
-def ff(tmp_path_factory):
-    with mount_fusefault(tmp_path_factory.mktemp("fusefault")) as fs:
-        yield fs
-
-
-@pytest.fixture
-def area(ff, request):
-    """A fresh directory under the mount for one test; rules cleared after."""
-    name = request.node.name.replace("[", "_").replace("]", "").replace("-", "_")
-    d = os.path.join(ff.mnt, name)
-    os.makedirs(d)
-    yield d
-    ff.clear()
 
 
 def view_of(n, seed):

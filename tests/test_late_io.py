@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from kvtier import io as kio
-from fusefault.mount import mount_fusefault
 
 BS = 64 * 1024 + 4096  # one FUSE read request or a few
 
@@ -143,22 +142,6 @@ def test_expired_job_writes_nothing_and_publishes_nothing(io_backend, tmp_path):
 
 
 # ------------------------------------------------------------ under FUSE stalls
-
-
-@pytest.fixture(scope="module")
-def ff(tmp_path_factory):
-    with mount_fusefault(tmp_path_factory.mktemp("fusefault")) as fs:
-        yield fs
-
-
-@pytest.fixture
-def area(ff, request):
-    """A fresh directory under the mount; stalls released and rules cleared after."""
-    name = request.node.name.replace("[", "_").replace("]", "").replace("-", "_")
-    d = os.path.join(ff.mnt, name)
-    os.makedirs(d)
-    yield d
-    ff.clear()
 
 
 def rel(ff, path):
