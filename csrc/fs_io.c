@@ -31,6 +31,7 @@
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/xattr.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "crc32c.h"
@@ -231,7 +232,7 @@ static int fsync_parent(const char *path)
 static int open_tmp(const char *tmp, int want_direct, int *direct)
 {
     const int fl = O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC;
-    for (int made_parents = 0;;) {
+    for (int tries = 0;;) {
         int fd = open_r(tmp, fl | (want_direct ? O_DIRECT : 0), 0644);
         if (fd >= 0) {
             *direct = want_direct;
@@ -242,9 +243,16 @@ static int open_tmp(const char *tmp, int want_direct, int *direct)
             want_direct = 0;
             continue;
         }
-        if (errno != ENOENT || made_parents || make_parents(tmp) != 0)
+        /* ENOENT: make the parents and open again; ENOENT once they were made
+         * (a shared filesystem's name cache): again after a pause (policy.h) */
+        if (errno != ENOENT || tries > KVT_RETRY_ENOENT_STORE || make_parents(tmp) != 0)
             return -1;
-        made_parents = 1;
+        if (tries > 0) {
+            struct timespec ts = {0, (long)(1000000L << tries)};
+            while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+                ;
+        }
+        tries++;
     }
 }
 

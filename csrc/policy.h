@@ -31,6 +31,13 @@ enum { KVT_CHECK_OFF = 0, KVT_CHECK_ON = 1, KVT_CHECK_STRICT = 2 };
 #define KVT_RETRY_TRANSIENT 3
 #define KVT_RETRY_BACKOFF_US 1000u
 
+/* A store's temp open that answers ENOENT although its parent directories were
+ * just made (a shared filesystem's name cache: a GlusterFS client answers
+ * ENOENT for about a second in a directory another client made meanwhile): the
+ * parents are made again and the open retried up to this many times, after
+ * 2 ms, 4 ms ... 512 ms (about 1 s in all). */
+#define KVT_RETRY_ENOENT_STORE 9
+
 /* Per-call counters; names in KVT_COUNT_NAMES, same order (kvtier/policy.py
  * COUNT_NAMES mirrors them). */
 enum {

@@ -60,6 +60,7 @@ import os as _os
 import stat as _stat
 import struct as _struct
 import threading as _threading
+import time as _time
 
 import numpy as _np  # already loaded by kvtier._fallback_crc
 
@@ -324,6 +325,22 @@ def _op(name, fn, *args):
         raise
 
 
+def _open_tmp(tmp, flags):
+    """Create a store's temp; on ENOENT make its parents and open again, and while ENOENT
+    persists once they were made (a shared filesystem's name cache), again after 2, 4 ...
+    512 ms (policy.RETRY_ENOENT_STORE, as csrc/fs_io.c open_tmp)."""
+    parent = _os.path.dirname(tmp)
+    for tries in range(_policy.RETRY_ENOENT_STORE + 2):
+        try:
+            return _op("open", _os.open, tmp, flags, 0o644)
+        except FileNotFoundError:
+            if not parent or tries > _policy.RETRY_ENOENT_STORE:
+                raise
+        _op("mkdir", _os.makedirs, parent, 0o755, True)
+        if tries > 0:
+            _time.sleep((1000 << tries) / 1e6)
+
+
 def _count_into(counts, name, n=1):
     counts[name] = counts.get(name, 0) + n
 
@@ -363,13 +380,7 @@ def _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, w
             raise e
         _count_into(counts, "replaced")  # symlink, FIFO, file of another size: the rename replaces it
     flags = _os.O_CREAT | _os.O_EXCL | _os.O_WRONLY | _os.O_CLOEXEC
-    try:
-        fd = _op("open", _os.open, tmp, flags, 0o644)
-    except FileNotFoundError:
-        parent = _os.path.dirname(tmp)
-        if parent:
-            _op("mkdir", _os.makedirs, parent, 0o755, True)
-        fd = _op("open", _os.open, tmp, flags, 0o644)
+    fd = _open_tmp(tmp, flags)
     try:
         try:
             direct = use_o_direct and _try_direct(fd, mv)

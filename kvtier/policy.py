@@ -48,6 +48,10 @@ RETRY_TRANSIENT = 3
 """EAGAIN / EWOULDBLOCK / ESTALE: a block is retried from its open this many times."""
 BACKOFF_US = 1000
 """Sleep before the first such retry (microseconds), doubled for each next one."""
+RETRY_ENOENT_STORE = 9
+"""A store's temp open answering ENOENT although its parents were just made (a shared
+filesystem's name cache, GlusterFS about 1 s): parents made again and the open retried this
+many times, after 2 ms, 4 ms ... 512 ms (csrc/policy.h KVT_RETRY_ENOENT_STORE)."""
 TRANSIENT_ERRNOS = {errno.EAGAIN: "retry_eagain", errno.EWOULDBLOCK: "retry_eagain", errno.ESTALE: "retry_estale"}
 
 ID_XATTR_NAME = "user.kvtier.id"

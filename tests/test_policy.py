@@ -385,6 +385,23 @@ def check_P20(io_backend, shim, d):
     assert io_backend.batch_lookup([good] + odd, BS) == [True, False, False, False, False]
 
 
+def check_P21(io_backend, shim, d):
+    """The temp's open answers ENOENT three times after its parents were made (a shared
+    filesystem's name cache): retried, stored; answering it for good fails the store after
+    the retries, nothing left behind."""
+    data = data_of(21)
+    p = block_path(d)
+    r = child(io_backend, shim, d, "store", p, f"open:{errno.ENOENT}:4", data=data)
+    assert r["ok"], r
+    assert Path(p).read_bytes() == data and temps(d) == []
+    q = block_path(d, "fedcba9876543210")
+    t0 = time.monotonic()
+    r = child(io_backend, shim, d, "store", q, f"open:{errno.ENOENT}:1000", data=data)
+    assert (r["ok"], r["errno"], r["op"]) == (False, errno.ENOENT, "open"), r
+    assert time.monotonic() - t0 >= 1.0  # 2 + 4 + ... + 512 ms of pauses
+    assert not os.path.exists(q) and temps(d) == []
+
+
 CHECKS = {name[len("check_"):]: fn for name, fn in globals().items() if name.startswith("check_P")}
 
 
