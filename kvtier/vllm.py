@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any, ClassVar, Dict, Iterable, List, Optional
+from typing import Any, ClassVar, Dict, Iterable, List, Optional, Union
 
 from vllm.v1.kv_offload.base import (
     Locality,
@@ -173,9 +173,12 @@ class KvtierTier(SecondaryTierManager):
                 raise TypeError(f"{k} must be an int, got {type(v).__name__}")
             if v < 1:
                 raise ValueError(f"{k} must be >= 1, got {v}")
-        for k in ("enable_kv_events", "checksum_blocks", "durable", "use_o_direct"):
+        for k in ("enable_kv_events", "durable", "use_o_direct"):
             if not isinstance(cfg[k], bool):
                 raise TypeError(f"{k} must be a bool, got {type(cfg[k]).__name__}")
+        from kvtier.policy import check_mode
+
+        check_mode(cfg["checksum_blocks"], "checksum_blocks")  # False, True or "strict"
         if cfg["sweep_stale_temps_after"] is not None:
             from kvtier.sweep import check_sweep_after
 
@@ -186,7 +189,7 @@ class KvtierTier(SecondaryTierManager):
             check_timeout(cfg["io_timeout_s"])
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(cfg["locality"]) if cfg["locality"] is not None else None
-        self.checksum_blocks: bool = cfg["checksum_blocks"]
+        self.checksum_blocks: Union[bool, str] = cfg["checksum_blocks"]
         self.durable: bool = cfg["durable"]
 
         self.events: Optional[List[OffloadingEvent]] = None

@@ -380,6 +380,7 @@ def test_interchange_fs_to_kvtier(harness, tmp_path, vllm_io):
     assert all(s[-1] == "HIT" for s in seqs.values()), seqs
     assert r.load(ks[:2], rc) == data[:2]
     r.finish(rc)
+    assert r.tiers[0].counters()["unverified"] == 2  # loaded without a CRC record, counted
     rc = r.ctx()
     assert r.lookup_all([ks[2]], rc)[ks[2]][-1] == "MISS"
     # size != block size: condemned (EIO), removed, recomputed (tests/test_block_io.py
@@ -388,6 +389,16 @@ def test_interchange_fs_to_kvtier(harness, tmp_path, vllm_io):
     r.finish(rc)
     snap = r.tiers[0].counters()
     assert snap["load_failures"] == 1 and snap["checksum_failures"] == 0
+    r.close()
+    # checksum_blocks="strict": a block without a CRC record is a miss, kept on disk
+    s = harness([tier_config("kvtier", root, checksum_blocks="strict")])
+    assert s.tiers[0].config_info()["kvtier_checksum_blocks"] == "strict"
+    rc = s.ctx()
+    assert s.lookup_all([ks[0]], rc)[ks[0]][-1] == "MISS"
+    s.finish(rc)
+    assert os.path.exists(s.tiers[0].file_mapper.get_file_name(ks[0]))
+    snap = s.tiers[0].counters()
+    assert snap["unverified_miss"] == 1 and snap["unverified"] == 0
 
 
 def test_interchange_kvtier_to_fs(harness, tmp_path, vllm_io):
