@@ -285,8 +285,12 @@ static int store_try(const char *tmp, const char *dest, const uint8_t *buf, size
     if (!kvt_job_live(js))
         return ETIMEDOUT; /* expired before this block began: nothing created */
     if (lstat_r(dest, &st) == 0) {
-        if (S_ISREG(st.st_mode) && (uint64_t)st.st_size == (uint64_t)len) /* stored (by us or a peer) */
-            return durable ? sync_existing(dest, op) : 0;
+        if (S_ISREG(st.st_mode) && (uint64_t)st.st_size == (uint64_t)len) { /* stored (by us or a peer) */
+            int err = durable ? sync_existing(dest, op) : 0;
+            if (!err)
+                kvt_count(KVT_C_EXISTING);
+            return err;
+        }
         if (S_ISDIR(st.st_mode)) { /* not ours to remove; never "stored" */
             *op = KVT_OP_RENAME;
             return EISDIR;

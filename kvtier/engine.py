@@ -69,7 +69,8 @@ COUNTERS: Dict[str, str] = {
     "load_jobs": "load (promotion) jobs finished, failed ones included",
     "store_failures": "store jobs that failed",
     "load_failures": "load jobs that failed (partial keep included)",
-    "bytes_written": "bytes of blocks stored by successful store jobs",
+    "bytes_written": "bytes of blocks written by successful store jobs (blocks already there, "
+                     "counted in existing, write none)",
     "bytes_read": "bytes of blocks loaded (a failed load counts the blocks it kept)",
     "write_time": "I/O seconds of successful store jobs",
     "read_time": "I/O seconds of load jobs that loaded at least one block",
@@ -144,6 +145,8 @@ class Counters:
                 if not (is_promotion and n_ok):
                     return
                 count = n_ok
+            if not is_promotion:  # a block already on disk was skipped: no bytes written
+                count -= min(count, int((policy_counts or {}).get("existing", 0)))
             v["bytes_read" if is_promotion else "bytes_written"] += count * block_bytes
             if io_time is not None:
                 v["read_time" if is_promotion else "write_time"] += io_time

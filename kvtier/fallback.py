@@ -373,6 +373,7 @@ def _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, w
         if _stat.S_ISREG(st.st_mode) and st.st_size == len(mv):  # stored (by us or a peer)
             if durable:
                 _sync_existing(dest, counts)
+            _count_into(counts, "existing")
             return
         if _stat.S_ISDIR(st.st_mode):  # not ours to remove; never "stored"
             e = OSError(_errno.EISDIR, _os.strerror(_errno.EISDIR), dest)

@@ -29,6 +29,7 @@ COUNT_DOCS = {
     "retry_estale": "ESTALE: the block retried from its open",
     "durable_existing": "durable stores that synced an existing block (file and directory)",
     "replaced": "stores that replaced a symlink, FIFO or file of another size at the block path",
+    "existing": "stores skipped: a regular file of the block size was already there (no bytes written)",
 }
 """The per-call policy counters and their meaning, in the C core's order (csrc/policy.h)."""
 COUNT_NAMES = tuple(COUNT_DOCS)

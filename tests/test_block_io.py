@@ -546,6 +546,24 @@ def test_probe_o_direct(ramfs_dir, ext4_dir):
 # ---------------------------------------------------------------- bad arguments
 
 
+def test_store_counts_blocks_already_there_as_existing(io_backend, tmp_path):
+    """A block already on disk is skipped (not rewritten) and counted in counts["existing"]."""
+    bs = 4096
+    view = rand_blocks(3, bs)
+    paths = block_paths(tmp_path, 3)
+    first = {}
+    io_backend.batch_store_block(paths[:2], view, offsets_of(2, bs), bs, counts=first)
+    assert first.get("existing", 0) == 0
+    mtimes = [os.stat(p).st_mtime_ns for p in paths[:2]]
+    again = {}
+    other = rand_blocks(3, bs, seed=1)
+    io_backend.batch_store_block(paths, other, offsets_of(3, bs), bs, counts=again)
+    assert again["existing"] == 2
+    assert [os.stat(p).st_mtime_ns for p in paths[:2]] == mtimes
+    assert open(paths[0], "rb").read() == view[:bs].tobytes()  # not rewritten
+    assert open(paths[2], "rb").read() == other[2 * bs:].tobytes()
+
+
 @pytest.mark.parametrize("name", ["use_o_direct", "durable"])
 @pytest.mark.parametrize("value", ["no", 0, 1, None])
 def test_flags_must_be_bool(io_backend, tmp_path, name, value):

@@ -497,6 +497,19 @@ def test_o_direct_refused_falls_back_with_warning(ramfs_dir, caplog):
         m.shutdown()
 
 
+def test_bytes_written_counts_only_blocks_written(tmp_path):
+    """Two tiers storing the same keys in one root: the second finds the files there
+    and writes nothing; its bytes_written stays 0 and it counts the blocks as existing."""
+    k = keys_for(4)
+    with mk(rand_buf(), tmp_path) as a, mk(rand_buf(seed=1), tmp_path) as b:
+        assert run(a, TransferJob(1, k, [0, 1, 2, 3]), load=False).success
+        assert run(b, TransferJob(1, k + keys_for(1, salt=9), [0, 1, 2, 3, 4]), load=False).success
+        sa, sb = a.metrics.counters.snapshot(), b.metrics.counters.snapshot()
+    assert (sa["bytes_written"], sa["existing"]) == (4 * BS, 0)
+    assert (sb["bytes_written"], sb["existing"]) == (1 * BS, 4)
+    assert sb["store_jobs"] == 1 and sb["store_failures"] == 0
+
+
 def test_filesystem_type_of_proc():
     assert filesystem_type("/proc/self") == ("proc", "/proc")
 

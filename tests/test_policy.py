@@ -319,7 +319,7 @@ def check_P15(io_backend, shim, d):
     # EINTR once on each fsync: logged, so the log shows which files were synced
     r = child(io_backend, shim, d, "store", p, "fsync:4:1", data=data_of(99), durable=True, log=log)
     assert r["ok"], r
-    only(r["counts"], durable_existing=1, **({"retry_eintr": 2} if io_backend.backend == "c" else {}))
+    only(r["counts"], durable_existing=1, existing=1, **({"retry_eintr": 2} if io_backend.backend == "c" else {}))
     synced = {line.split("\t")[2] for line in log.read_text().splitlines() if line.startswith("fsync")}
     assert synced == {p, os.path.dirname(p)}, synced
     assert Path(p).read_bytes() == data  # not rewritten
