@@ -92,19 +92,7 @@ static ssize_t read_at_least(int fd, uint8_t *p, size_t min, size_t max, uint64_
 
 ssize_t kvt_read_full(int fd, uint8_t *p, size_t len, uint64_t off, int *direct)
 {
-    size_t got = 0;
-    while (got < len) {
-        ssize_t r = pread(fd, p + got, len - got, (off_t)(off + got));
-        if (r < 0) {
-            if (retry_io(fd, direct))
-                continue;
-            return -1;
-        }
-        if (r == 0)
-            break;
-        got += (size_t)r;
-    }
-    return (ssize_t)got;
+    return read_at_least(fd, p, len, len, off, direct);
 }
 
 /* ------------------------------------------------------------------ */
