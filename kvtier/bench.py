@@ -163,24 +163,14 @@ class _PeerResult:
         self.transfer_time = transfer_time
 
 
-def _pass(mgr, op: str, keys, n_jobs: int, job_base: int, min_s: float = 0.0):
-    """Submit all jobs at once, wait; for loads, again until ``min_s`` seconds have
-    passed.  Returns (wall s, cpu s, latencies s, results of the last round, rounds,
-    failed jobs of all rounds)."""
-    from kvtier.manager import TransferJob
-
-    submit = mgr.submit_load if op == "load" else mgr.submit_store
+def _rounds(run_round, op: str, min_s: float):
+    """Call ``run_round()`` (one round of jobs, returns their results) once; for loads,
+    again until ``min_s`` seconds have passed.  Returns (wall s, cpu s, latencies s,
+    results of the last round, rounds, failed jobs of all rounds)."""
     lat, failed, rounds = [], 0, 0
     c0, t0 = time.process_time(), time.perf_counter()
     while True:
-        jobs = [TransferJob(job_base + j, [keys[i] for i in rng], list(rng), op == "load")
-                for j, rng in enumerate(_split(len(keys), n_jobs))]
-        job_base += len(jobs)
-        for j in jobs:
-            submit(j)
-        if not mgr.drain_jobs(timeout=3600):
-            raise RuntimeError("bench pass did not finish in an hour")
-        results = mgr.get_finished_jobs()
+        results = run_round()
         rounds += 1
         lat += [r.transfer_time for r in results]
         failed += sum(not r.success for r in results)
@@ -188,6 +178,26 @@ def _pass(mgr, op: str, keys, n_jobs: int, job_base: int, min_s: float = 0.0):
             break
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     return wall, cpu, lat, results, rounds, failed
+
+
+def _pass(mgr, op: str, keys, n_jobs: int, job_base: int, min_s: float = 0.0):
+    """Submit all jobs of a round at once, wait (see :func:`_rounds`)."""
+    from kvtier.manager import TransferJob
+
+    submit = mgr.submit_load if op == "load" else mgr.submit_store
+    base = [job_base]
+
+    def run_round():
+        jobs = [TransferJob(base[0] + j, [keys[i] for i in rng], list(rng), op == "load")
+                for j, rng in enumerate(_split(len(keys), n_jobs))]
+        base[0] += len(jobs)
+        for j in jobs:
+            submit(j)
+        if not mgr.drain_jobs(timeout=3600):
+            raise RuntimeError("bench pass did not finish in an hour")
+        return mgr.get_finished_jobs()
+
+    return _rounds(run_round, op, min_s)
 
 
 def _peer_pass(vio, pool, op: str, keys, paths, view, bs: int, n_jobs: int, use_o_direct: bool, min_s: float):
@@ -204,17 +214,7 @@ def _peer_pass(vio, pool, op: str, keys, paths, view, bs: int, n_jobs: int, use_
             ok = False
         return _PeerResult([keys[i] for i in rng], ok, time.perf_counter() - t)
 
-    lat, failed, rounds = [], 0, 0
-    c0, t0 = time.process_time(), time.perf_counter()
-    while True:
-        results = list(pool.map(job, _split(len(keys), n_jobs)))
-        rounds += 1
-        lat += [r.transfer_time for r in results]
-        failed += sum(not r.success for r in results)
-        if op != "load" or time.perf_counter() - t0 >= min_s:
-            break
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return wall, cpu, lat, results, rounds, failed
+    return _rounds(lambda: list(pool.map(job, _split(len(keys), n_jobs))), op, min_s)
 
 
 def run_bench(preset: str = DEFAULT_PRESET, tokens: int = DEFAULT_TOKENS, blocks: int = DEFAULT_BLOCKS,
