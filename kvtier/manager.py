@@ -83,34 +83,12 @@ class JobResult:
 
 
 def filesystem_type(path: "str | os.PathLike") -> Tuple[str, str]:
-    """``(fstype, mount_point)`` of the mount holding ``path``.
+    """``(fstype, mount_point)`` of the mount holding ``path`` (:func:`kvtier.mountinfo.mount_of`),
+    ``("unknown", "")`` if mountinfo is unreadable."""
+    from kvtier.mountinfo import mount_of
 
-    Read from ``/proc/self/mountinfo`` (proc(5)): the mount whose mount point is the
-    longest prefix of ``realpath(path)``; later entries win on ties (over-mounts).
-    Returns ``("unknown", "")`` if mountinfo is unreadable.
-    """
-    real = os.path.realpath(os.fspath(path))
-    best = ("unknown", "")
-    best_len = -1
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return best
-    for line in lines:
-        parts = line.split()
-        try:
-            sep = parts.index("-")
-        except ValueError:
-            continue
-        if len(parts) < sep + 2 or len(parts) < 5:
-            continue
-        mnt = parts[4].replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
-        if mnt == "/" or real == mnt or real.startswith(mnt.rstrip("/") + "/"):
-            if len(mnt) >= best_len:
-                best_len = len(mnt)
-                best = (parts[sep + 1], mnt)
-    return best
+    m = mount_of(path)
+    return ("unknown", "") if m is None else (m.fstype, m.mount_point)
 
 
 def prepare_root(root: str, rank_path: str, checksum_blocks: bool) -> None:
