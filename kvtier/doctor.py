@@ -303,6 +303,9 @@ def _dio_write(path: str, data: memoryview) -> Tuple[str, str]:
         try:
             n = os.pwrite(fd, data, 0)
         except OSError as e:
+            if e.errno != errno.EINVAL:  # ENOSPC, EIO...: a failed check naming it, not a refusal
+                e.filename = e.filename or path
+                raise
             return "refused", f"write: {_err(e)}"
         try:
             os.fsync(fd)

@@ -101,6 +101,9 @@ def test_full_filesystem_fails_naming_enospc():
         assert fails and all("ENOSPC" in c["detail"] and root in c["detail"] for c in fails), \
             [(c["name"], c["detail"]) for c in fails]
         assert check(d, "kvtier_probe")["data"]["errno"] == errno.ENOSPC
+        # a write refused for want of space is no O_DIRECT refusal: o_direct fails, naming ENOSPC
+        assert check(d, "o_direct")["status"] == "fail"
+        assert check(d, "o_direct")["data"]["errno"] == errno.ENOSPC
         assert d["kvtier"]["runs"] is False
         assert sorted(os.listdir(root)) == ["fill"]
 
