@@ -27,7 +27,10 @@ Cells:
      (what the removed destination-reuse rule and CRC helper were for);
   3. one call of 10,000 blocks of 4 KiB (buffered, --dir: page cache), store and load;
   4. a pool of 16 threads with 16 jobs in flight (each job: 4 blocks of 2 MiB,
-     O_DIRECT), loads then stores: throughput.
+     O_DIRECT), loads then stores: throughput;
+  5. (--only segments) the disk alone: one O_DIRECT pread of a block into
+     4 KiB pages, into transparent huge pages, and into the caller pool, to
+     show what the engine's huge-page load slots buy (docs/block_io.md).
 
 The CPU-tier buffer is a --pool-mib pool (default 512) walked block by block,
 so the caller's memory is cold as in real use. Loads of all contenders read
@@ -381,6 +384,50 @@ def pool_cells(contenders, d, pool, threads, jobs, blocks_per_job, bs, rounds, d
     return out
 
 
+def segments_cell(d, pool, sizes, calls):
+    """One O_DIRECT pread per call of a whole block into 4 KiB pages
+    (MADV_NOHUGEPAGE), into transparent huge pages (MADV_HUGEPAGE, 2 MiB
+    aligned) and into the walked caller pool: the device's cost per segment."""
+    import mmap
+
+    span = max(sizes) + 2 * MiB
+    bufs = {}
+    for name, adv in (("4k", getattr(mmap, "MADV_NOHUGEPAGE", None)), ("huge", getattr(mmap, "MADV_HUGEPAGE", None))):
+        m = mmap.mmap(-1, span)
+        a = np.frombuffer(m, dtype=np.uint8)
+        off = (-a.ctypes.data) % (2 * MiB)
+        if adv is not None:
+            m.madvise(adv, off, span - off)
+        a[off:] = 1
+        bufs[name] = memoryview(m)[off:]
+    print(f"\n## the disk alone: one O_DIRECT pread per block into 4 KiB pages, huge pages, the caller pool, {d}")
+    print("wall us/block median [IQR]; x = ratio to the pool (what vLLM reads into)")
+    for bs in sizes:
+        src = os.path.join(d, f"seg_{bs}.bin")
+        kio.batch_store_block([src], pool.mv, [0], bs, True, False)
+
+        def rd(n):
+            fd = os.open(src, os.O_RDONLY | os.O_DIRECT)
+            try:
+                if n == "pool":
+                    o = pool.offsets(bs)[0]
+                    buf = pool.mv[o:o + bs]
+                else:
+                    buf = bufs[n][:bs]
+                os.preadv(fd, [buf], 0)
+            finally:
+                os.close(fd)
+
+        res = interleaved(["pool", "4k", "huge"], calls, rd)
+        s = {n: summarize(v, 1) for n, v in res.items()}
+        base = s["pool"]["wall"]
+        print(f"| read {fmt_size(bs):<8} |" + "".join(
+            f" {n} {r['wall'] * 1e6:8.1f} [{r['q1'] * 1e6:.1f}-{r['q3'] * 1e6:.1f}] x {r['wall'] / base:.2f} |"
+            for n, r in s.items()))
+        os.unlink(src)
+    sys.stdout.flush()
+
+
 def crc_cost_per_gib(pool) -> "tuple[str, float]":
     """Seconds per GiB of the best CRC32C backend over cold data (2 MiB pieces
     walking the pool)."""
@@ -437,7 +484,7 @@ def main(argv=None) -> int:
     ap.add_argument("--small-blocks", type=int, default=10000, help="blocks of 4 KiB in the batch cell")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and calls (a smoke run)")
     ap.add_argument("--only", default="direct,tmpfs,hot,small,pool",
-                    help="cells to run, comma separated (hot needs tmpfs)")
+                    help="cells to run, comma separated (hot needs tmpfs; segments is not in the default)")
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
     sizes = [256 * KiB, 1 * MiB, 2 * MiB, 4 * MiB, 16 * MiB]
@@ -484,6 +531,8 @@ def main(argv=None) -> int:
         if "small" in only:
             results["small"] = small_batch_cells(contenders, disk, pool, args.small_blocks,
                                                  3 if args.quick else 9)
+        if "segments" in only:
+            segments_cell(disk, pool, sizes, calls)
         if "pool" in only:
             results["pool"] = pool_cells(contenders, disk, pool, 16, 16, 4, 2 * MiB, 3 if args.quick else 9, True)
     finally:

@@ -6,8 +6,10 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "crc32c.h"
@@ -99,12 +101,15 @@ ssize_t kvt_read_full(int fd, uint8_t *p, size_t len, uint64_t off, int *direct)
 /* Private per-thread memory                                           */
 /* ------------------------------------------------------------------ */
 
-/* O_DIRECT slots: KVT_PIECES x (KVT_PIECE + KVT_SLACK), page aligned; the
- * plain path uses them as one piece of KVT_PIECES * KVT_PIECE bytes. The
- * bounce buffer of buffered loads: KVT_ENGINE_CHUNK + KVT_SLACK. Allocated on
- * a thread's first use, freed when it exits. */
-#define SLOT_STRIDE ((size_t)KVT_PIECE + KVT_SLACK)
-#define PRIV_BYTES (KVT_PIECES * SLOT_STRIDE)
+/* Two slots of KVT_SLOT bytes, KVT_SLOT aligned, asked for transparent huge
+ * pages (madvise MADV_HUGEPAGE), then one KVT_SLACK page: what the last read of
+ * a block reads past its end lands there or inside its slot. A slot on one
+ * huge page is one segment of physical memory for the device (a 4 KiB page
+ * pool is 256 per MiB, each a descriptor the virtio disk handles on its own:
+ * docs/block_io.md "I/O engine"). Mapped on a thread's first O_DIRECT block,
+ * unmapped when it exits. The bounce buffer of buffered loads:
+ * KVT_ENGINE_CHUNK + KVT_SLACK from malloc. */
+#define PRIV_BYTES (2 * (size_t)KVT_SLOT + KVT_SLACK)
 #define BOUNCE_BYTES ((size_t)KVT_ENGINE_CHUNK + KVT_SLACK)
 
 static pthread_key_t priv_key, bounce_key;
@@ -112,34 +117,73 @@ static pthread_once_t keys_once = PTHREAD_ONCE_INIT;
 static int keys_ok;
 static __thread uint8_t *t_priv, *t_bounce;
 
-static void make_keys(void)
+static void priv_free(void *p)
 {
-    keys_ok = pthread_key_create(&priv_key, free) == 0 && pthread_key_create(&bounce_key, free) == 0;
+    munmap(p, PRIV_BYTES);
 }
 
-static uint8_t *thread_buf(uint8_t **slot, pthread_key_t *key, size_t size)
+static void make_keys(void)
 {
-    if (*slot == NULL) {
+    keys_ok = pthread_key_create(&priv_key, priv_free) == 0 && pthread_key_create(&bounce_key, free) == 0;
+}
+
+/* PRIV_BYTES at a KVT_SLOT-aligned address, huge pages asked for the slots. */
+static void *priv_map(void)
+{
+    size_t span = PRIV_BYTES + KVT_SLOT;
+    uint8_t *m = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED)
+        return NULL;
+    uint8_t *p = (uint8_t *)(((uintptr_t)m + KVT_SLOT - 1) & ~(uintptr_t)(KVT_SLOT - 1));
+    if (p > m)
+        munmap(m, (size_t)(p - m));
+    if (m + span > p + PRIV_BYTES)
+        munmap(p + PRIV_BYTES, (size_t)(m + span - (p + PRIV_BYTES)));
+    madvise(p, 2 * (size_t)KVT_SLOT, MADV_HUGEPAGE); /* a hint: 4 KiB pages where THP is off */
+    return p;
+}
+
+static uint8_t *thread_priv(void)
+{
+    if (t_priv == NULL) {
+        pthread_once(&keys_once, make_keys);
+        if (!keys_ok)
+            return NULL;
+        void *p = priv_map();
+        if (p == NULL)
+            return NULL;
+        if (pthread_setspecific(priv_key, p) != 0) {
+            priv_free(p);
+            return NULL;
+        }
+        t_priv = p;
+    }
+    return t_priv;
+}
+
+static uint8_t *thread_bounce(void)
+{
+    if (t_bounce == NULL) {
         pthread_once(&keys_once, make_keys);
         void *p = NULL;
-        if (!keys_ok || posix_memalign(&p, 4096, size) != 0)
+        if (!keys_ok || posix_memalign(&p, 4096, BOUNCE_BYTES) != 0)
             return NULL;
-        if (pthread_setspecific(*key, p) != 0) {
+        if (pthread_setspecific(bounce_key, p) != 0) {
             free(p);
             return NULL;
         }
-        *slot = p;
+        t_bounce = p;
     }
-    return *slot;
+    return t_bounce;
 }
 
 /* ------------------------------------------------------------------ */
-/* Loads                                                               */
+/* The ring                                                            */
 /* ------------------------------------------------------------------ */
 
 /* The ring failed to submit or reap (not seen in practice: a kernel that
- * gave a ring runs it): ops may still be in flight into this thread's private
- * slots, so leave both to them (leaked) and take new ones next time. */
+ * gave a ring runs it): an op may still be in flight on this thread's private
+ * slots, so leave both to it (leaked) and take new ones next time. */
 static void abandon(kvt_uring *ring)
 {
     kvt_uring_abandon(ring);
@@ -148,6 +192,33 @@ static void abandon(kvt_uring *ring)
         t_priv = NULL;
     }
 }
+
+/* One read/write through the ring, submitted now. 0, or EAGAIN after
+ * abandoning the ring (the caller redoes the block on the plain path). */
+static int ring_start(kvt_uring *ring, int write, int fd, uint8_t *buf, size_t n, uint64_t off)
+{
+    if (kvt_uring_prep(ring, write, fd, buf, n, off, off) != 0 || kvt_uring_submit(ring) != 0) {
+        abandon(ring);
+        return EAGAIN;
+    }
+    return 0;
+}
+
+/* Reap the one op in flight: its result (bytes or -errno) in *res. 0, or
+ * EAGAIN after abandoning the ring. */
+static int ring_reap(kvt_uring *ring, int *res)
+{
+    uint64_t tag;
+    if (kvt_uring_wait(ring, &tag, res) != 0) {
+        abandon(ring);
+        return EAGAIN;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* Loads                                                               */
+/* ------------------------------------------------------------------ */
 
 /* Move piece [off, off + n) from private memory into dst inside a commit
  * section. 0, or ETIMEDOUT when the job is no longer LIVE. */
@@ -193,99 +264,83 @@ static int read_plain(int fd, uint8_t *dst, size_t len, uint8_t *priv, size_t pi
     return 0;
 }
 
-/* O_DIRECT through io_uring: up to KVT_PIECES pieces in flight; piece k is
- * moved into dst while pieces k+1.. are read. Returns 0, ETIMEDOUT,
- * KVT_READ_SHORT / KVT_READ_LONG (the last piece), or EAGAIN: something
- * unusual happened (an error, a short piece, a refused O_DIRECT): the caller
- * redoes the block on the plain path, which tells them apart. In-flight
- * reads are always reaped before returning (they write the private slots). */
+/* The next O_DIRECT load piece when `rest` bytes are left: half of them (a
+ * page multiple, at most a slot), or all when that is at most KVT_PIECE_MIN.
+ * The device reads piece k+1 while piece k is moved (the move is ~2x faster
+ * than the read), and the last move, which nothing hides, is short. */
+static size_t load_piece(size_t rest)
+{
+    if (rest <= KVT_PIECE_MIN)
+        return rest;
+    size_t half = (rest / 2 + 4095) & ~(size_t)4095;
+    return half < KVT_SLOT ? half : KVT_SLOT;
+}
+
+/* O_DIRECT through io_uring, one read in flight: when piece k arrives, the
+ * read of piece k+1 (into the other slot) is started, then piece k is moved
+ * into dst. (Several reads in flight at once are merged by the block layer or
+ * completed together by the device: their moves would not overlap anything.)
+ * Returns 0, ETIMEDOUT, or EAGAIN: something unusual happened (an error, a
+ * short or long piece, a refused O_DIRECT): the caller redoes the block on
+ * the plain path, which tells them apart. A read in flight is always reaped
+ * before returning (it writes a private slot). */
 static int read_uring(kvt_uring *ring, int fd, uint8_t *dst, size_t len, uint8_t *priv, int move, kvt_job_state *js,
                       uint32_t *crc)
 {
-    /* Pieces of a quarter of the block (page multiples, 64 KiB - 1 MiB): even a
-     * small block has its move overlapped with the reads of the rest. */
-    size_t piece = ((len / KVT_PIECES) + 4095) & ~(size_t)4095;
-    piece = piece < KVT_PIECE_MIN ? KVT_PIECE_MIN : piece > KVT_PIECE ? KVT_PIECE : piece;
-    size_t np = (len + piece - 1) / piece;
-    int res[KVT_PIECES], done[KVT_PIECES] = {0};
-    size_t next = 0, inflight = 0;
-    int err = 0;
+    size_t off = 0, n = load_piece(len);
+    unsigned s = 0;
     *crc = 0;
-#define PIECE_LEN(k) ((k) + 1 == np ? len - (k) * piece : piece)
-    for (; next < np && next < KVT_PIECES; next++, inflight++) {
-        size_t n = PIECE_LEN(next) + (next + 1 == np ? KVT_SLACK : 0);
-        kvt_uring_prep(ring, 0, fd, priv + (next % KVT_PIECES) * SLOT_STRIDE, n, next * (uint64_t)piece, next);
-    }
-    if (kvt_uring_submit(ring) != 0) {
-        abandon(ring);
+    /* The last piece (<= KVT_PIECE_MIN) asks for KVT_SLACK more, inside its slot. */
+    if (ring_start(ring, 0, fd, priv, n + (n == len ? KVT_SLACK : 0), 0) != 0)
         return EAGAIN;
-    }
-    for (size_t k = 0; k < np; k++) {
-        unsigned s = (unsigned)(k % KVT_PIECES);
-        while (!done[s]) {
-            uint64_t tag;
-            int r;
-            if (kvt_uring_wait(ring, &tag, &r) != 0) {
-                abandon(ring);
-                return EAGAIN;
-            }
-            done[tag % KVT_PIECES] = 1;
-            res[tag % KVT_PIECES] = r;
-            inflight--;
-        }
-        done[s] = 0;
-        size_t n = PIECE_LEN(k);
-        if (res[s] < 0 || (size_t)res[s] != n) {
-            err = EAGAIN; /* an error, a short or long read: the plain path judges it */
-            goto drain;
-        }
-        err = commit_piece(dst + k * piece, priv + s * SLOT_STRIDE, n, move, js, crc);
-        if (err)
-            goto drain;
-        if (next < np) {
-            size_t m = PIECE_LEN(next) + (next + 1 == np ? KVT_SLACK : 0);
-            kvt_uring_prep(ring, 0, fd, priv + (next % KVT_PIECES) * SLOT_STRIDE, m, next * (uint64_t)piece, next);
-            if (kvt_uring_submit(ring) != 0) {
-                abandon(ring);
-                return EAGAIN;
-            }
-            next++;
-            inflight++;
-        }
-    }
-#undef PIECE_LEN
-    return 0;
-drain:
-    while (inflight > 0) {
-        uint64_t tag;
+    for (;;) {
         int r;
-        if (kvt_uring_wait(ring, &tag, &r) != 0) {
-            abandon(ring);
-            break;
+        if (ring_reap(ring, &r) != 0)
+            return EAGAIN;
+        if (r < 0 || (size_t)r != n)
+            return EAGAIN; /* an error, a short or long read: the plain path judges it */
+        size_t next = off + n, m = next < len ? load_piece(len - next) : 0;
+        if (m > 0 && ring_start(ring, 0, fd, priv + (s ^ 1) * (size_t)KVT_SLOT, m + (next + m == len ? KVT_SLACK : 0),
+                                next) != 0)
+            return EAGAIN;
+        int e = commit_piece(dst + off, priv + s * (size_t)KVT_SLOT, n, move, js, crc);
+        if (e) {
+            if (m > 0 && ring_reap(ring, &r) != 0)
+                return EAGAIN;
+            return e;
         }
-        inflight--;
+        if (m == 0)
+            return 0;
+        off = next;
+        n = m;
+        s ^= 1;
     }
-    return err;
 }
 
 int kvt_engine_read(int fd, uint8_t *dst, size_t len, int *direct, int move, kvt_job_state *js, uint32_t *crc)
 {
     int e;
     if (*direct) {
-        uint8_t *priv = thread_buf(&t_priv, &priv_key, PRIV_BYTES);
+        uint8_t *priv = thread_priv();
         if (priv == NULL)
             return ENOMEM;
-        kvt_uring *ring = len > KVT_PIECE_MIN ? kvt_uring_get() : NULL;
+        kvt_uring *ring = NULL;
+        if (len > KVT_PIECE_MIN) { /* one piece: one pread, no ring needed */
+            ring = kvt_uring_get();
+            if (ring == NULL)
+                kvt_uring_note_plain();
+        }
         if (ring != NULL) {
             e = read_uring(ring, fd, dst, len, priv, move, js, crc);
             if (e != EAGAIN)
                 goto out;
-        } else {
-            kvt_uring_note_plain();
+            priv = thread_priv(); /* a new one if the ring was abandoned */
+            if (priv == NULL)
+                return ENOMEM;
         }
-        e = read_plain(fd, dst, len, priv, (size_t)KVT_PIECES * KVT_PIECE, direct, move, js, crc);
+        e = read_plain(fd, dst, len, priv, 2 * (size_t)KVT_SLOT, direct, move, js, crc);
     } else {
-        uint8_t *bounce = thread_buf(&t_bounce, &bounce_key, BOUNCE_BYTES);
+        uint8_t *bounce = thread_bounce();
         if (bounce == NULL)
             return ENOMEM;
         e = read_plain(fd, dst, len, bounce, KVT_ENGINE_CHUNK, direct, move, js, crc);
@@ -302,57 +357,39 @@ out:
 /* Stores                                                              */
 /* ------------------------------------------------------------------ */
 
-/* O_DIRECT through io_uring: the whole block goes out in up to
- * KVT_URING_DEPTH writes, and the CRC is computed here while the device
- * reads the buffer. 0, or EAGAIN (redo on the plain path). */
-static int write_uring(kvt_uring *ring, int fd, const uint8_t *src, size_t len, int checksum, uint32_t *crc)
+/* O_DIRECT through io_uring: the block goes out as one write, and its CRC is
+ * computed here meanwhile (the device reads the caller's buffer while this
+ * core does). A write that extends a file is not done inline by io_uring
+ * (ext4, XFS: -EAGAIN under IOCB_NOWAIT): a kernel worker of the ring issues
+ * it and waits, which is still one write in flight beside the CRC. 0, EIO (the
+ * ring broke with the write out: not retried, it may land late in the temp,
+ * which the store removes), or EAGAIN (redo on the plain path). */
+static int write_uring(kvt_uring *ring, int fd, const uint8_t *src, size_t len, uint32_t *crc)
 {
-    size_t piece = (len + KVT_URING_DEPTH - 1) / KVT_URING_DEPTH;
-    piece = (piece + 4095) & ~(size_t)4095;
-    if (piece < 4u * KVT_PIECE)
-        piece = 4u * KVT_PIECE;
-    if (piece > (1u << 30))
-        return EAGAIN; /* > 8 GiB blocks: plain path */
-    size_t np = (len + piece - 1) / piece, inflight = 0;
-    for (size_t k = 0; k < np; k++) {
-        size_t n = k + 1 == np ? len - k * piece : piece;
-        kvt_uring_prep(ring, 1, fd, (void *)(src + k * piece), n, k * (uint64_t)piece, k);
-    }
-    if (kvt_uring_submit(ring) != 0) {
-        abandon(ring); /* writes may be out: they land in the temp, which the store removes */
+    if (ring_start(ring, 1, fd, (uint8_t *)src, len, 0) != 0)
         return EIO;
-    }
-    inflight = np;
-    if (checksum)
-        *crc = kvt_crc32c(0, src, len);
-    int err = 0;
-    while (inflight > 0) {
-        uint64_t tag;
-        int r;
-        if (kvt_uring_wait(ring, &tag, &r) != 0) {
-            abandon(ring);
-            return EIO;
-        }
-        inflight--;
-        size_t n = tag + 1 == np ? len - tag * piece : piece;
-        if (r < 0 || (size_t)r != n)
-            err = EAGAIN;
-    }
-    return err;
+    *crc = kvt_crc32c(0, src, len);
+    int r;
+    if (ring_reap(ring, &r) != 0)
+        return EIO;
+    return r >= 0 && (size_t)r == len ? 0 : EAGAIN;
 }
 
 int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int checksum, uint32_t *crc)
 {
-    if (*direct) {
+    if (*direct && checksum && len <= KVT_URING_MAX) {
         kvt_uring *ring = kvt_uring_get();
         if (ring != NULL) {
-            int e = write_uring(ring, fd, src, len, checksum, crc);
+            int e = write_uring(ring, fd, src, len, crc);
             if (e != EAGAIN)
-                return e; /* 0, or EIO: the ring broke with writes out (not retried: they may land late) */
-        }
-        if (ring == NULL)
+                return e;
+        } else {
             kvt_uring_note_plain();
-        /* plain: CRC of the block, then one write (nothing to overlap it with) */
+        }
+    }
+    if (*direct) {
+        /* plain: the CRC, then one write (nothing to overlap them); without a
+         * CRC one pwrite is all there is to do, io_uring or not */
         if (checksum)
             *crc = kvt_crc32c(0, src, len);
         return kvt_write_full(fd, src, len, 0, direct) == 0 ? 0 : errno;

@@ -1,17 +1,17 @@
 /* The block I/O engine: moves one block's bytes between an open file and the
- * caller's buffer in a few large reads/writes, with the CRC32C computed while
- * the next pieces are in flight (io_uring, csrc/uring.h) or right next to
- * each piece (plain pread/pwrite). fs_io.c decides what to do with a block
- * (open, record, verify, retry, publish); this file only moves bytes.
+ * caller's buffer, with the CRC32C computed while the device moves the next
+ * piece (io_uring, csrc/uring.h), or piece after piece (plain pread/pwrite). fs_io.c decides what to do with a block (open, record,
+ * verify, retry, publish); this file only moves bytes.
  *
- * Loads go through private per-thread memory: O_DIRECT pieces of up to
- * KVT_PIECE bytes DMA'd into private slots (KVT_PIECES of them in flight),
- * buffered ones KVT_ENGINE_CHUNK at a time into a cache-resident bounce buffer;
- * each piece then enters the caller's buffer in one move (the fused copy +
- * CRC, csrc/crc32c/copy.c, where it is the verify pass), inside a commit
- * section of the job state (job_state.h). So a corrupt or late block never
- * leaves more in the caller's buffer than the pieces committed while live,
- * and the CRC is computed on private bytes nobody else can write. */
+ * O_DIRECT loads go through private per-thread memory: two slots of KVT_SLOT
+ * bytes on transparent huge pages. A load reads piece k+1 into one slot while
+ * piece k enters the caller's buffer from the other in one move (the fused
+ * copy + CRC, csrc/crc32c/copy.c, where it is the verify pass), inside a
+ * commit section of the job state (job_state.h). So a corrupt or late block
+ * never leaves more in the caller's buffer than the pieces committed while
+ * live, and the CRC is computed on private bytes nobody else can write.
+ * Buffered loads go KVT_ENGINE_CHUNK at a time through a cache-resident bounce
+ * buffer. Stores write straight from the caller's buffer. */
 #ifndef KVTIER_IO_ENGINE_H
 #define KVTIER_IO_ENGINE_H
 
@@ -21,13 +21,13 @@
 
 #include "job_state.h"
 
-#define KVT_PIECE (1u << 20)     /* O_DIRECT load piece through io_uring, at most (bytes) */
-#define KVT_PIECE_MIN (64u << 10) /* ... at least: a quarter of the block in between */
-#define KVT_PIECES 4u            /* of them in flight: private memory per thread */
-#define KVT_SLACK 4096u          /* read past the block's end: proves the file ends there */
+#define KVT_SLOT (2u << 20)          /* private slot (one huge page): an O_DIRECT piece at most */
+#define KVT_PIECE_MIN (256u << 10)   /* the last load piece / the first store piece, at most */
+#define KVT_SLACK 4096u              /* read past the block's end: proves the file ends there */
+#define KVT_URING_MAX (1u << 30)     /* larger O_DIRECT stores: plain pwrite (one io_uring op < 4 GiB) */
 #define KVT_ENGINE_CHUNK (256u * 1024u) /* buffered piece: stays in L2 for the copy */
 
-/* How each piece moves into the caller's buffer. */
+/* How each piece moves between private memory and the caller's buffer. */
 enum {
     KVT_MOVE_COPY = 0,     /* memcpy */
     KVT_MOVE_FUSED = 1,    /* the fused copy + CRC (the verify pass) */

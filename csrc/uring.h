@@ -33,8 +33,8 @@ int kvt_uring_wait(kvt_uring *r, uint64_t *tag, int *res);
  * may leave ops in flight); the next kvt_uring_get makes a new one. */
 void kvt_uring_abandon(kvt_uring *r);
 
-/* Ops in flight per ring (queue depth). */
-#define KVT_URING_DEPTH 8
+/* Queue depth per ring (the engine keeps one op in flight). */
+#define KVT_URING_DEPTH 2
 
 typedef struct kvt_uring_stats {
     int built;            /* compiled with liburing */

@@ -16,6 +16,17 @@ import sys
 import kvtier
 
 
+def _thp_mode() -> "str | None":
+    """The kernel's transparent huge page mode (always / madvise / never), or
+    None without THP: the I/O engine asks huge pages for its O_DIRECT load
+    slots with madvise (docs/block_io.md "I/O engine")."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            s = f.read()
+        return s[s.index("[") + 1:s.index("]")]
+    except (OSError, ValueError):
+        return None
+
 def _cpu_flags() -> list:
     """CPU features kvtier can use, from /proc/cpuinfo (Linux)."""
     wanted = ("sse4_2", "pclmulqdq", "avx512f", "vpclmulqdq", "movdir64b", "enqcmd", "crc32")
@@ -63,6 +74,8 @@ def info_dict() -> dict:
             d["crc_copy_error"] = str(e)
     # A refused setting: no status next to the error (the C core would read it leniently).
     d["io_engine"] = c.io_engine_status() if c is not None and "io_engine_error" not in d else None
+    if d["io_engine"] is not None:
+        d["io_engine"]["thp"] = _thp_mode()
     d["crc_copy"] = c.crc_copy_status() if c is not None and "crc_copy_error" not in d else None
     if c is not None:
         from kvtier import dsa
@@ -103,7 +116,8 @@ def _print_info(d: dict) -> None:
         print("I/O engine:     not available: the C core is not built")
     else:
         if eng["engine"] == "io_uring":
-            how = "io_uring (liburing): O_DIRECT blocks in pieces in flight, CRC overlapped"
+            how = ("io_uring (liburing): O_DIRECT loads in pieces, the next read in flight while one is moved; "
+                   "checksummed O_DIRECT stores: the CRC while the write is in flight")
         elif not eng["liburing"]:
             how = "plain pread/pwrite (built without liburing: apt-get install liburing-dev and rebuild)"
         elif eng["setting"] == "0":
@@ -112,6 +126,12 @@ def _print_info(d: dict) -> None:
             how = f"plain pread/pwrite (the kernel refused io_uring: {os.strerror(eng['setup_errno'])})"
         print(f"I/O engine:     {how}; {eng['uring_ops']} io_uring ops, {eng['plain_blocks']} plain O_DIRECT "
               f"blocks{not_c}")
+        thp = eng.get("thp")
+        if thp in ("always", "madvise"):
+            print(f"                O_DIRECT load slots: 2 x 2 MiB per I/O thread on transparent huge pages (THP {thp})")
+        else:
+            print(f"                O_DIRECT load slots: 2 x 2 MiB per I/O thread on 4 KiB pages (THP "
+                  f"{thp or 'not in this kernel'}): loads lose the speed of one segment per piece")
     if d.get("crc_copy_error"):
         print(f"CRC copy:       error: {d['crc_copy_error']}")
     elif cp is None:

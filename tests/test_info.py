@@ -108,11 +108,20 @@ def test_info_reports_the_io_engine():
         assert d["io_engine"]["engine"] == "plain"
         assert "I/O engine:     plain pread/pwrite (built without liburing" in text
     elif d["io_engine"]["engine"] == "io_uring":
-        assert "I/O engine:     io_uring (liburing): O_DIRECT blocks in pieces in flight, CRC overlapped; 0 io_uring " \
-               "ops, 0 plain O_DIRECT blocks\n" in text
+        assert "I/O engine:     io_uring (liburing): O_DIRECT loads in pieces, the next read in flight while one is " \
+               "moved; checksummed O_DIRECT stores: the CRC while the write is in flight; 0 io_uring ops, 0 plain " \
+               "O_DIRECT blocks\n" in text
     else:  # the kernel refused a ring here
         assert d["io_engine"]["setup_errno"] > 0
         assert "I/O engine:     plain pread/pwrite (the kernel refused io_uring: " in text
+    try:  # the load slots' pages: the kernel's THP mode, as read here
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        thp = None
+    assert d["io_engine"]["thp"] == thp
+    pages = "transparent huge pages" if thp in ("always", "madvise") else "4 KiB pages"
+    assert f"O_DIRECT load slots: 2 x 2 MiB per I/O thread on {pages} (THP {thp or 'not in this kernel'}" in text
     off = json.loads(run_info("--json", env={"KVTIER_IO_URING": "0"}).stdout)["io_engine"]
     assert (off["engine"], off["setting"]) == ("plain", "0")
     if built:
