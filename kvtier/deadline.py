@@ -27,6 +27,17 @@ DEFAULT_IO_TIMEOUT_S = 120.0
 64-block job of 16 MiB blocks, 1 GiB, at 10 MB/s is ~100 s), and a job that takes
 longer is worse than recomputing its KV."""
 
+DEFAULT_LOOKUP_TIMEOUT_S = 2.0
+"""Default deadline of one lookup (a batch of stat calls), in seconds, when
+``io_timeout_s`` is not shorter (docs/tier.md, "Deadlines"). A lookup runs where
+waiting is dearest: on the standalone tier it is the caller's (the scheduler's)
+thread, and in vLLM the one lookup thread every request's lookups queue behind.
+It is one metadata round trip per key, microseconds on a local filesystem and a few
+milliseconds on a healthy NFS or Lustre client under load, so 2 s covers hundreds
+of keys on a slow share; a server that takes longer is failing over or gone (NFS's
+own retransmit timeout is 60 s), and a lookup answered as a miss costs only the
+recompute of those blocks."""
+
 
 def check_timeout(value: Any, name: str = "io_timeout_s") -> float:
     """``value`` as seconds (float >= 0; 0 = no deadline). TypeError for a
@@ -109,7 +120,9 @@ class OffThread:
             return fn(*args)
         with self._lock:
             if self._stuck >= self.max_stuck:
-                raise timed_out(f"{what} not started, {self._stuck} earlier calls still stuck", timeout, path)
+                err = timed_out(f"{what} not started, {self._stuck} earlier call(s) still stuck", timeout, path)
+                err.started = False  # failed fast: nothing was asked of the filesystem
+                raise err
             r = self._idle.pop() if self._idle else None
         if r is None:
             r = _Runner(self)

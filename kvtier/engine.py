@@ -23,7 +23,9 @@ Pieces, each in one place:
   :class:`kvtier.io.JobState`; a watchdog thread reports a job past its deadline as failed
   (ETIMEDOUT) through ``JobState.expire()``, so the late I/O writes nothing more, and
   replaces the thread stuck in it (up to ``max_stuck`` stuck threads; at the cap new jobs
-  fail fast with EAGAIN).  Lookups run off-thread with the same deadline
+  fail fast with EAGAIN).  Lookups run off-thread under a deadline of their own
+  (``lookup_timeout_s``, short: a lookup's caller is waiting) and never pile up on a
+  hung filesystem: while one is stuck, the next answer misses at once
   (:mod:`kvtier.deadline`).  docs/tier.md, "Deadlines".
 - **Counters**: :class:`Counters`, the tier's totals; :meth:`Counters.count_job` is the
   one place where a finished job is counted, :meth:`Counters.snapshot` is what the
@@ -48,7 +50,7 @@ from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Seque
 
 from kvtier import policy as _policy
 
-from kvtier.deadline import DEFAULT_IO_TIMEOUT_S, OffThread, check_timeout, timed_out
+from kvtier.deadline import DEFAULT_IO_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, OffThread, check_timeout, timed_out
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +82,8 @@ COUNTERS: Dict[str, str] = {
     "load_timeouts": "load jobs reported failed at their deadline (io_timeout_s)",
     "store_timeouts": "store jobs reported failed at their deadline (io_timeout_s)",
     "jobs_refused": "jobs failed at once (EAGAIN) because the cap of stuck threads was reached",
-    "lookup_timeouts": "lookups answered as misses at their deadline",
+    "lookup_timeouts": "lookups answered as misses at their deadline (lookup_timeout_s), or at once while an "
+                       "earlier lookup is still stuck",
     "stuck_threads": "gauge: threads still in a filesystem call that outlived its deadline",
     "root_lost": "times the tier root was found deleted or replaced while running (restored)",
 }
@@ -239,17 +242,20 @@ class TierEngine:
         checksum / use_o_direct / durable: passed to every ``kvtier.io`` batch call.
         counters: where finished jobs are counted (default a new :class:`Counters`).
         thread_name: thread name prefix (threads are ``<prefix>_r<i>`` / ``_w<i>``).
-        io_timeout_s: deadline of a job, counted from the start of its I/O, and of a
-            :meth:`lookup` (seconds, > 0), or 0 for none (docs/tier.md, "Deadlines").
+        io_timeout_s: deadline of a job, counted from the start of its I/O (seconds,
+            > 0), or 0 for none (docs/tier.md, "Deadlines").
+        lookup_timeout_s: deadline of a :meth:`lookup` (seconds, > 0, or 0 for none);
+            None: :data:`kvtier.deadline.DEFAULT_LOOKUP_TIMEOUT_S` (2 s), or
+            ``io_timeout_s`` when that is shorter (so 0 turns both off).
         root: the tier root, named by the errors of lookups and refused jobs.
         before_job: called on the job's thread before each job's I/O (the shell's check
             that its tier root is still there, :meth:`kvtier.manager.FileSystemTierManager`);
             an exception from it is logged, never raised.
 
     Thread-safety: every method may be called from any thread.  Methods never block on
-    I/O except :meth:`drain` and :meth:`shutdown` (``wait=True``), and with a deadline
-    those return once every job has a result, at most ``io_timeout_s`` after the last
-    job started.
+    I/O except :meth:`lookup` (at most ``lookup_timeout_s``), :meth:`drain` and
+    :meth:`shutdown` (``wait=True``), and with a deadline those return once every job
+    has a result, at most ``io_timeout_s`` after the last job started.
     """
 
     def __init__(self, view: memoryview, block_size: int, path_of: Callable[[Any], str], *,
@@ -257,8 +263,12 @@ class TierEngine:
                  use_o_direct: bool = True, durable: bool = False,
                  counters: Optional[Counters] = None, thread_name: str = "kvtier_fs",
                  io_timeout_s: float = DEFAULT_IO_TIMEOUT_S, root: str = "",
-                 before_job: Optional[Callable[[], None]] = None) -> None:
+                 before_job: Optional[Callable[[], None]] = None,
+                 lookup_timeout_s: Optional[float] = None) -> None:
         self.io_timeout_s = check_timeout(io_timeout_s)
+        self.lookup_timeout_s = (min(self.io_timeout_s, DEFAULT_LOOKUP_TIMEOUT_S) if lookup_timeout_s is None
+                                 else check_timeout(lookup_timeout_s, "lookup_timeout_s"))
+        self._warned_lookup = -UNVERIFIED_WARN_INTERVAL
         self.root = root
         self.before_job = before_job
         self._warned_unverified = -UNVERIFIED_WARN_INTERVAL
@@ -289,7 +299,9 @@ class TierEngine:
         self._healthy = {True: 0, False: 0}
         self._stuck = 0
         self.max_stuck = n_read_threads + n_write_threads
-        self._lookups = OffThread(f"{thread_name}_lookup", max_stuck=self.max_stuck)
+        # one stuck lookup is the cap: while the filesystem holds it, lookups answer
+        # misses at once instead of queueing more threads (and callers) behind it
+        self._lookups = OffThread(f"{thread_name}_lookup", max_stuck=1)
         self._workers: List[_Worker] = []
         self._JobState = _io().JobState if self.io_timeout_s else None
         for i in range(n_read_threads):
@@ -521,16 +533,23 @@ class TierEngine:
 
     def lookup(self, paths: Sequence[str], block_size: int = 0) -> List[bool]:
         """Whether each path is a regular file (of ``block_size`` bytes when not 0; one
-        ``kvtier.io.batch_lookup`` call).  With a deadline the call runs on another thread
-        and after ``io_timeout_s`` every path is answered as a miss (False; counted in
-        ``lookup_timeouts``)."""
+        ``kvtier.io.batch_lookup`` call).  With ``lookup_timeout_s`` the call runs on
+        another thread and the caller waits at most that long: then every path is
+        answered as a miss (False) and the thread left stuck in the filesystem; while it
+        is stuck, later lookups answer misses at once without asking the filesystem.
+        Each such answer counts one ``lookup_timeouts``."""
         kio = _io()
         try:
-            found = self._lookups.call(kio.batch_lookup, list(paths), block_size, timeout=self.io_timeout_s,
+            found = self._lookups.call(kio.batch_lookup, list(paths), block_size, timeout=self.lookup_timeout_s,
                                        what="lookup", path=self.root or (paths[0] if paths else ""))
         except TimeoutError as e:
-            logger.warning("%s", e)
             self.counters.add("lookup_timeouts")
+            now = time.monotonic()
+            if getattr(e, "started", True):
+                logger.warning("%s; lookups answer misses until it returns", e)
+            elif now - self._warned_lookup >= UNVERIFIED_WARN_INTERVAL:  # at most once a minute
+                self._warned_lookup = now
+                logger.warning("%s: answered as misses at once", e)
             return [False] * len(paths)
         return [bool(x) for x in found]
 

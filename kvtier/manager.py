@@ -205,6 +205,11 @@ class FileSystemTierManager:
         durable: on store, fdatasync each temp before its rename and fsync its directory
             after, so a stored block survives power loss (default False: a crash can lose
             recently stored blocks, never publish a torn one). Cost: docs/reliability.md.
+        io_timeout_s: deadline in seconds of a job (from the start of its I/O) and of the
+            startup probes, 0 = none (docs/tier.md, "Deadlines"; why 120 s there).
+        lookup_timeout_s: deadline in seconds of :meth:`lookup`, 0 = none; None (default):
+            2 s (:data:`kvtier.deadline.DEFAULT_LOOKUP_TIMEOUT_S`), or ``io_timeout_s`` when
+            that is shorter.
 
     Raises, before any I/O: TypeError / ValueError for bad arguments (wrong types,
     thread counts < 1, block size not matching the buffer, bad FileMapper fields),
@@ -246,7 +251,8 @@ class FileSystemTierManager:
         registry: Any = None,
         sweep_stale_temps_after: Optional[float] = None,  # stale-temp sweep (kvtier/sweep.py)
         durable: bool = False,  # fdatasync temp + fsync dir on store
-        io_timeout_s: float = DEFAULT_IO_TIMEOUT_S,  # deadline of a job, lookup, startup probe
+        io_timeout_s: float = DEFAULT_IO_TIMEOUT_S,  # deadline of a job, startup probe
+        lookup_timeout_s: Optional[float] = None,  # deadline of a lookup (default 2 s)
     ) -> None:
         # ---- configuration checks: no I/O until all of them pass ----
         for name, v in (("n_read_threads", n_read_threads), ("n_write_threads", n_write_threads)):
@@ -258,6 +264,8 @@ class FileSystemTierManager:
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
         io_timeout_s = check_timeout(io_timeout_s)
+        if lookup_timeout_s is not None:
+            check_timeout(lookup_timeout_s, "lookup_timeout_s")
         from kvtier.policy import check_mode
 
         check_mode(checksum_blocks, "checksum_blocks")
@@ -327,7 +335,7 @@ class FileSystemTierManager:
             n_write_threads=n_write_threads, checksum=checksum_blocks,
             use_o_direct=self.use_o_direct, durable=durable, counters=self.metrics.counters,
             thread_name="kvtier_fs", io_timeout_s=io_timeout_s, root=self.root_dir,
-            before_job=self._check_root)
+            before_job=self._check_root, lookup_timeout_s=lookup_timeout_s)
 
     # ------------------------------------------------------------------ root
     def _root_identity(self) -> Optional[Tuple[int, int, int, int]]:
@@ -481,7 +489,12 @@ class FileSystemTierManager:
     def lookup(self, keys: Sequence[Key]) -> List[bool]:
         """For each key, True if its block file is a regular file of the block size (one C
         call for all keys; a directory, symlink, FIFO or file of another size is a miss, as
-        vLLM's own lookup checks the size)."""
+        vLLM's own lookup checks the size).
+
+        Never waits for the filesystem longer than ``lookup_timeout_s`` (default 2 s): a
+        lookup that has not answered by then is all misses, and while it stays stuck in
+        the filesystem later lookups answer all misses at once (each counted in
+        ``kvtier:kv_offload_tiering_timeouts{op="lookup"}``), until it returns."""
         paths = self.file_mapper.get_file_names(list(keys))
         if not paths:
             return []

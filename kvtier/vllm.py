@@ -14,7 +14,8 @@ Keys: every key of ``"fs"`` (``root_dir``, ``n_read_threads=16``, ``n_write_thre
 ``enable_kv_events=False``, ``locality=None``; ``backpressure`` is taken by vLLM's factory)
 and kvtier's own (``checksum_blocks=True``, ``durable=False``, ``use_o_direct=True``,
 ``sweep_stale_temps_after=None``, ``io_timeout_s`` (the engine's job deadline, default
-:data:`kvtier.deadline.DEFAULT_IO_TIMEOUT_S`); meanings as
+:data:`kvtier.deadline.DEFAULT_IO_TIMEOUT_S`), ``lookup_timeout_s`` (the lookup deadline,
+default :data:`kvtier.deadline.DEFAULT_LOOKUP_TIMEOUT_S`); meanings as
 :class:`kvtier.manager.FileSystemTierManager`).
 An unknown key is a TypeError listing the valid ones.
 
@@ -69,7 +70,8 @@ FS_KEYS: Dict[str, Any] = {"root_dir": None, "n_read_threads": 16, "n_write_thre
                            "enable_kv_events": False, "locality": None}
 #: kvtier's own keys, with their defaults.
 KVTIER_KEYS: Dict[str, Any] = {"checksum_blocks": True, "durable": False, "use_o_direct": True,
-                               "sweep_stale_temps_after": None, "io_timeout_s": None}
+                               "sweep_stale_temps_after": None, "io_timeout_s": None,
+                               "lookup_timeout_s": None}
 
 #: Engine counters (:data:`kvtier.engine.COUNTERS`) that vLLM derives itself from the
 #: JobResults (read/write bytes and time, job failures): never emitted again by this tier.
@@ -125,8 +127,14 @@ def _checksum_on(tier_config: Dict[str, Any]) -> bool:
 
 class _Lookup(AsyncLookupManager):
     """vLLM's async lookup state machine; the existence checks are one C call per batch
-    (``kvtier.io.batch_lookup``: faccessat per path, GIL released) through the engine,
-    which answers misses after ``io_timeout_s`` on a filesystem that does not answer."""
+    (``kvtier.io.batch_lookup``: a stat per path, GIL released) through the engine.
+
+    vLLM runs every ``batch_lookup`` of a tier on one thread, one batch after the other:
+    a batch that never returns (vLLM's ``"fs"`` tier on a hung filesystem) leaves its
+    keys and every later batch's IN_FLIGHT, so their requests see RETRY for as long as
+    the filesystem hangs.  Through the engine a batch returns within
+    ``lookup_timeout_s`` (all misses), and while that call stays stuck the next batches
+    answer misses at once: requests go on and recompute (docs/tier.md, "Deadlines")."""
 
     def __init__(self, tier_type: str, path_of, lookup_paths) -> None:
         super().__init__(tier_type=tier_type)
@@ -183,10 +191,12 @@ class KvtierTier(SecondaryTierManager):
             from kvtier.sweep import check_sweep_after
 
             check_sweep_after(cfg["sweep_stale_temps_after"])
-        if cfg["io_timeout_s"] is not None:
-            from kvtier.deadline import check_timeout
+        from kvtier.deadline import check_timeout
 
+        if cfg["io_timeout_s"] is not None:
             check_timeout(cfg["io_timeout_s"])
+        if cfg["lookup_timeout_s"] is not None:
+            check_timeout(cfg["lookup_timeout_s"], "lookup_timeout_s")
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(cfg["locality"]) if cfg["locality"] is not None else None
         self.checksum_blocks: Union[bool, str] = cfg["checksum_blocks"]
@@ -249,8 +259,8 @@ class KvtierTier(SecondaryTierManager):
                                   n_write_threads=cfg["n_write_threads"],
                                   checksum=self.checksum_blocks, use_o_direct=self.use_o_direct,
                                   durable=self.durable, thread_name="kvtier_vllm",
-                                  root=root_dir, **({} if cfg["io_timeout_s"] is None
-                                                    else {"io_timeout_s": cfg["io_timeout_s"]}))
+                                  root=root_dir, lookup_timeout_s=cfg["lookup_timeout_s"],
+                                  **({} if cfg["io_timeout_s"] is None else {"io_timeout_s": cfg["io_timeout_s"]}))
         self._reported: Dict[str, float] = {}  # counters at the last get_stats()
         self._metrics = metrics(self.checksum_blocks)
         self._discarded: List[JobResult] = []

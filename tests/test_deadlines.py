@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import glob
 import os
+import threading
 import time
 
 import numpy as np
@@ -53,6 +54,7 @@ def tier_on(root, buf, io_timeout_s=T, **kw):
     FUSE round trips, slow on a loaded machine) gets a longer one: that deadline
     has its own test (test_constructor_probe_under_a_stall_names_the_root)."""
     kw.setdefault("checksum_blocks", True)
+    kw.setdefault("lookup_timeout_s", io_timeout_s)
     tier = FileSystemTierManager(buf, root, "m", io_timeout_s=max(io_timeout_s, 30), **kw)
     tier._engine.io_timeout_s = io_timeout_s
     return tier
@@ -259,6 +261,52 @@ def test_lookup_under_a_stall_is_a_miss_after_its_deadline(backend, ff, area):
         ff.clear()
         wait_until(lambda: counters(tier)["stuck_threads"] == 0)
         assert tier.lookup([key(0), key(1)]) == [True, True]
+
+
+def test_a_stuck_lookup_makes_later_lookups_misses_at_once(backend, ff, area):
+    """The lookup deadline is the lookup's own (2 s by default, not io_timeout_s):
+    the first lookup of a stalled path answers misses after it; while that call is
+    stuck in the filesystem, every later lookup (healthy paths too) answers misses at
+    once, each counted as a lookup timeout, and no second thread is left in the
+    filesystem; once it returns, lookups answer again."""
+    buf = filled(11)
+    with FileSystemTierManager(buf, area, "m", checksum_blocks=True, io_timeout_s=30) as tier:
+        assert (tier._engine.io_timeout_s, tier._engine.lookup_timeout_s) == (30, 2.0)
+        store_all(tier, [0, 1, 2])
+        ff.stall("getattr", glob_of(tier, ff, key(1)))
+        t0 = time.monotonic()
+        assert tier.lookup([key(0), key(1)]) == [False, False]
+        assert 2.0 <= time.monotonic() - t0 < 2.0 + SLACK  # its deadline, not io_timeout_s
+        lookup_threads = [t for t in threading.enumerate() if t.name == "kvtier_fs_lookup"]
+        assert len(lookup_threads) == 1
+        for _ in range(5):
+            t0 = time.monotonic()
+            assert tier.lookup([key(0), key(2)]) == [False, False]
+            assert time.monotonic() - t0 < 0.5  # at once: nothing asked of the filesystem
+        assert ff.hits("stall_getattr") == 1  # and nothing more queued on it
+        assert [t for t in threading.enumerate() if t.name == "kvtier_fs_lookup"] == lookup_threads
+        c = counters(tier)
+        assert (c["lookup_timeouts"], c["stuck_threads"]) == (6, 1)
+        reg = tier.metrics.registry
+        assert reg.get_sample_value("kvtier:kv_offload_tiering_timeouts_total", {"tier": "1:kvtier", "op": "lookup"}) == 6
+        ff.clear()
+        wait_until(lambda: counters(tier)["stuck_threads"] == 0)
+        assert tier.lookup([key(0), key(1), key(2), key(3)]) == [True, True, True, False]
+        assert counters(tier)["lookup_timeouts"] == 6
+
+
+def test_lookup_timeout_s_default_bounds_and_checks(tmp_path):
+    buf = filled(12)
+    for io, lk, want in ((120, None, 2.0), (0.5, None, 0.5), (0, None, 0), (120, 0.25, 0.25), (1, 5, 5.0),
+                         (120, 0, 0)):
+        with FileSystemTierManager(buf, tmp_path / f"t{io}_{lk}", "m", io_timeout_s=io,
+                                   lookup_timeout_s=lk) as tier:
+            assert tier._engine.lookup_timeout_s == want
+    root = tmp_path / "never"
+    for bad, exc in ((-1, ValueError), (float("nan"), ValueError), ("1", TypeError), (False, TypeError)):
+        with pytest.raises(exc, match="lookup_timeout_s"):
+            FileSystemTierManager(buf, root, "m", lookup_timeout_s=bad)
+    assert not root.exists()
 
 
 def test_constructor_probe_under_a_stall_names_the_root(ff, area):

@@ -271,6 +271,52 @@ def test_lookups_go_through_the_engine_deadline(harness, tmp_path, monkeypatch):
     gate.set()
 
 
+def test_a_hung_lookup_is_a_miss_for_the_scheduler_and_blocks_no_later_lookup(harness, tmp_path, monkeypatch):
+    """vLLM's AsyncLookupManager runs batch_lookup on one thread, batch after batch: a
+    batch that never returns would keep every key IN_FLIGHT (RETRY) for as long as the
+    filesystem hangs. Through kvtier the hung batch answers MISS at lookup_timeout_s and,
+    while it stays stuck, the next requests' batches answer MISS at once; once the
+    filesystem answers, the blocks are HITs again."""
+    import threading
+    import time
+
+    from kvtier import io as kio
+
+    h = harness([tier_config("kvtier", str(tmp_path / "a"), lookup_timeout_s=0.3)])
+    (a,) = h.tiers
+    assert (a._engine.lookup_timeout_s, a._engine.io_timeout_s) == (0.3, 120)
+    ks, data = keys_and_data(4, salt=7)
+    h.store(ks, data)
+    h.wait_tiers()
+    h.reset()
+    gate = threading.Event()
+    real = kio.batch_lookup
+    monkeypatch.setattr(kio, "batch_lookup", lambda paths, *args: (gate.wait(60), real(paths, *args))[1])
+    try:
+        rc = h.ctx()
+        t0 = time.monotonic()
+        assert h.lookup_until(ks[0], rc, max_steps=5000) == ["RETRY", "MISS"]
+        assert 0.3 <= time.monotonic() - t0 < 5
+        h.finish(rc)
+        rc = h.ctx()
+        t0 = time.monotonic()
+        seqs = h.lookup_all(ks[1:], rc, max_steps=5000)
+        assert all(s == ["RETRY", "MISS"] for s in seqs.values()), seqs
+        assert time.monotonic() - t0 < 0.3  # at once: not a second deadline
+        h.finish(rc)
+        snap = a.counters()
+        assert snap["lookup_timeouts"] == 2 and snap["stuck_threads"] == 1
+    finally:
+        gate.set()
+    end = time.monotonic() + 10
+    while a.counters()["stuck_threads"] and time.monotonic() < end:
+        time.sleep(0.01)
+    assert a.counters()["stuck_threads"] == 0
+    rc = h.ctx()
+    assert all(s[-1] == "HIT" for s in h.lookup_all(ks, rc).values())
+    h.finish(rc)
+
+
 def test_metric_definitions_in_the_spec(vllm, tmp_path):
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
