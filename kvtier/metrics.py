@@ -21,8 +21,9 @@ Counters (names and help text as vLLM's ``TieringOffloadingMetrics``; label ``ti
                                                    checksums on only
 ``kvtier:kv_offload_tiering_timeouts``             kvtier's own, label ``op`` (``load``,
                                                    ``store``, ``lookup``): jobs reported failed
-                                                   and lookups answered as misses at their
-                                                   deadline (``io_timeout_s``)
+                                                   at their deadline (``io_timeout_s``) and
+                                                   lookups answered as misses at theirs
+                                                   (``lookup_timeout_s``) or behind a stuck one
 ``kvtier:kv_offload_tiering_jobs_refused``         kvtier's own: jobs failed at once (EAGAIN)
                                                    while the cap of stuck threads is reached
 ``kvtier:kv_offload_tiering_stuck_threads``        kvtier's own, a gauge: threads of this tier
@@ -50,6 +51,13 @@ per label value seen or defined:
 ``kvtier:kv_offload_tiering_root_lost``            the tier root found deleted or replaced
                                                    while running (then restored)
 =================================================  ============================================
+
+The labelled families (``FAMILIES``: the timeouts and the four policy families above) have
+the same name and label set in vLLM's stats path (:func:`kvtier.vllm.metrics`), where each is
+one metric declared with labels ``tier`` and its own label (``op``, ``cause``, ``errno``,
+``outcome``), and so is ``kvtier:kv_offload_tiering_io_errors{tier,operation,errno}``:
+``kvtier:kv_offload_tiering_timeouts{tier="1:kvtier",op="load"}`` means the same thing
+standalone and inside vLLM.
 
 prometheus_client exposes a Counter named ``X`` as the sample ``X_total`` (plus
 ``X_created``), exactly as vLLM's own counters appear on its ``/metrics`` endpoint
@@ -133,9 +141,23 @@ _DOCS = {
     CHECKSUM_FAILURES: "Number of secondary-tier loads that failed CRC32C checksum verification.",
     CHECKSUM_RETRIES: "Blocks re-read once after a first CRC32C mismatch (loaded if the re-read verified).",
     CHECKSUM_CONDEMNED: "Blocks condemned after a second CRC32C mismatch (EBADMSG, file removed).",
-    TIMEOUTS: "Jobs reported failed, and lookups answered as misses, at their deadline (io_timeout_s), by op.",
+    TIMEOUTS: "Jobs reported failed at their deadline (io_timeout_s), and lookups answered as misses at theirs "
+              "(lookup_timeout_s) or behind a stuck one, by op.",
     JOBS_REFUSED: "Jobs failed at once because the cap of threads stuck in the filesystem was reached.",
     STUCK_THREADS: "Threads still in a filesystem call that outlived its deadline.",
+}
+
+
+IO_ERRORS_DOC = "Failed jobs by the failing call and errno."
+"""Help of :data:`IO_ERRORS` (labels ``operation``, ``errno``: label values as they occur)."""
+
+#: The labelled families, under one name and label set wherever kvtier's counters are
+#: exported: by this tracker and by the vLLM adapter's stats (:func:`kvtier.vllm.metrics`).
+#: name -> (help, label name, {label value: Counters snapshot key}).
+FAMILIES: Dict[str, Tuple[str, str, Dict[str, str]]] = {
+    **POLICY_FAMILIES,
+    TIMEOUTS: (_DOCS[TIMEOUTS], "op", {"load": "load_timeouts", "store": "store_timeouts",
+                                       "lookup": "lookup_timeouts"}),
 }
 
 
@@ -205,12 +227,12 @@ def _tracker_families(t: "TieringMetricsTracker") -> Iterable[CounterMetricFamil
         fam = CounterMetricFamily(name, _DOCS[name], labels=LABELNAMES)
         fam.add_metric([t.tier], float(snap[COUNTER_OF[name]]))
         yield fam
-    for name, (doc, label, keys) in POLICY_FAMILIES.items():
+    for name, (doc, label, keys) in FAMILIES.items():
         fam = CounterMetricFamily(name, doc, labels=LABELNAMES + (label,))
         for value, key in keys.items():
             fam.add_metric([t.tier, value], float(snap.get(key, 0)))
         yield fam
-    fam = CounterMetricFamily(IO_ERRORS, "Failed jobs by the failing call and errno.",
+    fam = CounterMetricFamily(IO_ERRORS, IO_ERRORS_DOC,
                               labels=LABELNAMES + ("operation", "errno"))
     for key in sorted(k for k in snap if k.startswith(IO_ERROR_PREFIX)):
         op, err = key[len(IO_ERROR_PREFIX):].split(":", 1)
@@ -220,11 +242,7 @@ def _tracker_families(t: "TieringMetricsTracker") -> Iterable[CounterMetricFamil
                               labels=LABELNAMES)
     fam.add_metric([t.tier], float(snap.get("root_lost", 0)))
     yield fam
-    # deadlines (docs/tier.md, "Deadlines")
-    fam = CounterMetricFamily(TIMEOUTS, _DOCS[TIMEOUTS], labels=LABELNAMES + ("op",))
-    for op in ("load", "store", "lookup"):
-        fam.add_metric([t.tier, op], float(snap[f"{op}_timeouts"]))
-    yield fam
+    # deadlines (docs/tier.md, "Deadlines"); the timeouts are a family (FAMILIES)
     fam = CounterMetricFamily(JOBS_REFUSED, _DOCS[JOBS_REFUSED], labels=LABELNAMES)
     fam.add_metric([t.tier], float(snap["jobs_refused"]))
     yield fam

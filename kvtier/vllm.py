@@ -92,18 +92,27 @@ def is_gauge(doc: str) -> bool:
 
 
 def metrics(checksum_blocks: bool) -> Dict[str, tuple]:
-    """kvtier's metrics in vLLM's stats path: ``{metric name: (engine counter, help)}``:
-    every engine counter vLLM does not derive itself, named ``kvtier:kv_offload_tiering_<counter>``
-    (the three checksum counters keep their established names; they exist only with
+    """kvtier's metrics in vLLM's stats path: ``{metric name: (counters, help, labels)}``,
+    ``counters`` = ``{label values: engine counter}`` for the extra ``labels`` (label names
+    after ``tier``).  Every engine counter vLLM does not derive itself: those of a labelled
+    family (:data:`kvtier.metrics.FAMILIES`: the timeouts by ``op``, the error policy's by
+    ``cause`` / ``errno`` / ``outcome``) under the family's name and label, as the standalone
+    tracker exports them; the others as ``kvtier:kv_offload_tiering_<counter>`` with no extra
+    label (the three checksum counters keep their established names and exist only with
     checksums on).  Those whose help starts with ``gauge:`` are gauges (:func:`is_gauge`)."""
     from kvtier.engine import COUNTERS
+    from kvtier.metrics import FAMILIES
 
-    out = {}
+    out: Dict[str, tuple] = {}
+    in_family = set()
+    for name, (doc, label, keys) in FAMILIES.items():
+        out[name] = ({(value,): counter for value, counter in keys.items()}, doc, (label,))
+        in_family.update(keys.values())
     for counter, doc in COUNTERS.items():
-        if counter in VLLM_DERIVED or (counter in CHECKSUM_ONLY and not checksum_blocks):
+        if counter in VLLM_DERIVED or counter in in_family or (counter in CHECKSUM_ONLY and not checksum_blocks):
             continue
         name = _METRIC_NAMES.get(counter, f"kvtier:kv_offload_tiering_{counter}")
-        out[name] = (counter, doc[:1].upper() + doc[1:] + ".")
+        out[name] = ({(): counter}, doc[:1].upper() + doc[1:] + ".", ())
     return out
 
 
@@ -295,9 +304,14 @@ class KvtierTier(SecondaryTierManager):
         """kvtier's counters (:func:`metrics`), the checksum ones only with checksums on."""
         from vllm.v1.kv_offload.base import OffloadingGaugeMetadata
 
-        return {name: (OffloadingGaugeMetadata if is_gauge(doc) else OffloadingCounterMetadata)(
-                    documentation=doc, labelnames=(TIER_LABEL,))
-                for name, (_, doc) in metrics(_checksum_on(tier_config)).items()}
+        from kvtier.metrics import IO_ERRORS, IO_ERRORS_DOC
+
+        defs = {name: (OffloadingGaugeMetadata if is_gauge(doc) else OffloadingCounterMetadata)(
+                    documentation=doc, labelnames=(TIER_LABEL, *labels))
+                for name, (_, doc, labels) in metrics(_checksum_on(tier_config)).items()}
+        defs[IO_ERRORS] = OffloadingCounterMetadata(documentation=IO_ERRORS_DOC,
+                                                    labelnames=(TIER_LABEL, "operation", "errno"))
+        return defs
 
     def counters(self) -> Dict[str, float]:
         """The engine's counters (:data:`kvtier.engine.COUNTERS`), a snapshot."""
@@ -306,12 +320,18 @@ class KvtierTier(SecondaryTierManager):
     def get_stats(self):
         """The increase of kvtier's counters (:func:`metrics`) since the last call, as
         ``OffloadingConnectorStats`` (None when nothing changed)."""
+        from kvtier.engine import IO_ERROR_PREFIX
+        from kvtier.metrics import IO_ERRORS
+
         snap = self._engine.counters.snapshot()
         stats = None
-        for name, (counter, doc) in self._metrics.items():
+        io_errors = {tuple(k[len(IO_ERROR_PREFIX):].split(":", 1)): k for k in snap if k.startswith(IO_ERROR_PREFIX)}
+        for name, (counters, doc, _) in [*self._metrics.items(), (IO_ERRORS, (io_errors, "", ()))]:
             gauge = is_gauge(doc)
-            delta = snap[counter] - self._reported.get(counter, 0)
-            if delta:
+            for values, counter in counters.items():
+                delta = snap[counter] - self._reported.get(counter, 0)
+                if not delta:
+                    continue
                 if stats is None:
                     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
                         OffloadingConnectorStats,
@@ -319,9 +339,9 @@ class KvtierTier(SecondaryTierManager):
 
                     stats = OffloadingConnectorStats()
                 if gauge:
-                    stats.set_gauge(name, snap[counter], (self.tier_label,))
+                    stats.set_gauge(name, snap[counter], (self.tier_label, *values))
                 else:
-                    stats.increase_counter(name, delta, (self.tier_label,))
+                    stats.increase_counter(name, delta, (self.tier_label, *values))
         self._reported = snap
         return stats
 

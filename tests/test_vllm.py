@@ -317,6 +317,59 @@ def test_a_hung_lookup_is_a_miss_for_the_scheduler_and_blocks_no_later_lookup(ha
     h.finish(rc)
 
 
+def test_timeouts_have_one_name_and_label_set_standalone_and_in_vllm(harness, tmp_path, monkeypatch):
+    """kvtier:kv_offload_tiering_timeouts{tier, op}: declared with labels (tier, op) in
+    vLLM's spec and reported by get_stats per op, as the standalone tracker exports it
+    (tests/test_metrics.py); a load past its deadline and a lookup past its own, each
+    counted once under its op."""
+    import threading
+    import time
+
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    from kvtier import io as kio
+    from kvtier.metrics import TIMEOUTS, TieringMetricsTracker
+
+    defs = TieringOffloadingSpec.build_metric_definitions(
+        {"secondary_tiers": [tier_config("kvtier", str(tmp_path / "d"))]})
+    assert defs[TIMEOUTS].labelnames == ("tier", "op")
+    assert defs["kvtier:kv_offload_tiering_io_errors"].labelnames == ("tier", "operation", "errno")
+    assert type(defs[TIMEOUTS]).__name__ == "OffloadingCounterMetadata"
+    assert not any("load_timeouts" in n or "store_timeouts" in n or "lookup_timeouts" in n for n in defs)
+    t = TieringMetricsTracker("1:kvtier")  # the standalone family: same name, same labels
+    (fam,) = [f for f in t.registry.collect() if f.name == TIMEOUTS]
+    assert {tuple(sorted(smp.labels)) for smp in fam.samples if smp.name == TIMEOUTS + "_total"} == {("op", "tier")}
+    t.close()
+
+    h = harness([tier_config("kvtier", str(tmp_path / "a"), io_timeout_s=0.3, lookup_timeout_s=0.3)])
+    (a,) = h.tiers
+    a.get_stats()
+    gate = threading.Event()
+    real_load, real_lookup = kio.batch_load_block, kio.batch_lookup
+    monkeypatch.setattr(kio, "batch_load_block", lambda *args, **kw: (gate.wait(60), real_load(*args, **kw))[1])
+    monkeypatch.setattr(kio, "batch_lookup", lambda *args: (gate.wait(60), real_lookup(*args))[1])
+    try:
+        ks, _ = keys_and_data(2, salt=9)
+        a.submit_load(TransferJob(7, ks, np.array([3, 4], dtype=np.int32), True, ReqContext(req_id="r")))
+        a.drain_jobs()
+        (r,) = a.get_finished_jobs()
+        assert (r.job_id, r.success) == (7, False)
+        assert a._lookup.batch_lookup(ks, None) == [False, False]
+        st = a.get_stats().data["data"]
+        label = a.tier_label
+        assert st[TIMEOUTS] == {(label, "load"): 1, (label, "lookup"): 1}
+        assert st["kvtier:kv_offload_tiering_io_errors"] == {(label, "none", "ETIMEDOUT"): 1}  # as standalone
+        assert st["kvtier:kv_offload_tiering_stuck_threads"] == {(label,): 2}
+    finally:
+        gate.set()
+    end = time.monotonic() + 10
+    while a.counters()["stuck_threads"] and time.monotonic() < end:
+        time.sleep(0.01)
+    assert a.counters()["stuck_threads"] == 0
+
+
 def test_metric_definitions_in_the_spec(vllm, tmp_path):
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
@@ -337,8 +390,14 @@ def test_metric_definitions_in_the_spec(vllm, tmp_path):
     from kvtier.engine import COUNTERS
     from kvtier.vllm import VLLM_DERIVED, metrics
 
-    declared = {c for c, _ in metrics(True).values()}
-    assert declared == set(COUNTERS) - VLLM_DERIVED and declared <= set(COUNTERS)
+    declared = [c for counters, _, _ in metrics(True).values() for c in counters.values()]
+    assert sorted(declared) == sorted(set(COUNTERS) - VLLM_DERIVED)  # each once
+    # a labelled family has the standalone tracker's name and label (kvtier.metrics.FAMILIES)
+    from kvtier.metrics import FAMILIES
+
+    for name, (_, label, keys) in FAMILIES.items():
+        assert on[name].labelnames == ("tier", label)
+        assert metrics(True)[name][0] == {(v,): c for v, c in keys.items()}
     assert not any(f"kvtier:kv_offload_tiering_{c}" in on for c in VLLM_DERIVED)
     # a level (the engine's stuck threads) is a gauge, not a counter
     gauges = {n for n, m in on.items() if type(m).__name__ == "OffloadingGaugeMetadata" and n.startswith("kvtier:")}
