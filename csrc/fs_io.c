@@ -737,6 +737,10 @@ int kvt_batch_load(const char *const *src_paths, void *const *bufs, const size_t
         int e = load_one(src_paths[i], (uint8_t *)bufs[i], lens[i], use_o_direct, checksum, js, &op, &cause,
                          &retried);
         res->retried += (size_t)retried;
+        if (!e && !kvt_job_block_done(js)) {
+            e = ETIMEDOUT; /* whole and verified, but the job expired first: not counted */
+            op = KVT_OP_NONE;
+        }
         if (e) {
             set_fail(res, e, i, cause == KVT_CAUSE_CHECKSUM || cause == KVT_CAUSE_IDENTITY);
             res->op = op;

@@ -717,9 +717,11 @@ PyDoc_STRVAR(batch_load_block_doc,
 "job_state: None, or the job's state word (see job_state_cas): the bytes\n"
 "are read into a private per-thread buffer and copied into buffers[i]\n"
 "(with the fused copy + CRC where available) only in commit sections\n"
-"(JOB_LIVE -> JOB_COMMITTING -> JOB_LIVE, per piece). A job no longer LIVE\n"
-"at a commit point stops the batch with OSError(ETIMEDOUT), num_succeeded =\n"
-"blocks fully loaded; no byte is written into a buffer after that.");
+"(JOB_LIVE -> JOB_COMMITTING -> JOB_LIVE, per piece), and each block whole\n"
+"and verified is counted in the word (blocks << 2 | phase). A job no longer\n"
+"LIVE at a commit point stops the batch with OSError(ETIMEDOUT),\n"
+"num_succeeded = the blocks counted; no byte is written into a buffer after\n"
+"that.");
 
 PyDoc_STRVAR(checksum_stats_doc,
 "checksum_stats($module, /)\n--\n\n"
@@ -867,10 +869,12 @@ PyDoc_STRVAR(job_state_cas_doc,
 "Atomically (C11, sequentially consistent) replace the 32-bit job state word\n"
 "at the start of `buf` (a writable buffer of >= 4 bytes, 4-byte aligned, e.g.\n"
 "bytearray(8)) by `new` if it holds `old`. Returns True if it did, False if\n"
-"it held another value. States: JOB_LIVE, JOB_COMMITTING, JOB_EXPIRED,\n"
-"JOB_DONE (module constants); the load/store commit sections of\n"
-"batch_load_block / batch_store_block(job_state=buf) take LIVE ->\n"
-"COMMITTING -> LIVE. ValueError for a value outside 0..2**32-1.");
+"it held another value. The word is blocks << 2 | phase; phases: JOB_LIVE,\n"
+"JOB_COMMITTING, JOB_EXPIRED, JOB_DONE (module constants); the load/store\n"
+"commit sections of batch_load_block / batch_store_block(job_state=buf) take\n"
+"LIVE -> COMMITTING -> LIVE, a load counts each block whole and verified\n"
+"(LIVE -> LIVE, blocks + 1), every change keeps the count (csrc/job_state.h).\n"
+"ValueError for a value outside 0..2**32-1.");
 
 static PyObject *kvt_py_job_state_cas(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
 {

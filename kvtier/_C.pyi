@@ -71,7 +71,7 @@ def batch_load_block(
     (kvtier.policy.CAUSES when the file was removed). counts: policy
     counters of the call are added to it (kvtier.policy.COUNT_NAMES)."""
 
-JOB_LIVE: int  # 0: job state words (job_state_cas, batch_*(job_state=...))
+JOB_LIVE: int  # 0: phases (low 2 bits) of job state words, blocks << 2 | phase (job_state_cas, batch_*(job_state=...))
 JOB_COMMITTING: int  # 1
 JOB_EXPIRED: int  # 2
 JOB_DONE: int  # 3

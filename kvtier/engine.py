@@ -32,7 +32,11 @@ Pieces, each in one place:
   standalone metrics tracker (:mod:`kvtier.metrics`) and the vLLM adapter read.
 
 Partial keep: a load that fails at block ``n`` (``OSError.num_succeeded == n``) keeps its
-first ``n`` keys (``Finished.n_ok``); block ``n`` and the rest are misses.  Files are
+first ``n`` keys (``Finished.n_ok``); block ``n`` and the rest are misses.  A load reported
+at its deadline (or cancelled by ``shutdown(wait=False)``) is a failed load like any other:
+it keeps the blocks its job state counted while it was live (``JobState.blocks_done``: each
+block whole in the caller's view and verified before ``expire()`` won; read once, after it),
+and its late I/O writes nothing more, so those rows stay exactly as reported.  Files are
 removed only by the I/O layer and only when provably bad (docs/design.md, "On-disk
 contract"); a transient error keeps the file.
 """
@@ -204,7 +208,8 @@ class Finished:
 
     ``keys``: all the job's keys, in order; ``n_ok``: how many were transferred (all on
     success; on failure the blocks before the failing one: for a load the partial keep,
-    for a store the blocks already stored).  ``io_time``: seconds of the I/O call; ``elapsed``: seconds from
+    the blocks loaded and verified while it was live when it failed at its deadline; for a
+    store the blocks already stored, none when it failed at its deadline).  ``io_time``: seconds of the I/O call; ``elapsed``: seconds from
     submission to completion (queueing + I/O).  ``error``: the exception that failed
     the job, None on success.  ``checksum_failed``: the job stopped at a block that
     failed CRC32C verification (file removed).  ``checksum_retries``: blocks re-read
@@ -498,7 +503,10 @@ class TierEngine:
         else:
             err = OSError(err_no, f"{what} ({os.strerror(err_no)})", job.paths[0])
         logger.warning("%s", err)
-        result = Finished(job.job_id, job.is_promotion, job.keys, 0, now - job.started_at,
+        # the partial keep: the blocks whole and verified while the job was live (final
+        # now that expire() succeeded; a store counts none)
+        n_ok = min(job.state.blocks_done, len(job.keys)) if job.is_promotion else 0
+        result = Finished(job.job_id, job.is_promotion, job.keys, n_ok, now - job.started_at,
                           now - job.submitted_at, err)
         self._count(job, result)
         self._finished.append(result)

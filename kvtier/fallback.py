@@ -402,12 +402,12 @@ def _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, w
         if word is None:
             _op("rename", _retry_eintr, _os.rename, tmp, dest)
         else:  # commit section: the rename only while the job is live
-            if not job_state_cas(word, _LIVE, _COMMITTING):
+            if not _job_step(word, _LIVE, _COMMITTING):
                 raise OSError(_errno.ETIMEDOUT, _os.strerror(_errno.ETIMEDOUT))  # temp unlinked below
             try:
                 _op("rename", _retry_eintr, _os.rename, tmp, dest)
             finally:
-                late = not job_state_cas(word, _COMMITTING, _LIVE)
+                late = not _job_step(word, _COMMITTING, _LIVE)
             if late:
                 raise _Late()
     except BaseException as e:
@@ -671,8 +671,9 @@ def _unlink_if_same(path, fd):
         pass
 
 
-# Job state words (kvtier.io.JobState): LIVE=0, COMMITTING=1, EXPIRED=2, DONE=3.
-_LIVE, _COMMITTING = 0, 1
+# Job state words (kvtier.io.JobState, csrc/job_state.h): blocks << 2 | phase,
+# phases LIVE=0, COMMITTING=1, EXPIRED=2, DONE=3.
+_LIVE, _COMMITTING, _PHASE, _BLOCK = 0, 1, 3, 4
 _job_lock = _threading.Lock()
 
 
@@ -706,6 +707,18 @@ def _py_job_state_cas(buf, old, new, /):
             return False
         w[0] = new
         return True
+
+
+def _job_step(word, frm, to, add=0):
+    """Phase ``frm`` -> ``to`` of the job state word ``word`` (a _word_view), the
+    count kept (+ ``add``): True if the phase was ``frm`` (csrc/job_state.h
+    kvt_job_step)."""
+    while True:
+        w = word[0]
+        if w & _PHASE != frm:
+            return False
+        if job_state_cas(word, w, ((w & ~_PHASE) | to) + add):
+            return True
 
 
 def _job_state_cas_fn():
@@ -796,7 +809,7 @@ def batch_store_block(tmp_paths, dest_paths, buffers, /, use_o_direct=True, chec
     _tls.counts = mine  # _retry_eintr counts into it
     try:
         for i, (tmp, dest, mv) in enumerate(zip(tmps, dests, views)):
-            if word is not None and word[0] != _LIVE:
+            if word is not None and word[0] & _PHASE != _LIVE:
                 raise _expired(dest_paths[i], i)
             try:
                 _store_one(tmp, dest, mv, bool(use_o_direct), bool(checksum), crc_fn, bool(durable), mine, word)
@@ -820,8 +833,9 @@ def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False
     call are added to. With ``job_state`` (a job state word,
     kvtier.io.JobState): each block is loaded and verified in private
     page-aligned memory and copied into its buffer in a commit section (LIVE
-    -> COMMITTING, copy, -> LIVE); an expired job stops with OSError
-    ETIMEDOUT (num_succeeded = blocks copied) and writes nothing more."""
+    -> COMMITTING, copy, -> LIVE with the word's block count + 1); an expired
+    job stops with OSError ETIMEDOUT (num_succeeded = blocks counted) and
+    writes nothing more."""
     _check_list(source_paths, "source_paths")
     _check_list(buffers, "buffers")
     if len(source_paths) != len(buffers):
@@ -847,7 +861,7 @@ def _load_batch(source_paths, srcs, views, use_o_direct, checksum, crc_fn, word,
     try:
         for i, (src, mv) in enumerate(zip(srcs, views)):
             retried_out = [False]
-            if word is not None and word[0] != _LIVE:
+            if word is not None and word[0] & _PHASE != _LIVE:
                 raise _expired(source_paths[i], i, retried_total)
             dst = mv if word is None else private[: len(mv)]
             try:
@@ -860,14 +874,14 @@ def _load_batch(source_paths, srcs, views, use_o_direct, checksum, crc_fn, word,
                                    retried_total + retried_out[0], getattr(e, "kvt_op", None) or "") from None
             retried_total += retried_out[0]
             if word is not None:  # commit section: the caller's memory is written only while live
-                if not job_state_cas(word, _LIVE, _COMMITTING):
+                if not _job_step(word, _LIVE, _COMMITTING):
                     raise _expired(source_paths[i], i, retried_total)
                 try:
                     mv[:] = dst
-                finally:
-                    late = not job_state_cas(word, _COMMITTING, _LIVE)
-                if late:
-                    raise _expired(source_paths[i], i + 1, retried_total)
+                finally:  # the section's end counts the block (verified before the copy)
+                    late = not _job_step(word, _COMMITTING, _LIVE, _BLOCK)
+                if late:  # expired during the copy (expire(wait_commit=False)): not counted
+                    raise _expired(source_paths[i], i, retried_total)
     finally:
         _merge_counts(counts, mine)
     return retried_total

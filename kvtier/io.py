@@ -172,7 +172,9 @@ def _check_blocks(paths, view, offsets, block_size, writable):
 
 
 LIVE, COMMITTING, EXPIRED, DONE = 0, 1, 2, 3
-"""Values of a job state word (:class:`JobState`)."""
+"""Phases of a job state word (:class:`JobState`): its low 2 bits."""
+PHASE = 3
+"""Mask of the phase in a job state word; the blocks a load counted are ``word >> 2``."""
 _STATE_NAMES = ("LIVE", "COMMITTING", "EXPIRED", "DONE")
 
 
@@ -194,19 +196,25 @@ class JobState:
     one that may give up on it.
 
     One 32-bit word in a small writable buffer (``buffer``, 4 bytes, aligned),
-    passed to ``batch_load_block`` / ``batch_store_block`` as ``job_state``.
-    States: ``LIVE`` (0) the job may run; ``COMMITTING`` (1) the I/O thread is
+    passed to ``batch_load_block`` / ``batch_store_block`` as ``job_state``:
+    ``blocks << 2 | phase`` (csrc/job_state.h). ``blocks`` (:attr:`blocks_done`):
+    the blocks of a load that are whole in the caller's view and verified,
+    counted while the job was live (never changed once it is not). Phases
+    (:attr:`state`): ``LIVE`` (0) the job may run; ``COMMITTING`` (1) the I/O thread is
     writing into the caller's memory or renaming a temp onto its destination;
     ``EXPIRED`` (2) given up: the I/O stops at its next commit point (OSError
     ETIMEDOUT) and writes nothing more; ``DONE`` (3) the I/O finished and its
     result stands. Every change is one compare-and-swap
     (``kvtier._C.job_state_cas(buffer, old, new) -> bool``, C11 atomics; the
-    fallback's, under a lock, where the C core is not built), so a job is
-    either expired or done, never both, and exactly one party reports it.
+    fallback's, under a lock, where the C core is not built) that keeps the
+    count, so a job is either expired or done, never both, exactly one party
+    reports it, and the count read after :meth:`expire` is final.
 
     The I/O side: LIVE -> COMMITTING before each copy into the caller's view
-    (load) or each rename (store), COMMITTING -> LIVE after it; a failed
-    swap at either point means the job expired: stop with ETIMEDOUT.
+    (load) or each rename (store), COMMITTING -> LIVE after it, and a load
+    counts each block once it is whole and verified (LIVE -> LIVE, blocks + 1);
+    a failed swap at any of these points means the job expired: stop with
+    ETIMEDOUT (``num_succeeded`` = the blocks counted).
     """
 
     __slots__ = ("buffer", "_cas")
@@ -217,8 +225,24 @@ class JobState:
 
     @property
     def state(self) -> int:
-        """The current state (LIVE, COMMITTING, EXPIRED or DONE)."""
-        return self.buffer[0]
+        """The current phase (LIVE, COMMITTING, EXPIRED or DONE)."""
+        return self.buffer[0] & PHASE
+
+    @property
+    def blocks_done(self) -> int:
+        """Blocks of a load whole in the caller's view and verified while the job was
+        live (0 for a store). Final once :meth:`expire` returned True: the partial keep
+        of a job reported at its deadline."""
+        return self.buffer[0] >> 2
+
+    def _step(self, frm: int, to: int) -> bool:
+        """Phase ``frm`` -> ``to``, keeping the count: True if the phase was ``frm``."""
+        while True:
+            w = self.buffer[0]
+            if w & PHASE != frm:
+                return False
+            if self._cas(self.buffer, w, (w & ~PHASE) | to):
+                return True
 
     def expire(self, wait_commit: bool = True) -> bool:
         """Give up on the job: LIVE -> EXPIRED. Returns True if this call
@@ -235,12 +259,12 @@ class JobState:
         there (its release swap fails)."""
         spins = 0
         while True:
-            if self._cas(self.buffer, LIVE, EXPIRED):
+            if self._step(LIVE, EXPIRED):
                 return True
-            s = self.buffer[0]
+            s = self.state
             if s == COMMITTING:
                 if not wait_commit:
-                    if self._cas(self.buffer, COMMITTING, EXPIRED):
+                    if self._step(COMMITTING, EXPIRED):
                         return True
                     continue
                 spins += 1
@@ -251,11 +275,11 @@ class JobState:
     def finish(self) -> bool:
         """The I/O side's end: LIVE -> DONE. True: the result stands (report
         it); False: the job had expired (its result is dropped)."""
-        return self._cas(self.buffer, LIVE, DONE)
+        return self._step(LIVE, DONE)
 
     def __repr__(self) -> str:
-        s = self.state
-        return f"JobState({_STATE_NAMES[s] if s < len(_STATE_NAMES) else s})"
+        n = self.blocks_done
+        return f"JobState({_STATE_NAMES[self.state]}{f', {n} blocks' if n else ''})"
 
 
 def _check_bool(v, name: str) -> None:
@@ -504,6 +528,7 @@ __all__ = [
     "EXPIRED",
     "JobState",
     "LIVE",
+    "PHASE",
     "XATTR_NAME",
     "backend",
     "batch_load_block",

@@ -89,39 +89,46 @@ def store_all(tier, ids):
 
 @pytest.mark.parametrize("op", ["read", "getxattr", "open"])
 def test_late_load_is_reported_once_and_never_writes_the_reused_row(backend, ff, area, op):
+    """Block 1 of 3 stalls: the job is reported at its deadline, once, as a failed load
+    keeping block 0 (loaded and verified while live: a partial keep like any failed
+    load's), and its late I/O writes nothing into rows 5 and 6, reused meanwhile."""
     buf = filled(1)
     data = buf.copy()
     with tier_on(area, buf, n_read_threads=1, n_write_threads=1) as tier:
-        store_all(tier, [0, 1])
+        store_all(tier, [0, 1, 2])
         ff.stall(op, glob_of(tier, ff, key(1)))
         buf[:] = 0
         t0 = time.monotonic()
-        tier.submit_load(TransferJob("L", [key(0), key(1)], [4, 5]))
+        tier.submit_load(TransferJob("L", [key(0), key(1), key(2)], [4, 5, 6]))
         ff.wait_hits(f"stall_{op}", 1)
         assert tier.drain_jobs(T + SLACK)  # a result for every job, from the deadline
         assert time.monotonic() - t0 < T + SLACK
         (r,) = tier.get_finished_jobs()
-        assert (r.job_id, r.success, r.successful_keys) == ("L", False, ())
+        assert (r.job_id, r.success, r.successful_keys, r.transfer_bytes) == ("L", False, (key(0),), BS)
         assert isinstance(r.error, TimeoutError) and r.error.errno == errno.ETIMEDOUT
+        assert np.array_equal(buf[4], data[0]) and (buf[5:7] == 0).all()  # the kept block is whole
         c = counters(tier)
         assert (c["load_timeouts"], c["load_failures"], c["stuck_threads"]) == (1, 1, 1)
+        assert c["bytes_read"] == BS and c["read_time"] > 0  # the kept block's bytes, as any partial keep
         reg = tier.metrics.registry
         assert reg.get_sample_value("kvtier:kv_offload_tiering_timeouts_total", {"tier": "1:kvtier", "op": "load"}) == 1
         assert reg.get_sample_value("kvtier:kv_offload_tiering_timeouts_total", {"tier": "1:kvtier", "op": "store"}) == 0
         assert reg.get_sample_value("kvtier:kv_offload_tiering_stuck_threads", {"tier": "1:kvtier"}) == 1
         assert reg.get_sample_value("vllm:kv_offload_tiering_promotion_job_failures_total", {"tier": "1:kvtier"}) == 1
-        buf[4:6] = 0xA7  # the caller reuses the rows for other blocks
+        buf[5:7] = 0xA7  # the caller reuses the rows of the missed blocks for others
         ff.clear()
         wait_until(lambda: counters(tier)["stuck_threads"] == 0)  # the late load returned
-        assert (buf[4:6] == 0xA7).all()  # ... and wrote nothing
+        assert (buf[5:7] == 0xA7).all()  # ... and wrote nothing
+        assert np.array_equal(buf[4], data[0])
         assert tier.get_finished_jobs() == []  # reported once
-        assert counters(tier)["load_jobs"] == 1
+        c = counters(tier)
+        assert (c["load_jobs"], c["bytes_read"]) == (1, BS)
         # the same blocks load once the filesystem answers: a deadline removes nothing
         ff.clear()
-        tier.submit_load(TransferJob("L2", [key(0), key(1)], [4, 5]))
+        tier.submit_load(TransferJob("L2", [key(0), key(1), key(2)], [4, 5, 6]))
         assert tier.drain_jobs(30)
         (r,) = tier.get_finished_jobs()
-        assert r.success and np.array_equal(buf[4:6], data[0:2])
+        assert r.success and np.array_equal(buf[4:7], data[0:3])
 
 
 def test_n_plus_one_stalls_for_n_threads_leave_no_healthy_job_behind(backend, ff, area):

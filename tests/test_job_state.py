@@ -20,6 +20,12 @@ def _word(buf) -> int:
     return int(np.frombuffer(buf, dtype=np.uint32, count=1)[0])
 
 
+def _phase_and_blocks(buf):
+    """(phase, blocks counted) of a job state word: blocks << 2 | phase."""
+    w = _word(buf)
+    return w & 3, w >> 2
+
+
 def test_constants_and_cas():
     assert (_C.JOB_LIVE, _C.JOB_COMMITTING, _C.JOB_EXPIRED, _C.JOB_DONE) == (LIVE, COMMITTING, EXPIRED, DONE)
     buf = bytearray(8)
@@ -69,7 +75,7 @@ def test_round_trip_under_job_state(tmp_path, use_o_direct, checksum, bs):
     out = np.zeros_like(data)
     assert _C.batch_load_block(paths, list(out), use_o_direct, checksum, job_state=js) == 0
     assert np.array_equal(out, data)
-    assert _word(js) == LIVE  # every commit section gave it back
+    assert _phase_and_blocks(js) == (LIVE, 3)  # every commit section gave it back; 3 blocks counted
 
 
 def test_expired_before_start(tmp_path):
@@ -90,19 +96,24 @@ def test_expired_before_start(tmp_path):
 
 
 def _expire_after(js, delay_s, view, snap):
-    """Expire the job (CAS LIVE -> EXPIRED, spinning while COMMITTING, as
-    kvtier.io.JobState.expire does), then snapshot the view."""
+    """Expire the job (CAS LIVE -> EXPIRED keeping the count, spinning while
+    COMMITTING, as kvtier.io.JobState.expire does), then snapshot the view and
+    the count."""
     time.sleep(delay_s)
-    while not _C.job_state_cas(js, LIVE, EXPIRED):
-        pass  # COMMITTING: a piece is being copied; it gives the word back when done
+    while True:
+        w = _word(js)
+        if w & 3 == LIVE and _C.job_state_cas(js, w, (w & ~3) | EXPIRED):
+            break  # COMMITTING: a piece is being copied; it gives the word back when done
     snap.append(view.copy())
+    snap.append(w >> 2)
 
 
 @pytest.mark.parametrize("use_o_direct", [True, False])
 def test_no_byte_after_expiry(tmp_path, use_o_direct):
     """A load expired mid-batch stops at a commit point: the view is exactly
-    what it was when expire() returned, the blocks before num_succeeded are
-    whole, the ones after the failing block untouched."""
+    what it was when expire() returned, the blocks counted in the word when it
+    expired are num_succeeded and whole, the ones after the failing block
+    untouched."""
     n, bs = 48, 1 << 20
     paths, data = _store(str(tmp_path), n, bs)
     for delay in (0.002, 0.01, 0.03):
@@ -120,9 +131,10 @@ def test_no_byte_after_expiry(tmp_path, use_o_direct):
             assert e.errno == errno.ETIMEDOUT, e
             k = e.num_succeeded
             assert np.array_equal(out, snap[0])  # nothing written after expire() returned
+            assert snap[1] == k  # the count read at expiry is the call's own partial keep
             assert np.array_equal(out[:k], data[:k])
             assert not out[k + 1:].any()
-            assert _word(js) == EXPIRED
+            assert _phase_and_blocks(js) == (EXPIRED, k)
             return
     pytest.fail("48 MiB always loaded within 2 ms..30 ms: cannot observe an expiry")
 

@@ -12,6 +12,7 @@ import errno
 import glob
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -42,6 +43,22 @@ def test_finish_and_expire_exclude_each_other():
     assert js.finish() is False and js.state == kio.EXPIRED  # the late result is dropped
     assert js.expire() is False  # reported once: a second expire is not a second report
     assert len(js.buffer) * js.buffer.itemsize == 4 and repr(js) == "JobState(EXPIRED)"
+
+
+def test_the_count_of_loaded_blocks_survives_every_transition():
+    """The word is blocks << 2 | phase: expire and finish change the phase only, so the
+    count read after expire() is the one the I/O side reached while live."""
+    js = kio.JobState()
+    assert js._cas(js.buffer, kio.LIVE, (2 << 2) | kio.LIVE)  # two blocks counted by the I/O side
+    assert (js.state, js.blocks_done) == (kio.LIVE, 2) and repr(js) == "JobState(LIVE, 2 blocks)"
+    assert js.expire() is True and (js.state, js.blocks_done) == (kio.EXPIRED, 2)
+    assert js.finish() is False and js.expire() is False and js.blocks_done == 2
+    js = kio.JobState()
+    assert js._cas(js.buffer, kio.LIVE, (5 << 2) | kio.COMMITTING)
+    assert js.expire(wait_commit=False) is True and (js.state, js.blocks_done) == (kio.EXPIRED, 5)
+    js = kio.JobState()
+    assert js._cas(js.buffer, kio.LIVE, (1 << 2) | kio.LIVE)
+    assert js.finish() is True and (js.state, js.blocks_done) == (kio.DONE, 1)
 
 
 def test_expire_waits_for_a_commit_section_or_takes_it_over():
@@ -115,9 +132,10 @@ def test_live_job_loads_and_stores_the_same_bytes(io_backend, tmp_path, checksum
     assert js.state == kio.LIVE and js.finish()
     assert sorted(os.listdir(tmp_path)) == ["b0.bin", "b1.bin", "b2.bin"]
     out = np.zeros_like(view)
+    assert js.blocks_done == 0  # a store counts no loaded block
     js = kio.JobState()
     assert io_backend.batch_load_block(paths, out, offsets(3), BS, checksum=checksum, job_state=js) == 0
-    assert js.state == kio.LIVE
+    assert (js.state, js.blocks_done) == (kio.LIVE, 3)
     assert np.array_equal(out, view)
 
 
@@ -186,12 +204,14 @@ def test_late_load_never_writes_into_a_reused_row(io_backend, ff, area, op):
     call.start()
     ff.wait_hits(f"stall_{op}", 1)
     assert js.expire() is True
+    assert js.blocks_done == 1 and np.array_equal(out[:BS], view[:BS])  # the partial keep, final now
     out[BS:] = 0xC3  # rows 1 and 2 now belong to someone else
     ff.clear()
     call.finish()
     e = call.error
     assert isinstance(e, TimeoutError), e
     assert (e.errno, e.num_succeeded, os.fsdecode(e.filename)) == (errno.ETIMEDOUT, 1, paths[1])
+    assert js.blocks_done == 1
     assert np.array_equal(out[:BS], view[:BS])
     assert (out[BS:] == 0xC3).all()
     assert js.finish() is False
@@ -291,5 +311,47 @@ def test_late_load_with_the_lock_cas(lock_cas, ff, area):
     out[BS:] = 0x3C
     ff.clear()
     call.finish()
-    assert isinstance(call.error, TimeoutError) and call.error.num_succeeded == 1
+    assert isinstance(call.error, TimeoutError) and call.error.num_succeeded == 1 == js.blocks_done
     assert np.array_equal(out[:BS], view[:BS]) and (out[BS:] == 0x3C).all()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("use_o_direct", [True, False])
+def test_blocks_counted_at_expiry_are_exactly_the_whole_ones(io_backend, tmp_path, use_o_direct):
+    """A load expired at a random moment from another thread: the count read right
+    after expire() is the call's own num_succeeded, those blocks are whole, nothing is
+    written after expire() returned, and no block after the failing one is touched
+    (the C core commits a block in pieces, the fallback in one copy)."""
+    n, bs = 24, 256 << 10
+    data = np.random.default_rng(8).integers(0, 256, n * bs, dtype=np.uint8)
+    paths = [str(tmp_path / f"b{i}.bin") for i in range(n)]
+    io_backend.batch_store_block(paths, data, [i * bs for i in range(n)], bs, checksum=True)
+    rng = np.random.default_rng(9)
+    seen = set()
+    for _ in range(40):
+        js = kio.JobState()
+        out = np.zeros_like(data)
+        snap = []
+
+        def expire():
+            time.sleep(float(rng.uniform(0, 0.02)))
+            assert js.expire()
+            snap.append((js.blocks_done, out.copy()))
+
+        t = threading.Thread(target=expire)
+        t.start()
+        try:
+            io_backend.batch_load_block(paths, out, [i * bs for i in range(n)], bs, use_o_direct=use_o_direct,
+                                        checksum=True, job_state=js)
+        except TimeoutError as e:
+            t.join()
+            k, at_expiry = snap[0]
+            assert e.num_succeeded == k == js.blocks_done
+            assert np.array_equal(out, at_expiry)  # nothing after expire() returned
+            assert np.array_equal(out[:k * bs], data[:k * bs])
+            assert not out[(k + 1) * bs:].any()
+            seen.add(k)
+        else:
+            t.join()
+            assert not snap or snap[0][0] == n  # expired after the last block: all counted
+    assert seen, "no load was expired mid-batch in 40 tries"

@@ -370,6 +370,53 @@ def test_timeouts_have_one_name_and_label_set_standalone_and_in_vllm(harness, tm
     assert a.counters()["stuck_threads"] == 0
 
 
+def test_a_load_past_its_deadline_keeps_the_blocks_loaded_while_live(harness, tmp_path, monkeypatch):
+    """A load job whose second block hangs is reported at io_timeout_s as a failed
+    promotion whose successful_keys are the blocks loaded and verified before the
+    deadline (their bytes in the primary rows), transfer_bytes theirs; the late I/O
+    writes nothing into the other rows."""
+    import threading
+    import time
+
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    from kvtier import io as kio
+
+    h = harness([tier_config("kvtier", str(tmp_path / "a"), io_timeout_s=0.3)])
+    (a,) = h.tiers
+    ks, data = keys_and_data(3, salt=11)
+    ids = h.store(ks, data)
+    h.wait_tiers()
+    h.reset()
+    gate = threading.Event()
+    real = kio.batch_load_block
+
+    def hangs_after_the_first_block(paths, view, offsets, bs, **kw):
+        real(paths[:1], view, offsets[:1], bs, **kw)  # loaded and counted while live
+        gate.wait(60)  # the filesystem stops answering
+        return real(paths[1:], view, offsets[1:], bs, **kw)
+
+    monkeypatch.setattr(kio, "batch_load_block", hangs_after_the_first_block)
+    rows = [ids[0] + 10, ids[0] + 11, ids[0] + 12]
+    h.view[rows] = 0
+    try:
+        a.submit_load(TransferJob(9, ks, np.array(rows, dtype=np.int32), True, ReqContext(req_id="r")))
+        a.drain_jobs()
+        (r,) = a.get_finished_jobs()
+        assert (r.job_id, r.success, r.successful_keys, r.transfer_bytes) == (9, False, (ks[0],), BS)
+        assert h.view[rows[0]].tobytes() == data[0]
+        h.view[rows[1:]] = 0x5D  # the rows of the missed blocks go to other blocks
+    finally:
+        gate.set()
+    end = time.monotonic() + 10
+    while a.counters()["stuck_threads"] and time.monotonic() < end:
+        time.sleep(0.01)
+    assert a.counters()["stuck_threads"] == 0
+    assert (h.view[rows[1:]] == 0x5D).all() and h.view[rows[0]].tobytes() == data[0]
+    assert a.get_finished_jobs() == []
+
+
 def test_metric_definitions_in_the_spec(vllm, tmp_path):
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
