@@ -322,7 +322,7 @@ def test_blocks_counted_at_expiry_are_exactly_the_whole_ones(io_backend, tmp_pat
     after expire() is the call's own num_succeeded, those blocks are whole, nothing is
     written after expire() returned, and no block after the failing one is touched
     (the C core commits a block in pieces, the fallback in one copy)."""
-    n, bs = 24, 256 << 10
+    n, bs = 48, 256 << 10
     data = np.random.default_rng(8).integers(0, 256, n * bs, dtype=np.uint8)
     paths = [str(tmp_path / f"b{i}.bin") for i in range(n)]
     io_backend.batch_store_block(paths, data, [i * bs for i in range(n)], bs, checksum=True)
@@ -334,7 +334,7 @@ def test_blocks_counted_at_expiry_are_exactly_the_whole_ones(io_backend, tmp_pat
         snap = []
 
         def expire():
-            time.sleep(float(rng.uniform(0, 0.02)))
+            time.sleep(float(rng.uniform(0, 0.01)))
             assert js.expire()
             snap.append((js.blocks_done, out.copy()))
 
