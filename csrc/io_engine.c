@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "crc32c.h"
+#include "dsa.h"
 #include "uring.h"
 
 static _Atomic uint64_t stat_fused_blocks, stat_fused_bytes;
@@ -228,6 +229,8 @@ static int commit_piece(uint8_t *dst, const uint8_t *src, size_t n, int move, kv
         return ETIMEDOUT; /* expired: not a byte of this piece enters dst */
     if (move == KVT_MOVE_FUSED || move == KVT_MOVE_NT) {
         *crc = kvt_crc32c_copy(*crc, dst, src, n);
+    } else if (move == KVT_MOVE_CRC_COPY && kvt_dsa_commit_copy_crc(dst, src, n, crc)) {
+        /* DSA active: one COPY_CRC op copied and checksummed the piece */
     } else {
         if (move == KVT_MOVE_CRC_COPY)
             *crc = kvt_crc32c(*crc, src, n);

@@ -1339,6 +1339,9 @@ static PyObject *counters_dict(const kvt_dsa_counters *c)
     CNT(submit_failures);
     CNT(cpu_redo_total);
     CNT(timeouts);
+    CNT(commit_ops);
+    CNT(commit_bytes_on_device);
+    CNT(commit_bytes_cpu);
 #undef CNT
     for (int s = 0; s < 128; s++) {
         if (!c->cpu_redo_by_status[s])
@@ -1433,7 +1436,9 @@ PyDoc_STRVAR(dsa_counters_doc,
 "descriptors_submitted, completed_on_device, page_fault_resumes,\n"
 "enqcmd_retries, wait_ns (ns), bytes_on_device (bytes), below_min_size\n"
 "(ops the size gate kept on the CPU), submit_failures, cpu_redo_total,\n"
-"timeouts (descriptors not completed within the timeout) and\n"
+"timeouts (descriptors not completed within the timeout), commit_ops\n"
+"(block loads' commit copies done with COPY_CRC), commit_bytes_on_device /\n"
+"commit_bytes_cpu (bytes of them the device / the CPU did) and\n"
 "cpu_redo_by_status ({DSA_COMP_* name in lower case: count}).");
 
 static PyObject *kvt_py_dsa_counters(PyObject *mod, PyObject *arg)

@@ -145,6 +145,9 @@ def _print_info(d: dict) -> None:
             why = "KVTIER_CRC_COPY"
         elif cp["kernel"] == "generic":
             why = "no fused kernel for this CPU (x86-64 with PCLMULQDQ + SSE4.2 needed)"
+        elif d["crc32c_backend"] in ("dsa", "dsa-model"):
+            why = (f"the CRC32C backend is {d['crc32c_backend']}: checksummed loads copy each piece at or above the "
+                   "DSA min size into the buffer with one COPY_CRC op, counted below")
         else:
             why = f"the CRC32C backend is forced to {d['crc32c_backend']}"
         print(f"CRC copy:       off ({why}); kernel {cp['kernel']}")

@@ -57,6 +57,9 @@ COUNTER_NAMES = (
     "submit_failures",
     "cpu_redo_total",
     "timeouts",
+    "commit_ops",
+    "commit_bytes_on_device",
+    "commit_bytes_cpu",
 )
 
 
@@ -213,6 +216,10 @@ PROMETHEUS_COUNTERS = (
      "DSA submissions that failed (CRC then computed on the CPU)."),
     ("kvtier:dsa_timeouts", "timeouts", 1,
      "DSA descriptors that did not complete within the timeout (CRC redone on the CPU, engine disabled)."),
+    ("kvtier:dsa_commit_bytes_on_device", "commit_bytes_on_device", 1,
+     "Bytes of checksummed loads copied into the caller's buffer and checksummed by DSA COPY_CRC."),
+    ("kvtier:dsa_commit_bytes_cpu", "commit_bytes_cpu", 1,
+     "Bytes of those COPY_CRC commit copies the CPU did instead (refused, failed or timed-out descriptors)."),
 )
 PROMETHEUS_CPU_REDO_BY_STATUS = "kvtier:dsa_cpu_redo_by_status"
 
@@ -269,7 +276,8 @@ def _fmt_counters(c: Dict[str, Any]) -> str:
             f"cpu_redo={c['cpu_redo_total']}" + (f" ({redo_s})" if redo_s else "")
             + f" timeouts={c['timeouts']}"
             + f" below_min_size={c['below_min_size']} submit_failures={c['submit_failures']}"
-            f" wait={c['wait_ns'] / 1e6:.3f} ms")
+            f" wait={c['wait_ns'] / 1e6:.3f} ms; load commit copies (COPY_CRC): {c['commit_ops']},"
+            f" {c['commit_bytes_on_device']} B on the device, {c['commit_bytes_cpu']} B on the CPU")
 
 
 def _wq_s(w: Dict[str, Any]) -> str:

@@ -474,6 +474,9 @@ def test_tier_round_trip_on_dsa_model(tmp_path):
     assert out["load_equal"] is True
     ld = out["load"]
     assert ld["completed_on_device"] == n * 3 and ld["page_fault_resumes"] == 1 and ld["cpu_redo_total"] == 0
+    # ... as COPY_CRC ops: the commit copy into the caller's buffer is the device's
+    assert ld["commit_ops"] == n * 3 and ld["commit_bytes_on_device"] == n * 3 * 256 * 1024
+    assert ld["commit_bytes_cpu"] == 0 and st["commit_ops"] == 0  # a store copies nothing
     assert out["error"] == [errno.EBADMSG, 2, True, "b2.bin"]
     assert out["exists"] == [True, True, False, True]
     assert out["corrupt_load"]["completed_on_device"] >= 3  # block 2 verified on the device
@@ -530,6 +533,81 @@ def test_tier_store_load_after_device_hang(tmp_path):
     assert out["status"]["enabled"] is False
     assert "device stopped completing descriptors" in out["status"]["reason"]
     assert "dsa-model disabled: device stopped completing descriptors" in out["describe"]
+
+
+_COMMIT_CODE = r"""
+import json, os, sys
+import numpy as np
+import kvtier
+from kvtier import dsa
+from kvtier.io import JobState, for_backend
+
+root, mode = sys.argv[1], os.environ["COMMIT_MODE"]
+io = for_backend("c")
+bs, n = 3 * 256 * 1024 + 4096, 4  # 3 pieces of 256 KiB (COPY_CRC) + 4 KiB (below the gate) per block
+view = np.random.default_rng(7).integers(0, 256, n * bs, dtype=np.uint8)
+offs = [i * bs for i in range(n)]
+paths = [os.path.join(root, f"b{i}.bin") for i in range(n)]
+io.batch_store_block(paths, view, offs, bs, use_o_direct=False, checksum=True)
+out = {"backend": kvtier.crc32c_backend}
+
+def load(tag, job_state):
+    dsa.reset_counters("dsa-model")
+    got = np.zeros_like(view)
+    js = JobState() if job_state else None
+    io.batch_load_block(paths, got, offs, bs, use_o_direct=False, checksum=True, job_state=js)
+    out[tag] = {"equal": bool(np.array_equal(got, view)), "blocks": js.blocks_done if js else None,
+                "c": dsa.counters("dsa-model")}
+
+if mode == "mixed":
+    load("device", True)
+    load("device_no_deadline", False)
+    dsa.inject("reject_all", 2, 0)  # the first two COPY_CRC descriptors refused: redone on the CPU
+    load("refused", True)
+    dsa.inject("page_fault", 1, 1000)  # a write fault on the destination, resumed on the device
+    load("fault", True)
+else:  # the device stops completing descriptors
+    dsa.inject("hang", -1)
+    load("hang", True)
+    out["enabled"] = dsa.status("dsa-model")["enabled"]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("mode", ["mixed", "hang"])
+def test_load_commit_copy_is_copy_crc_and_counts_only_device_bytes(tmp_path, mode):
+    """With dsa-model active, a checksummed load's commit copy (private memory ->
+    the caller's buffer, io_engine.c commit_piece) is one COPY_CRC op per piece:
+    commit_bytes_on_device counts only bytes whose completion record said the device
+    did them; refused descriptors and a timed-out one are commit_bytes_cpu, and the
+    bytes are right either way (under a job state too: every block counted)."""
+    out, view, bs = _tier_on_dsa_model(tmp_path, _COMMIT_CODE, 7, 120, COMMIT_MODE=mode,
+                                       KVTIER_DSA_TIMEOUT_MS="300")
+    n, piece = len(view) // bs, 256 * 1024
+    assert out["backend"] == "dsa-model"
+    if mode == "mixed":
+        for tag in ("device", "device_no_deadline", "refused", "fault"):
+            r = out[tag]
+            assert r["equal"] is True and r["blocks"] in (n, None), tag
+            c = r["c"]
+            assert c["commit_ops"] == 3 * n, tag  # the 4 KiB tail piece stays on the CPU
+            assert c["commit_bytes_on_device"] + c["commit_bytes_cpu"] == 3 * n * piece, tag
+            assert c["below_min_size"] == n, tag
+        assert out["device"]["c"]["commit_bytes_on_device"] == 3 * n * piece
+        assert out["device"]["c"]["completed_on_device"] == 3 * n and out["device"]["c"]["cpu_redo_total"] == 0
+        r = out["refused"]["c"]
+        assert (r["commit_bytes_cpu"], r["commit_bytes_on_device"]) == (2 * piece, (3 * n - 2) * piece)
+        assert r["cpu_redo_total"] == 2 and r["completed_on_device"] == 3 * n - 2
+        f = out["fault"]["c"]
+        assert f["page_fault_resumes"] == 1 and f["commit_bytes_on_device"] == 3 * n * piece
+    else:
+        r = out["hang"]
+        assert r["equal"] is True and r["blocks"] == n
+        c = r["c"]
+        assert c["timeouts"] == 1 and c["completed_on_device"] == 0
+        # the timed-out op is CPU bytes; then the engine is off and the commits are plain copies
+        assert (c["commit_ops"], c["commit_bytes_on_device"], c["commit_bytes_cpu"]) == (1, 0, piece)
+        assert out["enabled"] is False
 
 
 _GIL_CODE = r"""

@@ -546,6 +546,8 @@ DSA_SAMPLES = {
     "kvtier:dsa_enqcmd_retries_total",
     "kvtier:dsa_wait_seconds_total",
     "kvtier:dsa_bytes_on_device_total",
+    "kvtier:dsa_commit_bytes_on_device_total",
+    "kvtier:dsa_commit_bytes_cpu_total",
     "kvtier:dsa_below_min_size_total",
     "kvtier:dsa_submit_failures_total",
     "kvtier:dsa_timeouts_total",
@@ -616,6 +618,9 @@ def test_dsa_model_counters_exported_by_the_tier(tmp_path):
     assert one("kvtier:dsa_page_fault_resumes_total") == c["page_fault_resumes"]
     assert one("kvtier:dsa_enqcmd_retries_total") == c["enqcmd_retries"]
     assert one("kvtier:dsa_bytes_on_device_total") == c["bytes_on_device"] > 0
+    # the load's commit copies were COPY_CRC ops, the refused one counted as CPU bytes, not offloaded
+    assert one("kvtier:dsa_commit_bytes_on_device_total") == c["commit_bytes_on_device"] == 3 * 64 * 1024
+    assert one("kvtier:dsa_commit_bytes_cpu_total") == c["commit_bytes_cpu"] == 64 * 1024
     assert one("kvtier:dsa_wait_seconds_total") == pytest.approx(c["wait_ns"] / 1e9)
     assert samples["kvtier:dsa_cpu_redo_by_status_total"] == [
         ({"backend": "dsa-model", "tier": "1:kvtier", "status": "nozero_reserve"}, 1.0)]

@@ -190,6 +190,11 @@ typedef struct kvt_dsa_counters {
     uint64_t cpu_redo_total;       /* descriptors redone on the CPU (any status) */
     uint64_t timeouts;             /* descriptors not completed within the timeout
                                       (record quarantined, CPU redo, engine disabled) */
+    uint64_t commit_ops;           /* block I/O commit copies done with COPY_CRC ops
+                                      (kvt_dsa_commit_copy_crc) */
+    uint64_t commit_bytes_on_device; /* bytes of them the device copied and checksummed */
+    uint64_t commit_bytes_cpu;     /* bytes of them the CPU did instead (refused,
+                                      timed out or failed descriptors) */
     uint64_t cpu_redo_by_status[128]; /* indexed by status & 0x7f */
 } kvt_dsa_counters;
 
@@ -256,6 +261,7 @@ typedef struct kvt_dsa_op {
     int opcode;                /* DSA_OPCODE_CRCGEN or DSA_OPCODE_COPY_CRC */
     int state;                 /* 0 idle/done, 1 in flight */
     int on_device;             /* 1 iff every byte was processed by the device */
+    size_t dev_bytes;          /* bytes the device completed (SUCCESS / resumed page fault) */
     int last_status;           /* last device status (status & 0x7f), 0 if none */
     unsigned pf_no_progress;   /* consecutive page faults without progress */
 } kvt_dsa_op;
@@ -273,6 +279,13 @@ void kvt_dsa_copy_crc_submit(kvt_dsa_engine *e, kvt_dsa_op *op, void *dst, const
  * COPY_CRC with overlapping dst/src is done on the CPU (CRC of src first,
  * then memmove); the Python binding rejects overlap with ValueError. */
 uint32_t kvt_dsa_wait(kvt_dsa_op *op);
+/* The block I/O core's commit copy (io_engine.c commit_piece): when the active
+ * CRC backend is "dsa" or "dsa-model" (enabled) and len >= its min size, copy
+ * src into dst and chain *crc over src with COPY_CRC descriptors, counting the
+ * bytes the device did (commit_bytes_on_device) and those the CPU redid
+ * (commit_bytes_cpu); returns 1. Otherwise 0, nothing done: the caller copies
+ * on the CPU (and its CRC goes through the active backend as before). */
+int kvt_dsa_commit_copy_crc(void *dst, const void *src, size_t len, uint32_t *crc);
 /* Synchronous helpers. */
 uint32_t kvt_dsa_crc(kvt_dsa_engine *e, uint32_t seed, const void *buf, size_t len);
 uint32_t kvt_dsa_copy_crc(kvt_dsa_engine *e, void *dst, const void *src, size_t len,

@@ -461,6 +461,7 @@ static void start(kvt_dsa_engine *e, kvt_dsa_op *op, int opcode, void *dst, cons
     op->crc = seed;
     op->state = 0;
     op->on_device = 0;
+    op->dev_bytes = 0;
     op->last_status = 0;
     op->pf_no_progress = 0;
     if (dst && len && (uintptr_t)dst < (uintptr_t)src + len && (uintptr_t)src < (uintptr_t)dst + len) {
@@ -545,6 +546,7 @@ static int wait_until(kvt_dsa_op *op, uint64_t timeout, int mark)
         if (st == DSA_COMP_SUCCESS) {
             CADD(e, completed_on_device, 1);
             CADD(e, bytes_on_device, op->chunk);
+            op->dev_bytes += op->chunk;
             op->crc = (uint32_t)op->comp->crc_val;
             op->done += op->chunk;
             op->pf_no_progress = 0;
@@ -559,6 +561,7 @@ static int wait_until(kvt_dsa_op *op, uint64_t timeout, int mark)
                 op->done += bc;
                 op->pf_no_progress = 0;
                 CADD(e, bytes_on_device, bc);
+                op->dev_bytes += bc;
             } else {
                 op->pf_no_progress++;
             }
@@ -593,6 +596,28 @@ uint32_t kvt_dsa_crc(kvt_dsa_engine *e, uint32_t seed, const void *buf, size_t l
     kvt_dsa_op op;
     kvt_dsa_crc_submit(e, &op, buf, len, seed);
     return kvt_dsa_wait(&op);
+}
+
+/* See dsa.h. The counts come from what the op's completion records said
+ * (op.dev_bytes): a refused, failed or timed-out descriptor's bytes are CPU
+ * bytes, never offloaded ones. */
+int kvt_dsa_commit_copy_crc(void *dst, const void *src, size_t len, uint32_t *crc)
+{
+    kvt_dsa_engine *e = kvt_dsa_acquire_active();
+    if (e == NULL)
+        return 0;
+    if (len < e->min_size) {
+        kvt_dsa_release(e);
+        return 0; /* below the gate: the CPU copy, the CRC counted below_min_size */
+    }
+    kvt_dsa_op op;
+    kvt_dsa_copy_crc_submit(e, &op, dst, src, len, *crc);
+    *crc = kvt_dsa_wait(&op);
+    CADD(e, commit_ops, 1);
+    CADD(e, commit_bytes_on_device, op.dev_bytes);
+    CADD(e, commit_bytes_cpu, len - op.dev_bytes);
+    kvt_dsa_release(e);
+    return 1;
 }
 
 uint32_t kvt_dsa_copy_crc(kvt_dsa_engine *e, void *dst, const void *src, size_t len, uint32_t seed)
