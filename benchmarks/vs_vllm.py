@@ -387,7 +387,8 @@ def pool_cells(contenders, d, pool, threads, jobs, blocks_per_job, bs, rounds, d
 def segments_cell(d, pool, sizes, calls):
     """One O_DIRECT pread per call of a whole block into 4 KiB pages
     (MADV_NOHUGEPAGE), into transparent huge pages (MADV_HUGEPAGE, 2 MiB
-    aligned) and into the walked caller pool: the device's cost per segment."""
+    aligned) and into the walked caller pool, and one pwrite of a new file
+    from each: what the memory costs the device."""
     import mmap
 
     span = max(sizes) + 2 * MiB
@@ -400,7 +401,8 @@ def segments_cell(d, pool, sizes, calls):
             m.madvise(adv, off, span - off)
         a[off:] = 1
         bufs[name] = memoryview(m)[off:]
-    print(f"\n## the disk alone: one O_DIRECT pread per block into 4 KiB pages, huge pages, the caller pool, {d}")
+    print(f"\n## the disk alone: one O_DIRECT pread (pwrite of a new file) per block into (from) the caller pool, "
+          f"4 KiB pages, huge pages, {d}")
     print("wall us/block median [IQR]; x = ratio to the pool (what vLLM reads into)")
     for bs in sizes:
         src = os.path.join(d, f"seg_{bs}.bin")
@@ -418,12 +420,30 @@ def segments_cell(d, pool, sizes, calls):
             finally:
                 os.close(fd)
 
-        res = interleaved(["pool", "4k", "huge"], calls, rd)
-        s = {n: summarize(v, 1) for n, v in res.items()}
-        base = s["pool"]["wall"]
-        print(f"| read {fmt_size(bs):<8} |" + "".join(
-            f" {n} {r['wall'] * 1e6:8.1f} [{r['q1'] * 1e6:.1f}-{r['q3'] * 1e6:.1f}] x {r['wall'] / base:.2f} |"
-            for n, r in s.items()))
+        seq = [0]
+
+        def wr(n):
+            seq[0] += 1
+            p = os.path.join(d, f"segw_{seq[0]}.bin")
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+            try:
+                if n == "pool":
+                    o = pool.offsets(bs)[0]
+                    buf = pool.mv[o:o + bs]
+                else:
+                    buf = bufs[n][:bs]
+                os.pwritev(fd, [buf], 0)
+            finally:
+                os.close(fd)
+            return lambda: os.unlink(p)
+
+        for op, fn in (("read", rd), ("write", wr)):
+            res = interleaved(["pool", "4k", "huge"], calls, fn)
+            s = {n: summarize(v, 1) for n, v in res.items()}
+            base = s["pool"]["wall"]
+            print(f"| {op} {fmt_size(bs):<8} |" + "".join(
+                f" {n} {r['wall'] * 1e6:8.1f} [{r['q1'] * 1e6:.1f}-{r['q3'] * 1e6:.1f}] x {r['wall'] / base:.2f} |"
+                for n, r in s.items()))
         os.unlink(src)
     sys.stdout.flush()
 

@@ -308,7 +308,7 @@ static int store_try(const char *tmp, const char *dest, const uint8_t *buf, size
 
     uint32_t crc = 0;
     *op = KVT_OP_WRITE;
-    int err = kvt_engine_write(fd, buf, len, &direct, checksum, &crc);
+    int err = kvt_engine_write(fd, buf, len, &direct, checksum, crc_copy_enabled(), &crc);
     if (!err && checksum) {
         uint8_t rec[KVT_XATTR_LEN], id[KVT_ID_LEN];
         put_be32(rec, crc);

@@ -360,43 +360,100 @@ out:
 /* Stores                                                              */
 /* ------------------------------------------------------------------ */
 
-/* O_DIRECT through io_uring: the block goes out as one write, and its CRC is
- * computed here meanwhile (the device reads the caller's buffer while this
- * core does). A write that extends a file is not done inline by io_uring
- * (ext4, XFS: -EAGAIN under IOCB_NOWAIT): a kernel worker of the ring issues
- * it and waits, which is still one write in flight beside the CRC. 0, EIO (the
- * ring broke with the write out: not retried, it may land late in the temp,
- * which the store removes), or EAGAIN (redo on the plain path). */
-static int write_uring(kvt_uring *ring, int fd, const uint8_t *src, size_t len, uint32_t *crc)
+/* The next O_DIRECT store piece when `done` of `len` bytes are written:
+ * KVT_PIECE_MIN first (its copy is the one nothing hides), then as much as
+ * is done (doubling), at most a slot. */
+static size_t store_piece(size_t done, size_t len)
 {
-    if (ring_start(ring, 1, fd, (uint8_t *)src, len, 0) != 0)
-        return EIO;
-    *crc = kvt_crc32c(0, src, len);
-    int r;
-    if (ring_reap(ring, &r) != 0)
-        return EIO;
-    return r >= 0 && (size_t)r == len ? 0 : EAGAIN;
+    size_t n = done < KVT_PIECE_MIN ? KVT_PIECE_MIN : done;
+    n = n < KVT_SLOT ? n : KVT_SLOT;
+    return n < len - done ? n : len - done;
 }
 
-int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int checksum, uint32_t *crc)
+/* n bytes of the caller's block into private memory: the fused copy + CRC
+ * (*crc continued), or the active backend's CRC and memcpy. */
+static void stage(uint8_t *dst, const uint8_t *src, size_t n, int fused, uint32_t *crc)
 {
-    if (*direct && checksum && len <= KVT_URING_MAX) {
-        kvt_uring *ring = kvt_uring_get();
+    if (fused) {
+        *crc = kvt_crc32c_copy(*crc, dst, src, n);
+    } else {
+        *crc = kvt_crc32c(*crc, src, n);
+        memcpy(dst, src, n);
+    }
+}
+
+/* O_DIRECT through io_uring, one write in flight: piece k+1 is copied into
+ * the other slot (checksummed on the way) while piece k is written. The file
+ * is first given its final size: a write that extends a file is one ext4 and
+ * XFS do not issue without waiting (-EAGAIN under IOCB_NOWAIT, then an io_uring
+ * kernel worker issues it and waits for it, updating the size each time); a
+ * write inside the size is issued and left in flight. 0, EIO (the ring broke
+ * with a write out: not retried, it may land late in the temp, which the
+ * store removes), or EAGAIN (redo on the plain path; what was written lands
+ * in the temp and is rewritten). */
+static int write_uring(kvt_uring *ring, int fd, const uint8_t *src, size_t len, uint8_t *priv, int fused,
+                       uint32_t *crc)
+{
+    (void)ftruncate(fd, (off_t)len); /* refused (a FUSE fs without setattr): extending writes, as without it */
+    size_t off = 0, n = store_piece(0, len);
+    unsigned s = 0;
+    *crc = 0;
+    stage(priv, src, n, fused, crc);
+    for (;;) {
+        if (ring_start(ring, 1, fd, priv + s * (size_t)KVT_SLOT, n, off) != 0)
+            return EIO;
+        size_t next = off + n, m = next < len ? store_piece(next, len) : 0;
+        if (m > 0)
+            stage(priv + (s ^ 1) * (size_t)KVT_SLOT, src + next, m, fused, crc);
+        int r;
+        if (ring_reap(ring, &r) != 0)
+            return EIO;
+        if (r < 0 || (size_t)r != n)
+            return EAGAIN;
+        if (m == 0)
+            return 0;
+        off = next;
+        n = m;
+        s ^= 1;
+    }
+}
+
+int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int checksum, int fused, uint32_t *crc)
+{
+    if (*direct && checksum) {
+        /* Through the private slots: the bytes written are the bytes
+         * checksummed, and a slot on a huge page is one segment for the
+         * device (docs/block_io.md "I/O engine"). */
+        uint8_t *priv = thread_priv();
+        if (priv == NULL)
+            return ENOMEM;
+        kvt_uring *ring = NULL;
+        if (len > KVT_PIECE_MIN) { /* one piece: one pwrite, no ring needed */
+            ring = kvt_uring_get();
+            if (ring == NULL)
+                kvt_uring_note_plain();
+        }
         if (ring != NULL) {
-            int e = write_uring(ring, fd, src, len, crc);
+            int e = write_uring(ring, fd, src, len, priv, fused, crc);
             if (e != EAGAIN)
                 return e;
-        } else {
-            kvt_uring_note_plain();
+            if ((priv = thread_priv()) == NULL)
+                return ENOMEM;
         }
+        /* plain: copy up to both slots, write them, and again */
+        uint32_t c = 0;
+        for (size_t off = 0; off < len;) {
+            size_t n = len - off < 2 * (size_t)KVT_SLOT ? len - off : 2 * (size_t)KVT_SLOT;
+            stage(priv, src + off, n, fused, &c);
+            if (kvt_write_full(fd, priv, n, off, direct) != 0)
+                return errno;
+            off += n;
+        }
+        *crc = c;
+        return 0;
     }
-    if (*direct) {
-        /* plain: the CRC, then one write (nothing to overlap them); without a
-         * CRC one pwrite is all there is to do, io_uring or not */
-        if (checksum)
-            *crc = kvt_crc32c(0, src, len);
+    if (*direct) /* no CRC: one pwrite straight from the caller's buffer */
         return kvt_write_full(fd, src, len, 0, direct) == 0 ? 0 : errno;
-    }
     /* Buffered: each chunk checksummed just before the kernel copies it, while
      * it is in the CPU cache. */
     uint32_t c = 0;

@@ -10,8 +10,11 @@
  * commit section of the job state (job_state.h). So a corrupt or late block
  * never leaves more in the caller's buffer than the pieces committed while
  * live, and the CRC is computed on private bytes nobody else can write.
- * Buffered loads go KVT_ENGINE_CHUNK at a time through a cache-resident bounce
- * buffer. Stores write straight from the caller's buffer. */
+ * Checksummed O_DIRECT stores go the other way through the same slots: piece
+ * k+1 is copied in (checksummed on the way) while piece k is written, so the
+ * CRC is of the bytes written. Buffered loads go KVT_ENGINE_CHUNK at a time
+ * through a cache-resident bounce buffer; other stores write from the
+ * caller's buffer. */
 #ifndef KVTIER_IO_ENGINE_H
 #define KVTIER_IO_ENGINE_H
 
@@ -24,7 +27,6 @@
 #define KVT_SLOT (2u << 20)          /* private slot (one huge page): an O_DIRECT piece at most */
 #define KVT_PIECE_MIN (256u << 10)   /* the last load piece / the first store piece, at most */
 #define KVT_SLACK 4096u              /* read past the block's end: proves the file ends there */
-#define KVT_URING_MAX (1u << 30)     /* larger O_DIRECT stores: plain pwrite (one io_uring op < 4 GiB) */
 #define KVT_ENGINE_CHUNK (256u * 1024u) /* buffered piece: stays in L2 for the copy */
 
 /* How each piece moves between private memory and the caller's buffer. */
@@ -50,10 +52,13 @@ enum {
 int kvt_engine_read(int fd, uint8_t *dst, size_t len, int *direct, int move, kvt_job_state *js, uint32_t *crc);
 
 /* Write src[0, len) at offset 0 of `fd` (O_DIRECT when *direct, cleared if
- * refused); with `checksum` *crc = CRC32C(src), computed while the device
- * writes (io_uring, O_DIRECT) or piece by piece just before the kernel copies
- * it (buffered). Returns 0 or an errno value. */
-int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int checksum, uint32_t *crc);
+ * refused); with `checksum` *crc = CRC32C(src). O_DIRECT with checksum: each
+ * piece copied into the private slots and checksummed on the way (the fused
+ * copy + CRC when `fused`, else the active backend's CRC and memcpy), through
+ * io_uring while the previous piece is written; O_DIRECT without: one
+ * pwrite from src; buffered: from src, each piece checksummed just before
+ * the kernel copies it. Returns 0 or an errno value. */
+int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int checksum, int fused, uint32_t *crc);
 
 /* EINTR/short-transfer/O_DIRECT-refusal-safe pread/pwrite (plain path). */
 ssize_t kvt_read_full(int fd, uint8_t *p, size_t len, uint64_t off, int *direct);
