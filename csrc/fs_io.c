@@ -310,12 +310,14 @@ static int store_try(const char *tmp, const char *dest, const uint8_t *buf, size
     *op = KVT_OP_WRITE;
     int err = kvt_engine_write(fd, buf, len, &direct, checksum, crc_copy_enabled(), &crc);
     if (!err && checksum) {
-        uint8_t rec[KVT_XATTR_LEN], id[KVT_ID_LEN];
-        put_be32(rec, crc);
-        kvt_block_identity(dest, len, id);
+        /* vLLM's record, and kvtier's identity record carrying the same CRC
+         * (what a load reads: one xattr) */
+        uint8_t idrec[KVT_ID_REC_LEN];
+        kvt_block_identity(dest, len, idrec);
+        put_be32(idrec + KVT_ID_LEN, crc);
         *op = KVT_OP_SETXATTR;
-        if (fsetxattr_r(fd, KVT_XATTR_NAME, rec, sizeof rec) != 0 ||
-            fsetxattr_r(fd, KVT_ID_XATTR_NAME, id, sizeof id) != 0)
+        if (fsetxattr_r(fd, KVT_XATTR_NAME, idrec + KVT_ID_LEN, KVT_XATTR_LEN) != 0 ||
+            fsetxattr_r(fd, KVT_ID_XATTR_NAME, idrec, sizeof idrec) != 0)
             err = errno;
     }
     if (!err && durable) { /* data before the name */
@@ -433,14 +435,23 @@ static int whole_file_verifies(int fd, uint64_t size)
 {
     uint8_t rec[KVT_XATTR_BUF];
     uint32_t want;
-    ssize_t r = fgetxattr_r(fd, KVT_XATTR_NAME, rec, sizeof rec);
-    switch (kvt_xattr_parse(rec, (long)r, r < 0 ? errno : 0, &want)) {
-    case KVT_REC_OK:
-        break;
-    case KVT_REC_ERROR:
-        return -1;
-    default:
-        return 0;
+    /* The CRC its identity record carries (12 bytes; the identity is of its
+     * own size, not the caller's: not compared), else its CRC record. */
+    ssize_t r = fgetxattr_r(fd, KVT_ID_XATTR_NAME, rec, sizeof rec);
+    if (r == KVT_ID_REC_LEN) {
+        want = ((uint32_t)rec[8] << 24) | ((uint32_t)rec[9] << 16) | ((uint32_t)rec[10] << 8) | rec[11];
+    } else {
+        if (r < 0 && errno != ENODATA && errno != ERANGE)
+            return -1;
+        r = fgetxattr_r(fd, KVT_XATTR_NAME, rec, sizeof rec);
+        switch (kvt_xattr_parse(rec, (long)r, r < 0 ? errno : 0, &want)) {
+        case KVT_REC_OK:
+            break;
+        case KVT_REC_ERROR:
+            return -1;
+        default:
+            return 0;
+        }
     }
     uint8_t *buf = malloc(KVT_ENGINE_CHUNK);
     if (!buf)
@@ -549,30 +560,28 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
                        kvt_job_state *js, int *mismatch, load_look *lk)
 {
     *mismatch = 0;
-    /* Records first: a block without CRC record needs no CRC at all. */
+    /* Records first: a block without CRC record needs no CRC at all. The
+     * identity record first: written by kvtier it carries the CRC too (one
+     * xattr per load); user.vllm.kv_crc32c only without it (stored by vLLM)
+     * or with an 8-byte one (the identity alone). */
     int have_rec = 0;
     uint32_t want = 0;
     if (checksum) {
         uint8_t rec[KVT_XATTR_BUF];
-        ssize_t r = fgetxattr_r(fd, KVT_XATTR_NAME, rec, sizeof rec);
+        ssize_t r = fgetxattr_r(fd, KVT_ID_XATTR_NAME, rec, sizeof rec);
         int xerr = r < 0 ? errno : 0;
-        switch (kvt_xattr_parse(rec, (long)r, xerr, &want)) {
-        case KVT_REC_OK:
+        switch (kvt_id_parse(rec, (long)r, xerr, id, &want)) {
+        case KVT_ID_CRC:
             have_rec = 1;
             break;
-        case KVT_REC_ABSENT: /* ENODATA: stored without checksum (vLLM, a copy without xattrs) */
-            if (checksum == KVT_CHECK_STRICT) {
-                kvt_count(KVT_C_UNVERIFIED_MISS);
-                lk->op = KVT_OP_GETXATTR;
-                return ENODATA; /* a miss, kept */
-            }
-            kvt_count(KVT_C_UNVERIFIED);
+        case KVT_ID_ONLY:
+        case KVT_ID_ABSENT:
             break;
-        case KVT_REC_MALFORMED: { /* wrong length, or longer than the buffer (ERANGE) */
+        case KVT_ID_MISMATCH: { /* another block's name or layout, or malformed */
             int e = check_block_file(fd, len, checksum, lk); /* a wrong size says EIO first */
             if (e)
                 return e;
-            *mismatch = KVT_CAUSE_CHECKSUM;
+            *mismatch = KVT_CAUSE_IDENTITY;
             return 0;
         }
         default: { /* EOPNOTSUPP, EIO, ...: not the block's fault, keep */
@@ -581,21 +590,33 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
             return e ? e : xerr;
         }
         }
-        if (have_rec) { /* identity, when present (blocks written by vLLM have none) */
-            uint8_t got[KVT_XATTR_BUF];
-            r = fgetxattr_r(fd, KVT_ID_XATTR_NAME, got, sizeof got);
-            if (r < 0 && errno == ERANGE)
-                r = 0; /* longer than any identity: malformed */
-            if (r < 0 && errno != ENODATA) {
-                lk->op = KVT_OP_GETXATTR;
-                return errno;
-            }
-            if (r >= 0 && (r != KVT_ID_LEN || memcmp(got, id, KVT_ID_LEN) != 0)) {
+        if (!have_rec) {
+            r = fgetxattr_r(fd, KVT_XATTR_NAME, rec, sizeof rec);
+            xerr = r < 0 ? errno : 0;
+            switch (kvt_xattr_parse(rec, (long)r, xerr, &want)) {
+            case KVT_REC_OK:
+                have_rec = 1;
+                break;
+            case KVT_REC_ABSENT: /* ENODATA: stored without checksum (vLLM, a copy without xattrs) */
+                if (checksum == KVT_CHECK_STRICT) {
+                    kvt_count(KVT_C_UNVERIFIED_MISS);
+                    lk->op = KVT_OP_GETXATTR;
+                    return ENODATA; /* a miss, kept */
+                }
+                kvt_count(KVT_C_UNVERIFIED);
+                break;
+            case KVT_REC_MALFORMED: { /* wrong length, or longer than the buffer (ERANGE) */
                 int e = check_block_file(fd, len, checksum, lk); /* a wrong size says EIO first */
                 if (e)
                     return e;
-                *mismatch = KVT_CAUSE_IDENTITY;
+                *mismatch = KVT_CAUSE_CHECKSUM;
                 return 0;
+            }
+            default: { /* EOPNOTSUPP, EIO, ...: not the block's fault, keep */
+                int e = check_block_file(fd, len, checksum, lk);
+                lk->op = e ? lk->op : KVT_OP_GETXATTR;
+                return e ? e : xerr;
+            }
             }
         }
     }
@@ -698,8 +719,8 @@ static int load_try(const char *src, uint8_t *buf, size_t len, int use_o_direct,
  * policy"): a first short read or wrong size reopens the block, the same
  * again condemns it; EAGAIN/ESTALE are retried from the open. Returns 0, or
  * an errno value with *op, and *cause when condemned. *retried = 1 if re-read
- * after a mismatch. The common path is open, fgetxattr (two with checksums:
- * CRC and identity records), the reads, close. */
+ * after a mismatch. The common path is open, fgetxattr (with checksums: the
+ * identity record, which carries the CRC), the reads, close. */
 static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct, int checksum, kvt_job_state *js,
                     int *op, int *cause, int *retried)
 {

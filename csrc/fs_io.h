@@ -90,6 +90,19 @@ void kvt_crc_copy_info(kvt_crc_copy_stats *out);
 enum { KVT_REC_OK = 0, KVT_REC_ABSENT = 1, KVT_REC_MALFORMED = 2, KVT_REC_ERROR = 3 };
 int kvt_xattr_parse(const void *rec, long r, int err, uint32_t *crc);
 
+/* The identity record parser (policy.h KVT_ID_XATTR_NAME), a pure function
+ * fuzzed with kvt_xattr_parse. `r` is what fgetxattr(fd, KVT_ID_XATTR_NAME,
+ * rec, KVT_XATTR_BUF) returned and `err` the errno when r < 0; `id` the
+ * identity of the block being loaded. Returns KVT_ID_CRC (12 bytes, the
+ * identity `id`: *crc = the CRC32C it carries), KVT_ID_ONLY (8 bytes, the
+ * identity `id`: the CRC is in KVT_XATTR_NAME), KVT_ID_ABSENT (ENODATA:
+ * stored by vLLM), KVT_ID_MISMATCH (another identity, or a length other than
+ * 8 or 12, or ERANGE: longer than the buffer), KVT_ID_ERROR (any other errno:
+ * the filesystem's, the block is kept). Reads at most min(r, KVT_XATTR_BUF)
+ * bytes of rec. */
+enum { KVT_ID_CRC = 0, KVT_ID_ONLY = 1, KVT_ID_ABSENT = 2, KVT_ID_MISMATCH = 3, KVT_ID_ERROR = 4 };
+int kvt_id_parse(const void *rec, long r, int err, const uint8_t id[KVT_ID_LEN], uint32_t *crc);
+
 /* out[i] = 1 if paths[i] is a regular file (lstat: a symlink is not) of
  * block_size bytes (any size when block_size == 0), else 0. */
 void kvt_batch_lookup(const char *const *paths, size_t n, uint64_t block_size, uint8_t *out);

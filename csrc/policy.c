@@ -5,7 +5,6 @@
 
 #include <errno.h>
 #include <stdatomic.h>
-#include <stdio.h>
 #include <string.h>
 #include <time.h>
 
@@ -48,10 +47,14 @@ void kvt_block_identity(const char *path, uint64_t len, uint8_t out[KVT_ID_LEN])
     for (const char *s = start; *s; s++)
         h = (h ^ (uint8_t)*s) * 1099511628211ull;
     h = (h ^ 0u) * 1099511628211ull;
-    char num[24];
-    int k = snprintf(num, sizeof num, "%llu", (unsigned long long)len);
-    for (int i = 0; i < k; i++)
-        h = (h ^ (uint8_t)num[i]) * 1099511628211ull;
+    char num[24]; /* len in decimal, most significant digit first (no printf: per block) */
+    int k = (int)sizeof num;
+    do {
+        num[--k] = (char)('0' + len % 10);
+        len /= 10;
+    } while (len);
+    for (; k < (int)sizeof num; k++)
+        h = (h ^ (uint8_t)num[k]) * 1099511628211ull;
     for (int i = 0; i < KVT_ID_LEN; i++)
         out[i] = (uint8_t)(h >> (56 - 8 * i));
 }

@@ -14,10 +14,16 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Second xattr: binds a block to its name (key, rank, layout digest) and
- * size. 8 bytes big-endian, kvt_block_identity(). vLLM ignores it. */
+/* Second xattr, the identity record: binds a block to its name (key, rank,
+ * layout digest) and size, and carries its CRC32C, so that a load of a block
+ * kvtier stored reads one xattr: 12 bytes, the identity (8 bytes big-endian,
+ * kvt_block_identity()) then the CRC32C (4 bytes big-endian, the value of
+ * user.vllm.kv_crc32c, which a store still sets for vLLM's reader). Records
+ * of 8 bytes (the identity alone, as stored before the record carried the
+ * CRC) are still read: the CRC then comes from user.vllm.kv_crc32c. vLLM ignores this xattr. */
 #define KVT_ID_XATTR_NAME "user.kvtier.id"
 #define KVT_ID_LEN 8
+#define KVT_ID_REC_LEN 12
 
 /* Checksum modes (the `checksum` argument of kvt_batch_load/store). */
 enum { KVT_CHECK_OFF = 0, KVT_CHECK_ON = 1, KVT_CHECK_STRICT = 2 };

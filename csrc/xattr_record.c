@@ -1,7 +1,9 @@
-/* The xattr record parser of the load path (fs_io.h kvt_xattr_parse): a pure
- * function, fuzzed on its own by tests/fuzz/fuzz_xattr_record.c. */
+/* The xattr record parsers of the load path (fs_io.h kvt_xattr_parse,
+ * kvt_id_parse): pure functions, fuzzed on their own by
+ * tests/fuzz/fuzz_xattr_record.c. */
 #include <errno.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "fs_io.h"
 
@@ -24,4 +26,22 @@ int kvt_xattr_parse(const void *rec, long r, int err, uint32_t *crc)
         return KVT_REC_MALFORMED;
     *crc = get_be32((const uint8_t *)rec);
     return KVT_REC_OK;
+}
+
+/* See fs_io.h. */
+int kvt_id_parse(const void *rec, long r, int err, const uint8_t id[KVT_ID_LEN], uint32_t *crc)
+{
+    if (r < 0) {
+        if (err == ENODATA)
+            return KVT_ID_ABSENT;
+        if (err == ERANGE)
+            return KVT_ID_MISMATCH;
+        return KVT_ID_ERROR;
+    }
+    if ((r != KVT_ID_LEN && r != KVT_ID_REC_LEN) || memcmp(rec, id, KVT_ID_LEN) != 0)
+        return KVT_ID_MISMATCH;
+    if (r == KVT_ID_LEN)
+        return KVT_ID_ONLY;
+    *crc = get_be32((const uint8_t *)rec + KVT_ID_LEN);
+    return KVT_ID_CRC;
 }

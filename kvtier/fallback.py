@@ -392,9 +392,11 @@ def _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, w
                     crc = crc_fn(chunk, crc)
                 direct = _op("write", _write_full, fd, chunk, off, direct)
             if checksum:
+                # vLLM's record, and kvtier's identity record carrying the same CRC (what a
+                # load reads: one xattr)
                 _op("setxattr", _retry_eintr, _os.setxattr, fd, XATTR_NAME, crc.to_bytes(XATTR_LEN, "big"))
                 _op("setxattr", _retry_eintr, _os.setxattr, fd, _policy.ID_XATTR_NAME,
-                    _policy.block_identity(dest, len(mv)))
+                    _policy.identity_record(dest, len(mv), crc))
             if durable:  # data before the name
                 _op("sync", _os.fdatasync, fd)
         finally:
@@ -472,12 +474,24 @@ def _whole_file_verifies(fd, size, crc_fn):
     """Whether the open file's CRC record matches all ``size`` bytes: True, False
     (no record, a malformed one, a mismatch) or None (an error, or the size
     changed while read: unknown, the file is kept)."""
+    # The CRC its identity record carries (12 bytes; the identity is of its own size, not
+    # the caller's: not compared), else its CRC record.
     try:
-        rec = _retry_eintr(_os.getxattr, fd, XATTR_NAME)
+        rec = _retry_eintr(_os.getxattr, fd, _policy.ID_XATTR_NAME)
     except OSError as e:
-        return False if e.errno in (_errno.ENODATA, _errno.ERANGE) else None
-    if len(rec) != XATTR_LEN:
-        return False
+        if e.errno not in (_errno.ENODATA, _errno.ERANGE):
+            return None
+        rec = b""
+    if len(rec) == _policy.ID_REC_LEN:
+        want = int.from_bytes(rec[_policy.ID_LEN:], "big")
+    else:
+        try:
+            rec = _retry_eintr(_os.getxattr, fd, XATTR_NAME)
+        except OSError as e:
+            return False if e.errno in (_errno.ENODATA, _errno.ERANGE) else None
+        if len(rec) != XATTR_LEN:
+            return False
+        want = int.from_bytes(rec, "big")
     crc, off = 0, 0
     try:
         while off < size:
@@ -488,7 +502,7 @@ def _whole_file_verifies(fd, size, crc_fn):
             off += len(chunk)
     except OSError:
         return None
-    return crc == int.from_bytes(rec, "big")
+    return crc == want
 
 
 _MISMATCH_CRC, _MISMATCH_ID = "checksum", "identity"
@@ -505,33 +519,37 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=F
     does)."""
     want = None
     if checksum:
+        # The identity record first: written by kvtier it carries the CRC too (one xattr per
+        # load); user.vllm.kv_crc32c only without it (stored by vLLM) or with an 8-byte one.
         try:
-            rec = _op("getxattr", _retry_eintr, _os.getxattr, fd, XATTR_NAME)
+            idrec = _op("getxattr", _retry_eintr, _os.getxattr, fd, _policy.ID_XATTR_NAME)
         except OSError as e:
             if e.errno == _errno.ERANGE:
-                return _MISMATCH_CRC, False
-            if e.errno != _errno.ENODATA:
+                idrec = b""  # longer than any identity record: malformed
+            elif e.errno != _errno.ENODATA:
                 raise  # EOPNOTSUPP, EIO ...: not the block's fault, keep it
-            if checksum == "strict":
-                _count_into(counts, "unverified_miss")
-                raise  # a miss, kept
-            _count_into(counts, "unverified")
-            rec = None  # stored without checksum (vLLM, a copy without xattrs)
-        if rec is not None:
-            if len(rec) != XATTR_LEN:
-                return _MISMATCH_CRC, False
-            want = int.from_bytes(rec, "big")
+            else:
+                idrec = None  # no identity (written by vLLM)
+        kind, want = _policy.parse_identity(idrec, ident)
+        if kind == "mismatch":
+            return _MISMATCH_ID, False
+        if want is None:
             try:
-                got = _op("getxattr", _retry_eintr, _os.getxattr, fd, _policy.ID_XATTR_NAME)
+                rec = _op("getxattr", _retry_eintr, _os.getxattr, fd, XATTR_NAME)
             except OSError as e:
                 if e.errno == _errno.ERANGE:
-                    got = b""
-                elif e.errno != _errno.ENODATA:
-                    raise
-                else:
-                    got = None  # no identity (written by vLLM): not checked
-            if got is not None and got != ident:
-                return _MISMATCH_ID, False
+                    return _MISMATCH_CRC, False
+                if e.errno != _errno.ENODATA:
+                    raise  # EOPNOTSUPP, EIO ...: not the block's fault, keep it
+                if checksum == "strict":
+                    _count_into(counts, "unverified_miss")
+                    raise  # a miss, kept
+                _count_into(counts, "unverified")
+                rec = None  # stored without checksum (vLLM, a copy without xattrs)
+            if rec is not None:
+                if len(rec) != XATTR_LEN:
+                    return _MISMATCH_CRC, False
+                want = int.from_bytes(rec, "big")
     private = reread and want is not None
     direct = not private and use_o_direct and _try_direct(fd, mv)
     if not direct and _fcntl.fcntl(fd, _fcntl.F_GETFL) & _os.O_DIRECT:

@@ -8,9 +8,13 @@ bytes. Each block becomes one file (on-disk contract: design.md):
 - store: skip an existing destination; write ``<dest>_<random hex>.tmp``
   (O_CREAT|O_EXCL, parents created, O_DIRECT when usable); with ``checksum``
   set xattr ``user.vllm.kv_crc32c`` = CRC32C (RFC 3720) as 4 bytes big-endian
-  on the open temp; close; rename onto the destination.
-- load: open, check size, read, with ``checksum`` verify the xattr through the
-  same fd. A block without the xattr (stored with checksums off) is accepted.
+  on the open temp, and the identity record ``user.kvtier.id`` (identity + the
+  same CRC, :func:`kvtier.policy.identity_record`); close; rename onto the
+  destination.
+- load: open, read, with ``checksum`` verify the CRC through the same fd: the
+  one the identity record carries, else (a block stored by vLLM) the one of
+  ``user.vllm.kv_crc32c``. A block without either (stored with checksums off)
+  is accepted, counted unverified ("strict": a miss).
 
 Errors. Bad arguments raise TypeError / ValueError / BufferError before any
 I/O. A batch stops at its first failing block and raises OSError (the errno's
@@ -340,7 +344,8 @@ class BlockIO:
         ``block_size`` bytes at a path counts as stored; a directory there
         fails the block (EISDIR); anything else (symlink, FIFO, file of another
         size) is replaced. With ``checksum`` (True or "strict") the identity
-        xattr ``user.kvtier.id`` is set too (:func:`kvtier.policy.block_identity`).
+        record ``user.kvtier.id`` is set too (identity + CRC32C,
+        :func:`kvtier.policy.identity_record`).
         ``counts``: a dict the call's policy counters are added to
         (:data:`kvtier.policy.COUNT_NAMES`). With ``job_state`` (a
         :class:`JobState`, or a bare state word: a writable buffer of >= 4

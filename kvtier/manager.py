@@ -181,8 +181,9 @@ class FileSystemTierManager:
         block_size: bytes per block (checked against a 2-D buffer's row stride).
         n_read_threads / n_write_threads: read- and write-priority threads, >= 1.
         checksum_blocks: False, True or ``"strict"``.  True / "strict": record CRC32C in
-            xattr ``user.vllm.kv_crc32c`` and the identity record ``user.kvtier.id`` on
-            store, verify them on load.  A block without a CRC record (stored by vLLM
+            xattr ``user.vllm.kv_crc32c`` and the identity record ``user.kvtier.id`` (which
+            carries the CRC too) on store, verify them on load (one xattr read for a
+            block kvtier stored).  A block without a CRC record (stored by vLLM
             with checksums off, or copied without xattrs) loads with True, counted as
             ``unverified`` (a warning at most once a minute), and is a miss with
             "strict" (kept on disk, counted as ``unverified_miss``); ``kvtier scrub

@@ -56,8 +56,13 @@ many times, after 2 ms, 4 ms ... 512 ms (csrc/policy.h KVT_RETRY_ENOENT_STORE)."
 TRANSIENT_ERRNOS = {errno.EAGAIN: "retry_eagain", errno.EWOULDBLOCK: "retry_eagain", errno.ESTALE: "retry_estale"}
 
 ID_XATTR_NAME = "user.kvtier.id"
-"""Identity xattr: binds a block to its name (layout digest, rank, key) and size; vLLM ignores it."""
+"""Identity record: binds a block to its name (layout digest, rank, key) and size, and carries
+its CRC32C (:func:`identity_record`); vLLM ignores it."""
 ID_LEN = 8
+"""Bytes of the identity (:func:`block_identity`); an identity record of this length (as stored
+before the record carried the CRC) is still read, the CRC then in user.vllm.kv_crc32c."""
+ID_REC_LEN = 12
+"""Bytes of the identity record a store sets: identity, then the CRC32C (csrc/policy.h)."""
 
 CHECKSUM_MODES = (False, True, "strict")
 """``checksum=`` of the batch calls / ``checksum_blocks`` of a tier."""
@@ -101,3 +106,26 @@ def block_identity(path: Union[str, bytes, "os.PathLike"], block_size: int) -> b
     for b in b"kvtier.id.v1\0" + tail + b"\0" + str(int(block_size)).encode():
         h = ((h ^ b) * _FNV_PRIME) & _MASK
     return h.to_bytes(8, "big")
+
+
+def identity_record(path: Union[str, bytes, "os.PathLike"], block_size: int, crc: int) -> bytes:
+    """The identity record a checksummed store sets in :data:`ID_XATTR_NAME`:
+    :func:`block_identity` (8 bytes) then ``crc`` (the block's CRC32C, 4 bytes big-endian,
+    the value of user.vllm.kv_crc32c), so that a load of a block kvtier stored reads one
+    xattr (csrc/fs_io.c read_verify)."""
+    return block_identity(path, block_size) + (crc & 0xFFFFFFFF).to_bytes(4, "big")
+
+
+def parse_identity(rec: "bytes | None", ident: bytes) -> "tuple[str, int | None]":
+    """Judge an identity record (``None``: absent) against ``ident`` (the loading block's
+    :func:`block_identity`), as csrc/xattr_record.c kvt_id_parse: ("crc", crc) for 12
+    bytes of this identity, ("only", None) for 8 bytes of it (the CRC is in
+    user.vllm.kv_crc32c), ("absent", None), ("mismatch", None) for another identity or
+    another length."""
+    if rec is None:
+        return "absent", None
+    if len(rec) not in (ID_LEN, ID_REC_LEN) or rec[:ID_LEN] != ident:
+        return "mismatch", None
+    if len(rec) == ID_LEN:
+        return "only", None
+    return "crc", int.from_bytes(rec[ID_LEN:], "big")

@@ -5,14 +5,18 @@ For each ``*.bin`` under ROOT (the FileMapper layout, see :mod:`kvtier.file_mapp
 ============  ==========================================================================
 status        meaning
 ============  ==========================================================================
-ok            CRC32C equals xattr ``user.vllm.kv_crc32c`` and the size is not known to be
-              wrong (a size that differs only from a guessed size is a note, not an error)
-corrupt       CRC32C differs on two reads (the second after POSIX_FADV_DONTNEED, as a load
-              does), or the xattr is not 4 bytes, or the identity record
-              ``user.kvtier.id`` is present and not this block's (a block stored under
-              another key's name): a load would fail with EBADMSG and remove it
-no_checksum   no xattr (stored with checksums off, by vLLM, or copied without xattrs):
-              loads unverified (checksum_blocks=True) or is a miss ("strict")
+ok            CRC32C equals every CRC recorded: xattr ``user.vllm.kv_crc32c`` and the one
+              the identity record ``user.kvtier.id`` carries (12 bytes), and the size is
+              not known to be wrong (a size that differs only from a guessed size is a
+              note, not an error)
+corrupt       CRC32C differs from a record on two reads (the second after
+              POSIX_FADV_DONTNEED, as a load does), or the xattr is not 4 bytes, or the
+              identity record is present and not this block's (a block stored under
+              another key's name): a load would fail with EBADMSG and remove it (a load
+              of a block with a 12-byte identity record checks the CRC it carries; vLLM's
+              reader checks ``user.vllm.kv_crc32c``; scrub both)
+no_checksum   no CRC recorded (stored with checksums off, by vLLM, or copied without
+              xattrs): loads unverified (checksum_blocks=True) or is a miss ("strict")
 wrong_size    size differs from a known block size (a load would fail with EIO)
 error         could not be read (EACCES, ELOOP for a symlink, EIO...): kept, reported
 ============  ==========================================================================
@@ -192,7 +196,7 @@ def _adopt(fd: int, path: str, size: int, buf: bytearray) -> str:
         if n != size:
             return f"not adopted: read {n} bytes of {size}: file changed during scrub"
         os.setxattr(fd, XATTR_NAME, crc.to_bytes(4, "big"))
-        os.setxattr(fd, policy.ID_XATTR_NAME, policy.block_identity(path, size))
+        os.setxattr(fd, policy.ID_XATTR_NAME, policy.identity_record(path, size, crc))
     except OSError as e:
         return f"not adopted: {e.strerror} (errno {e.errno})"
     return ""
@@ -229,30 +233,45 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
         size_note = f"{size} bytes, expected {expected} ({source})" if odd and known else ""
         # The CRC32C is checked whatever the size: a block whose bytes verify is never removed
         # for its size alone (a hybrid cache or a wrong --block-size is not corruption).
+        # Both records: user.vllm.kv_crc32c (vLLM's reader checks it) and the identity record
+        # user.kvtier.id, which carries the CRC32C too when 12 bytes long (a load of a block
+        # kvtier stored checks that one). Scrub checks every CRC recorded.
+        rec = ident = None
+        no_rec_errno = errno.ENODATA
         try:
             rec = os.getxattr(fd, XATTR_NAME)
         except OSError as e:
-            if e.errno in (errno.ENODATA, errno.EOPNOTSUPP):
-                f.status = "no_checksum"
-                f.detail = "; ".join(filter(None, ["no xattr: unverified", guess_note]))
-                if size_note:  # unverifiable and of the wrong size: a load would fail (EIO)
-                    f.status, f.detail = "wrong_size", size_note + "; no xattr"
-                    if remove:
-                        why = _unlink_if_same(path, fd)
-                        f.removed = not why
-                        if why:
-                            f.detail += "; " + why
-                elif adopt and e.errno == errno.ENODATA:
-                    why = _adopt(fd, path, size, buf)
-                    f.adopted = not why
-                    f.detail += "; " + (why or "adopted: CRC32C and identity recorded")
-            else:
+            if e.errno not in (errno.ENODATA, errno.EOPNOTSUPP):
                 f.detail = f"getxattr: {e.strerror} (errno {e.errno})"
+                return f
+            no_rec_errno = e.errno
+        try:
+            ident = os.getxattr(fd, policy.ID_XATTR_NAME)
+        except OSError:
+            ident = None  # none (written by vLLM), or unreadable: not judged
+        wants = {}
+        if rec is not None and len(rec) == 4:
+            wants[XATTR_NAME] = int.from_bytes(rec, "big")
+        if ident is not None and len(ident) == policy.ID_REC_LEN:
+            wants[policy.ID_XATTR_NAME] = int.from_bytes(ident[policy.ID_LEN:], "big")
+        if rec is None and not wants:
+            f.status = "no_checksum"
+            f.detail = "; ".join(filter(None, ["no xattr: unverified", guess_note]))
+            if size_note:  # unverifiable and of the wrong size: a load would fail (EIO)
+                f.status, f.detail = "wrong_size", size_note + "; no xattr"
+                if remove:
+                    why = _unlink_if_same(path, fd)
+                    f.removed = not why
+                    if why:
+                        f.detail += "; " + why
+            elif adopt and no_rec_errno == errno.ENODATA:
+                why = _adopt(fd, path, size, buf)
+                f.adopted = not why
+                f.detail += "; " + (why or "adopted: CRC32C and identity recorded")
             return f
-        if len(rec) != 4:
+        if rec is not None and len(rec) != 4:
             f.status, f.detail = "corrupt", f"xattr record is {len(rec)} bytes, not 4"
         else:
-            want = int.from_bytes(rec, "big")
             for attempt in range(2):
                 try:
                     crc, n = _crc_of(fd, buf)
@@ -262,7 +281,7 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
                 if n != size:
                     f.detail = f"read {n} bytes of {size}: file changed during scrub"
                     return f
-                if crc == want:
+                if all(crc == w for w in wants.values()):
                     break
                 if attempt == 0:  # maybe a stale page-cache copy: re-read from the device
                     f.retried = True
@@ -270,16 +289,14 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
                         os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
                     except OSError:
                         pass  # advice only: the re-read still happens
-            if crc == want and size_note:
+            matches = all(crc == w for w in wants.values())
+            if matches and size_note:
                 f.status = "wrong_size"
                 f.detail = size_note + "; CRC32C matches: kept (a layout or --block-size mismatch, not corruption)"
                 return f
-            if crc == want:
-                try:
-                    ident = os.getxattr(fd, policy.ID_XATTR_NAME)
-                except OSError:
-                    ident = None  # none (written by vLLM), or unreadable: not judged
-                if ident is not None and ident != policy.block_identity(path, size):
+            if matches:
+                if ident is not None and (len(ident) not in (policy.ID_LEN, policy.ID_REC_LEN)
+                                          or ident[:policy.ID_LEN] != policy.block_identity(path, size)):
                     f.status = "corrupt"
                     f.detail = ("identity record user.kvtier.id is not this block's: its bytes verify, "
                                 "but it was stored under another key's name or layout")
@@ -298,9 +315,13 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
                     notes.append(guess_note + "; CRC32C matches: kept")
                 f.detail = "; ".join(notes)
                 return f
+            if len(set(wants.values())) == 1:
+                recorded = f"0x{next(iter(wants.values())):08x}"
+            else:  # the records disagree (not as a store sets them): name each
+                recorded = ", ".join(f"0x{w:08x} in {k}" for k, w in wants.items())
             f.status = "wrong_size" if size_note else "corrupt"  # both removable
             f.detail = "; ".join(filter(None, [
-                f"CRC32C 0x{crc:08x}, recorded 0x{want:08x}"
+                f"CRC32C 0x{crc:08x}, recorded {recorded}"
                 + (" (twice: re-read after POSIX_FADV_DONTNEED)" if f.retried else ""),
                 guess_note, size_note]))
         if remove:

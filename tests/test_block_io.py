@@ -23,10 +23,12 @@ import pytest
 
 import kvtier
 from kvtier import io as kio
+from kvtier import policy
 from corrupt import flip_bit
 from mounts import mount_tmpfs
 
 XATTR = "user.vllm.kv_crc32c"
+ID_XATTR = "user.kvtier.id"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -291,10 +293,13 @@ def test_corruption_detected_and_removed(io_backend, tmp_path, where):
 
 @pytest.mark.parametrize("record", [b"", b"\x01\x02\x03", b"\x00" * 5, b"\x11" * 8, b"\x22" * 40, "swapped", "wrong"])
 def test_malformed_or_wrong_record_is_mismatch(io_backend, tmp_path, record):
+    """A block with only vLLM's record (no identity record: stored by vLLM with
+    checksums): any record but its 4-byte big-endian CRC32C is a checksum failure."""
     bs = 8192
     view = rand_blocks(1, bs, seed=9)
     p = block_paths(tmp_path, 1)
     io_backend.batch_store_block(p, view, [0], bs, checksum=True)
+    os.removexattr(p[0], ID_XATTR)
     good = os.getxattr(p[0], XATTR)
     if record == "swapped":
         record = good[::-1]  # little-endian presentation of the right value
@@ -303,8 +308,66 @@ def test_malformed_or_wrong_record_is_mismatch(io_backend, tmp_path, record):
         record = ((int.from_bytes(good, "big") + 1) & 0xFFFFFFFF).to_bytes(4, "big")
     os.setxattr(p[0], XATTR, record)
     err, _ = load_expect_error(io_backend, p, bs)
-    assert (err.errno, err.checksum_failed, err.num_succeeded) == (errno.EBADMSG, True, 0)
+    assert (err.errno, err.checksum_failed, err.num_succeeded, err.condemned) == (errno.EBADMSG, True, 0, "checksum")
     assert not os.path.exists(p[0])
+
+
+@pytest.mark.parametrize("crc_part", [b"", b"\x01\x02\x03", b"\x00" * 5, b"\x22" * 40, "swapped", "wrong"])
+def test_malformed_or_wrong_identity_record_is_mismatch(io_backend, tmp_path, crc_part):
+    """The identity record a store sets is the identity (8 bytes) then the CRC32C (4): a
+    load checks that CRC (not user.vllm.kv_crc32c). This identity followed by a wrong CRC
+    is a checksum failure; by a part of another length (12 bytes in all or 8 only) an
+    identity failure; by nothing (8 bytes, as stored before the record carried the CRC)
+    the CRC comes from user.vllm.kv_crc32c and the block loads."""
+    bs = 8192
+    view = rand_blocks(1, bs, seed=19)
+    p = block_paths(tmp_path, 1)
+    io_backend.batch_store_block(p, view, [0], bs, checksum=True)
+    rec = os.getxattr(p[0], ID_XATTR)
+    ident, good = rec[:8], rec[8:]
+    assert (ident, good) == (policy.block_identity(p[0], bs), expected_record(view))
+    if crc_part == "swapped":
+        crc_part = good[::-1]
+    elif crc_part == "wrong":
+        crc_part = ((int.from_bytes(good, "big") + 1) & 0xFFFFFFFF).to_bytes(4, "big")
+    os.setxattr(p[0], ID_XATTR, ident + crc_part)
+    if crc_part == b"":
+        out = np.zeros(bs, dtype=np.uint8)
+        counts = {}
+        assert io_backend.batch_load_block(p, out, [0], bs, checksum="strict", counts=counts) == 0
+        assert np.array_equal(out, view) and counts == {}
+        return
+    err, _ = load_expect_error(io_backend, p, bs)
+    cause = "checksum" if len(crc_part) == 4 else "identity"
+    assert (err.errno, err.checksum_failed, err.num_succeeded, err.condemned) == (errno.EBADMSG, True, 0, cause)
+    assert not os.path.exists(p[0])
+
+
+def test_load_checks_the_crc_of_the_identity_record(io_backend, tmp_path):
+    """A block kvtier stored is verified by the CRC its identity record carries: one
+    xattr per load. user.vllm.kv_crc32c (vLLM's reader's) is not read: a block whose
+    vLLM record was removed or is wrong still loads verified, in strict mode too; a flipped
+    byte fails either way; an 8-byte identity record (stored before the record carried the
+    CRC) takes the CRC from user.vllm.kv_crc32c."""
+    bs = 3 * 4096
+    view = rand_blocks(4, bs, seed=29)
+    p = block_paths(tmp_path, 4)
+    io_backend.batch_store_block(p, view, offsets_of(4, bs), bs, checksum=True)
+    os.removexattr(p[0], XATTR)
+    os.setxattr(p[1], XATTR, b"\0\0\0\0")
+    os.setxattr(p[2], ID_XATTR, policy.block_identity(p[2], bs))  # the 8-byte form
+    with open(p[3], "r+b") as f:
+        f.seek(7)
+        f.write(bytes([view[3 * bs + 7] ^ 0x40]))
+    out = np.zeros_like(view)
+    counts = {}
+    assert io_backend.batch_load_block(p[:3], out, offsets_of(3, bs), bs, checksum="strict", counts=counts) == 0
+    assert np.array_equal(out[: 3 * bs], view[: 3 * bs]) and counts == {}
+    os.setxattr(p[2], XATTR, b"\0\0\0\0")  # 8-byte identity: the vLLM record is the CRC
+    err, _ = load_expect_error(io_backend, p[2:3], bs)
+    assert (err.errno, err.condemned) == (errno.EBADMSG, "checksum") and not os.path.exists(p[2])
+    err, _ = load_expect_error(io_backend, p[3:], bs)
+    assert (err.errno, err.condemned) == (errno.EBADMSG, "checksum") and not os.path.exists(p[3])
 
 
 def test_legacy_block_without_record_loads(io_backend, tmp_path):

@@ -297,7 +297,7 @@ def test_vllm_reader_loads_a_kvtier_block_with_both_records(tmp_path):
     src = np.random.default_rng(12).integers(0, 256, 2 * bs, dtype=np.uint8)
     p = str(tmp_path / "m_0123456789ab_r0" / "abc" / "de_g0" / "abcdef.bin")
     kio.batch_store_block([p], src, [0], bs, checksum=True)
-    assert len(os.getxattr(p, "user.kvtier.id")) == 8 and len(os.getxattr(p, "user.vllm.kv_crc32c")) == 4
+    assert len(os.getxattr(p, "user.kvtier.id")) == 12 and len(os.getxattr(p, "user.vllm.kv_crc32c")) == 4
     out = np.zeros(2 * bs, dtype=np.uint8)
     vio.batch_load_block([p], memoryview(out), [0], bs, False)
     assert np.array_equal(out[:bs], src[:bs])

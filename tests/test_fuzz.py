@@ -5,8 +5,8 @@ undefined) run for a bounded time, and hypothesis property tests.
   whole / chained at a random split / kvt_crc32c_combine, odd alignments and
   data flush against the end of its allocation; a second build also drives
   the software DSA device ("dsa-model") for every length.
-- fuzz_xattr_record: the xattr record parser of the load path
-  (kvt_xattr_parse in csrc/xattr_record.c) on arbitrary records.
+- fuzz_xattr_record: the xattr record parsers of the load path
+  (kvt_xattr_parse, kvt_id_parse in csrc/xattr_record.c) on arbitrary records.
 - hypothesis: the same differential properties through the Python API for
   each backend, and arbitrary xattr records on stored blocks through both
   block I/O implementations (only the exact 4-byte big-endian CRC32C loads).
@@ -152,7 +152,10 @@ def test_libfuzzer_xattr_record_parser(tmp_path):
     srcs = [os.path.join(ROOT, "csrc", "xattr_record.c")]
     exe = build_fuzzer("fuzz_xattr_record", srcs + [os.path.join(FUZZ_DIR, "fuzz_xattr_record.c")])
     seeds = [b"\x00\x00\x12\x34\x56\x78", b"\x01" + bytes([errno.ENODATA]), b"\x01" + bytes([errno.ERANGE]),
-             b"\x01" + bytes([errno.EIO]), b"\x00\x00", b"\x00\x00" + bytes(40)]
+             b"\x01" + bytes([errno.EIO]), b"\x00\x00", b"\x00\x00" + bytes(40),
+             # the identity record parser: 12 bytes, 8 bytes and 9 bytes after this identity, an error
+             b"\x06\x00" + bytes(8) + b"\x12\x34\x56\x78", b"\x06\x00" + bytes(8), b"\x06\x00" + bytes(9),
+             b"\x03" + bytes([errno.ENODATA])]
     runs, log = run_fuzzer(exe, tmp_path, max_len=64, seconds=max(3, SECONDS // 3), seeds=seeds)
     assert runs > 1000, log[-2000:]
 
@@ -205,7 +208,8 @@ def stored_block(tmp_path_factory):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(record=st.one_of(st.binary(max_size=40), st.binary(min_size=4, max_size=4)))
 def test_hypothesis_xattr_record(backend, stored_block, record):
-    """Any record but the exact 4-byte big-endian CRC32C is a checksum
+    """A block with vLLM's record only (no identity record: stored by vLLM with
+    checksums): any record but the exact 4-byte big-endian CRC32C is a checksum
     failure (EBADMSG, checksum_failed, removed); the exact one loads."""
     from kvtier import io as kio
 
@@ -215,6 +219,7 @@ def test_hypothesis_xattr_record(backend, stored_block, record):
     p = os.path.join(d, f"{backend}.bin")
     if not os.path.exists(p):
         io.batch_store_block([p], data, [0], bs, checksum=True)
+        os.removexattr(p, "user.kvtier.id")
     good = kvtier.crc32c(data).to_bytes(4, "big")
     os.setxattr(p, XATTR, record)
     out = np.zeros(bs, dtype=np.uint8)
@@ -225,4 +230,38 @@ def test_hypothesis_xattr_record(backend, stored_block, record):
     with pytest.raises(OSError) as ei:
         io.batch_load_block([p], out, [0], bs, checksum=True)
     assert (ei.value.errno, ei.value.checksum_failed) == (errno.EBADMSG, True)
+    assert not os.path.exists(p)
+
+
+@pytest.mark.parametrize("backend", ["c", "python"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tail=st.one_of(st.binary(max_size=40), st.binary(min_size=4, max_size=4), st.just(b"")),
+       own=st.booleans())
+def test_hypothesis_identity_record(backend, stored_block, tail, own):
+    """Any identity record: this block's identity + its CRC32C (12 bytes) loads; this
+    identity alone (8 bytes) loads by user.vllm.kv_crc32c (good here); this identity + 4
+    other bytes is a checksum failure; anything else an identity failure (both EBADMSG,
+    checksum_failed, removed)."""
+    from kvtier import io as kio
+    from kvtier import policy
+
+    io = kio.for_backend(backend)
+    d, data = stored_block
+    bs = data.size
+    p = os.path.join(d, f"id_{backend}.bin")
+    if not os.path.exists(p):
+        io.batch_store_block([p], data, [0], bs, checksum=True)
+    ident = policy.block_identity(p, bs)
+    good = kvtier.crc32c(data).to_bytes(4, "big")
+    record = (ident if own else bytes(b ^ 1 for b in ident)) + tail
+    os.setxattr(p, "user.kvtier.id", record)
+    out = np.zeros(bs, dtype=np.uint8)
+    if own and tail in (b"", good):
+        io.batch_load_block([p], out, [0], bs, checksum=True)
+        assert np.array_equal(out, data)
+        return
+    with pytest.raises(OSError) as ei:
+        io.batch_load_block([p], out, [0], bs, checksum=True)
+    cause = "checksum" if own and len(tail) == 4 else "identity"
+    assert (ei.value.errno, ei.value.checksum_failed, ei.value.condemned) == (errno.EBADMSG, True, cause)
     assert not os.path.exists(p)

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import kvtier
 from kvtier import policy
 from test_block_io import build_preload, preload
 
@@ -443,8 +444,11 @@ def test_identity_record_is_the_same_in_both_backends(tmp_path):
         p1, p2 = str(tmp_path / "c" / rel), str(tmp_path / "py" / rel)
         put(c, p1, data_of(i, 4096))
         put(py, p2, data_of(i, 4096))
-        assert os.getxattr(p1, policy.ID_XATTR_NAME) == policy.block_identity(p1, 4096)
-        assert os.getxattr(p2, policy.ID_XATTR_NAME) == policy.block_identity(p2, 4096)
+        crc = kvtier.crc32c(data_of(i, 4096))
+        for p in (p1, p2):  # identity (8 bytes) + the CRC32C of user.vllm.kv_crc32c (4 bytes)
+            rec = os.getxattr(p, policy.ID_XATTR_NAME)
+            assert rec == policy.block_identity(p, 4096) + crc.to_bytes(4, "big") == policy.identity_record(p, 4096, crc)
+            assert os.getxattr(p, "user.vllm.kv_crc32c") == rec[8:]
         if i == 0:  # the last four components are the same: so is the record
             assert os.getxattr(p1, policy.ID_XATTR_NAME) == os.getxattr(p2, policy.ID_XATTR_NAME)
     # bound to the last four components: the same block under another root verifies

@@ -10,6 +10,7 @@ import pytest
 
 import kvtier
 import kvtier.io as kio
+from kvtier import policy  # noqa: F401 (kvtier.policy)
 from kvtier import scrub as sc
 from kvtier.cli import main
 from corrupt import flip_bit as flip
@@ -124,6 +125,7 @@ def test_known_size_removes_an_unverifiable_block_of_the_wrong_size(tmp_path):
     root = str(tmp_path)
     g0, g1 = hybrid(root)
     os.removexattr(g1[0], "user.vllm.kv_crc32c")
+    os.removexattr(g1[0], "user.kvtier.id")  # no CRC recorded at all (its 12 bytes carry one)
     rc, d = run(tmp_path, "--block-size", "8192", "--remove")
     assert rc == 1 and d["removed"] == g1 and not os.path.exists(g1[0])
     assert all(os.path.exists(p) for p in g0)
@@ -230,3 +232,34 @@ def test_text_report_names_sources_and_retried(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "m_0123456789ab_r0/g1: expected block size 4096 (guess: most common size; judged by CRC32C only)" in out
     assert "ok 4  corrupt 0  no_checksum 0  wrong_size 0  error 0  stray_temp 0  retried 0" in out
+
+
+def test_scrub_checks_both_crc_records(tmp_path):
+    """A store records the CRC32C twice: user.vllm.kv_crc32c (vLLM's reader) and in the
+    12-byte identity record (kvtier's load). Scrub checks both: without vLLM's record the
+    block is ok (the identity record carries its CRC, as a load finds); with records that
+    disagree it is corrupt, naming each (one of the two readers would fail it); --adopt
+    records both."""
+    root = str(tmp_path)
+    paths = [block_path(root, bytes([i]) * 16, 0) for i in range(1, 5)]
+    data = store(paths, 8192, 7)
+    crc = kvtier.crc32c(data[0])
+    assert os.getxattr(paths[0], "user.kvtier.id") == kvtier.policy.identity_record(paths[0], 8192, crc)
+    os.removexattr(paths[0], XATTR)
+    bad = ((kvtier.crc32c(data[1]) ^ 1) & 0xFFFFFFFF).to_bytes(4, "big")
+    os.setxattr(paths[1], XATTR, bad)
+    os.removexattr(paths[2], XATTR)
+    os.removexattr(paths[2], "user.kvtier.id")
+    rc, d = run(tmp_path)
+    by = {f["path"]: f for f in d["findings"]}
+    assert rc == 1 and sorted(by) == paths[1:3] and d["counts"]["ok"] == 2  # ok: not listed
+    assert [by[p]["status"] for p in paths[1:3]] == ["corrupt", "no_checksum"]
+    assert f"0x{int.from_bytes(bad, 'big'):08x} in {XATTR}" in by[paths[1]]["detail"]
+    assert f"0x{kvtier.crc32c(data[1]):08x} in user.kvtier.id" in by[paths[1]]["detail"]
+    rc, d = run(tmp_path, "--adopt", "--remove")
+    assert d["adopted"] == [paths[2]] and not os.path.exists(paths[1])
+    crc2 = kvtier.crc32c(data[2])
+    assert os.getxattr(paths[2], XATTR) == crc2.to_bytes(4, "big")
+    assert os.getxattr(paths[2], "user.kvtier.id") == kvtier.policy.identity_record(paths[2], 8192, crc2)
+    rc, d = run(tmp_path, "--strict")
+    assert rc == 0 and d["findings"] == [] and d["counts"]["ok"] == 3

@@ -1,21 +1,29 @@
-/* libFuzzer harness: the xattr record parser of the load path,
- * kvt_xattr_parse() in csrc/fs_io.c (contract in csrc/fs_io.h).
+/* libFuzzer harness: the xattr record parsers of the load path,
+ * kvt_xattr_parse() and kvt_id_parse() in csrc/xattr_record.c (contract in
+ * csrc/fs_io.h).
  *
  * Input layout: [mode:1][errno:1][record bytes...]
- *   mode even: fgetxattr "returned" the record length (the remaining bytes,
- *              at most KVT_XATTR_BUF, copied to an exact-size heap block so
- *              ASan catches any read past what fgetxattr would have filled)
- *   mode odd:  fgetxattr "failed" (r = -1) with errno from the second byte
+ *   mode bit 0 clear: fgetxattr "returned" the record length (the remaining
+ *              bytes, at most KVT_XATTR_BUF, copied to an exact-size heap
+ *              block so ASan catches any read past what fgetxattr filled)
+ *   mode bit 0 set: fgetxattr "failed" (r = -1) with errno from the 2nd byte
+ *   mode bit 1: the identity record parser (else the CRC record parser);
+ *   mode bit 2: the record starts with the expected identity (else as given)
  * Checked against an independent statement of the contract (design.md):
+ * CRC record (user.vllm.kv_crc32c):
  *   r == 4          -> KVT_REC_OK, crc = big-endian value of the 4 bytes
  *   r >= 0, r != 4  -> KVT_REC_MALFORMED (a checksum failure)
  *   r < 0: ENODATA  -> KVT_REC_ABSENT (legacy block, accepted)
  *          ERANGE   -> KVT_REC_MALFORMED (record longer than the buffer)
  *          other    -> KVT_REC_ERROR (the filesystem's error, block kept)
- * A *crc written on anything but KVT_REC_OK is also a failure.
+ * identity record (user.kvtier.id), against the expected identity ID:
+ *   r == 12, starts with ID -> KVT_ID_CRC, crc = big-endian bytes 8..11
+ *   r == 8, equals ID       -> KVT_ID_ONLY
+ *   other r >= 0            -> KVT_ID_MISMATCH
+ *   r < 0: ENODATA -> KVT_ID_ABSENT, ERANGE -> KVT_ID_MISMATCH, other -> KVT_ID_ERROR
+ * A *crc written on anything but KVT_REC_OK / KVT_ID_CRC is also a failure.
  *
- * Built and run by tests/test_fuzz.py with csrc/fs_io.c, csrc/crc32c and
- * csrc/dsa linked (fs_io.c's other dependencies).
+ * Built and run by tests/test_fuzz.py with csrc/xattr_record.c.
  */
 #include <errno.h>
 #include <stdint.h>
@@ -29,35 +37,52 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (size < 2)
         return 0;
-    int failed = data[0] & 1;
+    int failed = data[0] & 1, idrec = data[0] & 2, own = data[0] & 4;
     int err = data[1];
     data += 2;
     size -= 2;
     if (size > KVT_XATTR_BUF)
         size = KVT_XATTR_BUF;
+    static const uint8_t ID[KVT_ID_LEN] = {0x6b, 0x76, 0x74, 0x69, 0x65, 0x72, 0x69, 0x64};
     uint8_t *rec = malloc(size ? size : 1);
     if (!rec)
         abort();
     memcpy(rec, data, size);
+    if (own)
+        memcpy(rec, ID, size < KVT_ID_LEN ? size : KVT_ID_LEN);
 
     long r = failed ? -1 : (long)size;
     const uint32_t sentinel = 0xA5A5A5A5u;
     uint32_t crc = sentinel;
-    int got = kvt_xattr_parse(rec, r, failed ? err : 0, &crc);
+    int got = idrec ? kvt_id_parse(rec, r, failed ? err : 0, ID, &crc) : kvt_xattr_parse(rec, r, failed ? err : 0, &crc);
 
     int want;
     uint32_t want_crc = sentinel;
-    if (failed)
-        want = err == ENODATA ? KVT_REC_ABSENT : err == ERANGE ? KVT_REC_MALFORMED : KVT_REC_ERROR;
-    else if (size == 4) {
-        want = KVT_REC_OK;
-        want_crc = ((uint32_t)rec[0] << 24) | ((uint32_t)rec[1] << 16) | ((uint32_t)rec[2] << 8) | rec[3];
-    } else
-        want = KVT_REC_MALFORMED;
+    const uint8_t *v = rec;
+    if (!idrec) {
+        if (failed)
+            want = err == ENODATA ? KVT_REC_ABSENT : err == ERANGE ? KVT_REC_MALFORMED : KVT_REC_ERROR;
+        else if (size == 4) {
+            want = KVT_REC_OK;
+            want_crc = ((uint32_t)v[0] << 24) | ((uint32_t)v[1] << 16) | ((uint32_t)v[2] << 8) | v[3];
+        } else
+            want = KVT_REC_MALFORMED;
+    } else {
+        int same = size >= KVT_ID_LEN && memcmp(rec, ID, KVT_ID_LEN) == 0;
+        if (failed)
+            want = err == ENODATA ? KVT_ID_ABSENT : err == ERANGE ? KVT_ID_MISMATCH : KVT_ID_ERROR;
+        else if (size == 12 && same) {
+            want = KVT_ID_CRC;
+            want_crc = ((uint32_t)v[8] << 24) | ((uint32_t)v[9] << 16) | ((uint32_t)v[10] << 8) | v[11];
+        } else if (size == 8 && same)
+            want = KVT_ID_ONLY;
+        else
+            want = KVT_ID_MISMATCH;
+    }
 
     if (got != want || crc != want_crc) {
-        fprintf(stderr, "kvt_xattr_parse(r=%ld, err=%d): got %d crc=0x%08x, want %d crc=0x%08x\n", r,
-                failed ? err : 0, got, crc, want, want_crc);
+        fprintf(stderr, "%s(r=%ld, err=%d): got %d crc=0x%08x, want %d crc=0x%08x\n",
+                idrec ? "kvt_id_parse" : "kvt_xattr_parse", r, failed ? err : 0, got, crc, want, want_crc);
         abort();
     }
     free(rec);
