@@ -501,6 +501,20 @@ static int convert_paths(PyObject *seq, Py_ssize_t n, PyObject **out, const char
 {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (PyUnicode_CheckExact(item) && PyUnicode_IS_COMPACT_ASCII(item)) {
+            /* An ASCII str is its own file-system encoding: its characters,
+             * NUL-terminated, held by the (immutable) str itself; no bytes
+             * object per path (os.fsencode gives the same bytes). */
+            Py_ssize_t len = PyUnicode_GET_LENGTH(item);
+            const char *c = (const char *)PyUnicode_DATA(item);
+            if ((Py_ssize_t)strlen(c) != len) {
+                PyErr_SetString(PyExc_ValueError, "embedded null byte");
+                return -1;
+            }
+            out[i] = Py_NewRef(item);
+            cout[i] = c;
+            continue;
+        }
         if (!PyUnicode_Check(item) && !PyBytes_Check(item) && !PyObject_HasAttrString(item, "__fspath__")) {
             PyErr_Format(PyExc_TypeError, "%s[%zd] must be str, bytes or os.PathLike, not %.200s", what, i,
                          Py_TYPE(item)->tp_name);
@@ -513,6 +527,8 @@ static int convert_paths(PyObject *seq, Py_ssize_t n, PyObject **out, const char
     return 0;
 }
 
+/* with_buffers: 0 none, 1 one Py_buffer per block (a list of buffers), 2 one
+ * for all (one buffer and offsets). */
 static int alloc_args(kvt_batch_args *a, Py_ssize_t n, int two_path_lists, int with_buffers)
 {
     memset(a, 0, sizeof *a);
@@ -525,7 +541,7 @@ static int alloc_args(kvt_batch_args *a, Py_ssize_t n, int two_path_lists, int w
         a->cb = PyMem_Calloc(m, sizeof(char *));
     }
     if (with_buffers) {
-        a->views = PyMem_Calloc(m, sizeof(Py_buffer));
+        a->views = PyMem_Calloc(with_buffers == 2 ? 1 : m, sizeof(Py_buffer));
         a->bufs = PyMem_Calloc(m, sizeof(void *));
         a->lens = PyMem_Calloc(m, sizeof(size_t));
     }
@@ -557,6 +573,65 @@ static int gather_buffers(kvt_batch_args *a, PyObject *seq, int writable)
         a->nviews = i + 1;
         a->bufs[i] = a->views[i].buf;
         a->lens[i] = (size_t)a->views[i].len;
+    }
+    return 0;
+}
+
+/* One buffer and offsets (the `offsets=` / `block_size=` form): block i is
+ * buf[offsets[i] : offsets[i] + block_size]. One Py_buffer for the batch, no
+ * per-block memoryview. TypeError for a non-list or a non-int offset or
+ * block_size, ValueError for a block_size <= 0 or a block outside buf. */
+static int gather_at(kvt_batch_args *a, PyObject *buf_obj, PyObject *offsets, PyObject *bs_obj, int writable)
+{
+    if (bs_obj == NULL || PyBool_Check(bs_obj) || !PyLong_Check(bs_obj)) {
+        PyErr_Format(PyExc_TypeError, "block_size must be int with offsets, not %.100s",
+                     bs_obj ? Py_TYPE(bs_obj)->tp_name : "missing");
+        return -1;
+    }
+    long long bs = PyLong_AsLongLong(bs_obj);
+    if (bs == -1 && PyErr_Occurred())
+        return -1;
+    if (bs <= 0) {
+        PyErr_Format(PyExc_ValueError, "block_size must be > 0 bytes, got %lld", bs);
+        return -1;
+    }
+    if (check_list(offsets, "offsets") < 0)
+        return -1;
+    if (PySequence_Fast_GET_SIZE(offsets) != a->n) {
+        PyErr_Format(PyExc_ValueError, "paths and offsets must have equal lengths (%zd, %zd)", a->n,
+                     PySequence_Fast_GET_SIZE(offsets));
+        return -1;
+    }
+    if (get_contig_buffer(buf_obj, &a->views[0], writable) < 0) {
+        if (writable && PyErr_ExceptionMatches(PyExc_BufferError)) {
+            PyObject *t, *v, *tb;
+            PyErr_Fetch(&t, &v, &tb);
+            PyErr_Format(PyExc_BufferError, "buffers must be a writable C-contiguous buffer: %S", v ? v : Py_None);
+            Py_XDECREF(t);
+            Py_XDECREF(v);
+            Py_XDECREF(tb);
+        }
+        return -1;
+    }
+    a->nviews = 1;
+    long long limit = (long long)a->views[0].len - bs;
+    for (Py_ssize_t i = 0; i < a->n; i++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(offsets, i);
+        if (PyBool_Check(o) || !PyLong_Check(o)) {
+            PyErr_Format(PyExc_TypeError, "offsets[%zd] must be int, not %.100s", i, Py_TYPE(o)->tp_name);
+            return -1;
+        }
+        int overflow;
+        long long off = PyLong_AsLongLongAndOverflow(o, &overflow);
+        if (off == -1 && PyErr_Occurred())
+            return -1;
+        if (overflow || off < 0 || off > limit) {
+            PyErr_Format(PyExc_ValueError, "offsets[%zd] = %S: block of %lld bytes is outside the view of %zd bytes",
+                         i, o, bs, a->views[0].len);
+            return -1;
+        }
+        a->bufs[i] = (char *)a->views[0].buf + off;
+        a->lens[i] = (size_t)bs;
     }
     return 0;
 }
@@ -671,16 +746,21 @@ done:
 
 PyDoc_STRVAR(batch_store_block_doc,
 "batch_store_block($module, tmp_paths, dest_paths, buffers, /, use_o_direct=True,\n"
-"                  checksum=False, durable=False, *, job_state=None, counts=None)\n--\n\n"
+"                  checksum=False, durable=False, *, job_state=None, counts=None,\n"
+"                  offsets=None, block_size=None)\n--\n\n"
 "Store each buffers[i] (C-contiguous, its whole length in bytes) as the file\n"
 "dest_paths[i] through the temp tmp_paths[i]: skip if dest exists; create\n"
 "the temp with O_CREAT|O_EXCL (missing parents are created), write it (with\n"
 "O_DIRECT when use_o_direct and the buffer address and length meet the\n"
 "filesystem's alignment, else buffered), with checksum set xattr\n"
-"user.vllm.kv_crc32c = CRC32C (RFC 3720) as 4 bytes big-endian on the open\n"
-"temp, close, rename onto dest. The GIL is released for the whole batch.\n"
+"user.vllm.kv_crc32c = CRC32C (RFC 3720) as 4 bytes big-endian and the\n"
+"identity record user.kvtier.id (identity + the same CRC) on the open temp,\n"
+"close, rename onto dest. The GIL is released for the whole batch.\n"
 "With durable, fdatasync the temp before the rename and fsync the parent\n"
-"directory after it (survives power loss; costs a device flush per block).\n\n"
+"directory after it (survives power loss; costs a device flush per block).\n"
+"With offsets (a list of int) and block_size (int > 0), buffers is one\n"
+"buffer and block i is buffers[offsets[i] : offsets[i] + block_size] (no\n"
+"per-block buffer object; ValueError for a block outside it).\n\n"
 "Raises TypeError (non-list, bad path or buffer type), ValueError (unequal\n"
 "lengths, NUL in a path), BufferError (non-contiguous buffer) before any\n"
 "I/O. The batch stops at the first failing block: OSError with its errno,\n"
@@ -693,13 +773,18 @@ PyDoc_STRVAR(batch_store_block_doc,
 
 PyDoc_STRVAR(batch_load_block_doc,
 "batch_load_block($module, source_paths, buffers, /, use_o_direct=True,\n"
-"                 checksum=False, *, job_state=None, counts=None)\n--\n\n"
+"                 checksum=False, *, job_state=None, counts=None, offsets=None,\n"
+"                 block_size=None)\n--\n\n"
 "Load each file source_paths[i] into buffers[i] (writable, C-contiguous; its\n"
 "length in bytes is the block size). O_DIRECT when use_o_direct and the\n"
 "buffer address and length meet the filesystem's alignment, else buffered.\n"
-"With checksum, verify xattr user.vllm.kv_crc32c (4 bytes big-endian\n"
-"CRC32C, RFC 3720) read through the same fd; a block without it (ENODATA,\n"
-"legacy) is accepted. The GIL is released for the whole batch.\n\n"
+"With checksum, verify the CRC32C (RFC 3720) read through the same fd: the\n"
+"one the identity record user.kvtier.id carries (12 bytes: identity, CRC),\n"
+"else xattr user.vllm.kv_crc32c (4 bytes big-endian); a block without\n"
+"either (ENODATA, legacy) is accepted. The GIL is released for the whole batch.\n"
+"With offsets (a list of int) and block_size (int > 0), buffers is one\n"
+"writable buffer and block i is buffers[offsets[i] : offsets[i] +\n"
+"block_size] (as batch_store_block).\n\n"
 "A first checksum mismatch is retried once (page cache dropped, record and\n"
 "data re-read); returns the number of blocks so retried that then\n"
 "verified (int). A second mismatch condemns the block.\n\n"
@@ -960,10 +1045,12 @@ static int add_counts(PyObject *counts, const kvt_counts *c)
 
 static int parse_io_flags(PyObject *kwnames, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t npos,
                           const char *fname, int *use_o_direct, int *checksum, int *durable, PyObject **job_state,
-                          PyObject **counts)
+                          PyObject **counts, PyObject **offsets, PyObject **block_size)
 {
     *job_state = NULL;
     *counts = NULL;
+    *offsets = NULL;
+    *block_size = NULL;
     *use_o_direct = 1;
     *checksum = 0;
     if (durable)
@@ -989,6 +1076,12 @@ static int parse_io_flags(PyObject *kwnames, PyObject *const *args, Py_ssize_t n
             idx = 2;
         else if (PyUnicode_CompareWithASCIIString(name, "job_state") == 0) {
             *job_state = args[nargs + k] == Py_None ? NULL : args[nargs + k];
+            continue;
+        } else if (PyUnicode_CompareWithASCIIString(name, "offsets") == 0) {
+            *offsets = args[nargs + k] == Py_None ? NULL : args[nargs + k];
+            continue;
+        } else if (PyUnicode_CompareWithASCIIString(name, "block_size") == 0) {
+            *block_size = args[nargs + k] == Py_None ? NULL : args[nargs + k];
             continue;
         } else if (PyUnicode_CompareWithASCIIString(name, "counts") == 0) {
             PyObject *c = args[nargs + k];
@@ -1022,15 +1115,20 @@ static PyObject *kvt_py_batch_store_block(PyObject *mod, PyObject *const *args, 
                                           PyObject *kwnames)
 {
     int use_o_direct, checksum, durable;
-    PyObject *js_obj, *counts;
+    PyObject *js_obj, *counts, *offsets, *bs_obj;
     if (parse_io_flags(kwnames, args, nargs, 3, "batch_store_block", &use_o_direct, &checksum, &durable, &js_obj,
-                       &counts) < 0)
+                       &counts, &offsets, &bs_obj) < 0)
         return NULL;
     if (check_list(args[0], "tmp_paths") < 0 || check_list(args[1], "dest_paths") < 0 ||
-        check_list(args[2], "buffers") < 0)
+        (offsets ? check_list(offsets, "offsets") : check_list(args[2], "buffers")) < 0)
         return NULL;
     Py_ssize_t n = PySequence_Size(args[0]);
-    if (PySequence_Size(args[1]) != n || PySequence_Size(args[2]) != n) {
+    if (offsets && PySequence_Size(args[1]) != n) {
+        PyErr_Format(PyExc_ValueError, "tmp_paths, dest_paths must have equal lengths (%zd, %zd)", n,
+                     PySequence_Size(args[1]));
+        return NULL;
+    }
+    if (!offsets && (PySequence_Size(args[1]) != n || PySequence_Size(args[2]) != n)) {
         PyErr_Format(PyExc_ValueError, "tmp_paths, dest_paths and buffers must have equal lengths (%zd, %zd, %zd)",
                      n, PySequence_Size(args[1]), PySequence_Size(args[2]));
         return NULL;
@@ -1038,7 +1136,7 @@ static PyObject *kvt_py_batch_store_block(PyObject *mod, PyObject *const *args, 
     /* Own references to the lists' items: the lists themselves may change
      * in another thread while the GIL is released. */
     PyObject *s0 = PySequence_Fast(args[0], ""), *s1 = PySequence_Fast(args[1], ""),
-             *s2 = PySequence_Fast(args[2], "");
+             *s2 = PySequence_Fast(offsets ? offsets : args[2], "");
     PyObject *ret = NULL;
     kvt_batch_args a;
     memset(&a, 0, sizeof a);
@@ -1048,8 +1146,9 @@ static PyObject *kvt_py_batch_store_block(PyObject *mod, PyObject *const *args, 
         goto done;
     if (js_obj && (js = get_job_state(js_obj, &js_view, "job_state")) == NULL)
         goto done;
-    if (alloc_args(&a, n, 1, 1) < 0 || convert_paths(s0, n, a.paths_a, a.ca, "tmp_paths") < 0 ||
-        convert_paths(s1, n, a.paths_b, a.cb, "dest_paths") < 0 || gather_buffers(&a, s2, 0) < 0)
+    if (alloc_args(&a, n, 1, offsets ? 2 : 1) < 0 || convert_paths(s0, n, a.paths_a, a.ca, "tmp_paths") < 0 ||
+        convert_paths(s1, n, a.paths_b, a.cb, "dest_paths") < 0 ||
+        (offsets ? gather_at(&a, args[2], s2, bs_obj, 0) : gather_buffers(&a, s2, 0)) < 0)
         goto done;
     kvt_batch_result res;
     int rc;
@@ -1081,19 +1180,20 @@ static PyObject *kvt_py_batch_load_block(PyObject *mod, PyObject *const *args, P
                                          PyObject *kwnames)
 {
     int use_o_direct, checksum;
-    PyObject *js_obj, *counts;
+    PyObject *js_obj, *counts, *offsets, *bs_obj;
     if (parse_io_flags(kwnames, args, nargs, 2, "batch_load_block", &use_o_direct, &checksum, NULL, &js_obj,
-                       &counts) < 0)
+                       &counts, &offsets, &bs_obj) < 0)
         return NULL;
-    if (check_list(args[0], "source_paths") < 0 || check_list(args[1], "buffers") < 0)
+    if (check_list(args[0], "source_paths") < 0 ||
+        (offsets ? check_list(offsets, "offsets") : check_list(args[1], "buffers")) < 0)
         return NULL;
     Py_ssize_t n = PySequence_Size(args[0]);
-    if (PySequence_Size(args[1]) != n) {
+    if (!offsets && PySequence_Size(args[1]) != n) {
         PyErr_Format(PyExc_ValueError, "source_paths and buffers must have equal lengths (%zd, %zd)", n,
                      PySequence_Size(args[1]));
         return NULL;
     }
-    PyObject *s0 = PySequence_Fast(args[0], ""), *s1 = PySequence_Fast(args[1], "");
+    PyObject *s0 = PySequence_Fast(args[0], ""), *s1 = PySequence_Fast(offsets ? offsets : args[1], "");
     PyObject *ret = NULL;
     kvt_batch_args a;
     memset(&a, 0, sizeof a);
@@ -1103,8 +1203,8 @@ static PyObject *kvt_py_batch_load_block(PyObject *mod, PyObject *const *args, P
         goto done;
     if (js_obj && (js = get_job_state(js_obj, &js_view, "job_state")) == NULL)
         goto done;
-    if (alloc_args(&a, n, 0, 1) < 0 || convert_paths(s0, n, a.paths_a, a.ca, "source_paths") < 0 ||
-        gather_buffers(&a, s1, 1) < 0)
+    if (alloc_args(&a, n, 0, offsets ? 2 : 1) < 0 || convert_paths(s0, n, a.paths_a, a.ca, "source_paths") < 0 ||
+        (offsets ? gather_at(&a, args[1], s1, bs_obj, 1) : gather_buffers(&a, s1, 1)) < 0)
         goto done;
     kvt_batch_result res;
     int rc;

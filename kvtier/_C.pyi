@@ -39,7 +39,7 @@ def batch_lookup(paths: _PathList, block_size: int = 0, /) -> list[bool]: ...
 def batch_store_block(
     tmp_paths: _PathList,
     dest_paths: _PathList,
-    buffers: Union[list[Buffer], tuple[Buffer, ...]],
+    buffers: Union[list[Buffer], tuple[Buffer, ...], Buffer],
     /,
     use_o_direct: bool = True,
     checksum: Union[bool, Literal["strict"]] = False,
@@ -47,6 +47,8 @@ def batch_store_block(
     *,
     job_state: Optional[Buffer] = None,
     counts: Optional[dict[str, int]] = None,
+    offsets: Optional[Union[list[int], tuple[int, ...]]] = None,
+    block_size: Optional[int] = None,
 ) -> None:
     """Raises OSError(errno, strerror, dest) with num_succeeded: int,
     checksum_failed: bool, num_retried: int (0), operation: str and
@@ -55,13 +57,15 @@ def batch_store_block(
 
 def batch_load_block(
     source_paths: _PathList,
-    buffers: Union[list[Buffer], tuple[Buffer, ...]],
+    buffers: Union[list[Buffer], tuple[Buffer, ...], Buffer],
     /,
     use_o_direct: bool = True,
     checksum: Union[bool, Literal["strict"]] = False,
     *,
     job_state: Optional[Buffer] = None,
     counts: Optional[dict[str, int]] = None,
+    offsets: Optional[Union[list[int], tuple[int, ...]]] = None,
+    block_size: Optional[int] = None,
 ) -> int:
     """Returns the number of blocks re-read once after a first checksum
     mismatch. Raises OSError with num_succeeded: int, checksum_failed: bool,

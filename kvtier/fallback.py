@@ -228,6 +228,32 @@ def _views(buffers, writable):
     return out
 
 
+def _views_at(buffer, offsets, block_size, n, writable):
+    """The ``offsets=`` / ``block_size=`` form (module.c gather_at): block i is
+    ``buffer[offsets[i] : offsets[i] + block_size]``; the same checks and errors."""
+    if block_size is None or isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError("block_size must be int with offsets, not "
+                        + ("missing" if block_size is None else type(block_size).__name__))
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0 bytes, got {block_size}")
+    _check_list(offsets, "offsets")
+    if len(offsets) != n:
+        raise ValueError(f"paths and offsets must have equal lengths ({n}, {len(offsets)})")
+    try:
+        (mv,) = _views([buffer], writable)
+    except BufferError as e:
+        if not writable:
+            raise
+        raise BufferError(f"buffers must be a writable C-contiguous buffer: {e}") from None
+    limit = len(mv) - block_size
+    for i, o in enumerate(offsets):
+        if isinstance(o, bool) or not isinstance(o, int):
+            raise TypeError(f"offsets[{i}] must be int, not {type(o).__name__}")
+        if o < 0 or o > limit:
+            raise ValueError(f"offsets[{i}] = {o}: block of {block_size} bytes is outside the view of {len(mv)} bytes")
+    return [mv[o : o + block_size] for o in offsets]
+
+
 def _retry_io(op, fd, mv, off, direct):
     """op(fd, mv, off) -> bytes moved, with the retry rule of fs_io.c retry_io:
     EINTR is retried by Python itself (PEP 475); EINVAL under O_DIRECT (the
@@ -799,6 +825,7 @@ def _merge_counts(counts, mine):
 
 
 def batch_store_block(tmp_paths, dest_paths, buffers, /, use_o_direct=True, checksum=False, durable=False, *,
+                      offsets=None, block_size=None,
                       counts=None, job_state=None):
     """Pure-Python kvtier._C.batch_store_block: same arguments, protocol and
     errors (OSError with errno, filename = dest path, num_succeeded,
@@ -808,19 +835,24 @@ def batch_store_block(tmp_paths, dest_paths, buffers, /, use_o_direct=True, chec
     kvtier.io.JobState): a block is started only while the job is LIVE and
     renamed only in a commit section (LIVE -> COMMITTING, rename, -> LIVE); an
     expired job stops with OSError ETIMEDOUT (num_succeeded = blocks
-    published, the unrenamed temp unlinked)."""
-    for obj, what in ((tmp_paths, "tmp_paths"), (dest_paths, "dest_paths"), (buffers, "buffers")):
+    published, the unrenamed temp unlinked). With ``offsets`` and ``block_size``,
+    ``buffers`` is one buffer and block i its slice at ``offsets[i]``."""
+    for obj, what in ((tmp_paths, "tmp_paths"), (dest_paths, "dest_paths")) + (
+            ((buffers, "buffers"),) if offsets is None else ()):
         _check_list(obj, what)
-    if not len(tmp_paths) == len(dest_paths) == len(buffers):
+    if offsets is None and not len(tmp_paths) == len(dest_paths) == len(buffers):
         raise ValueError(
             "tmp_paths, dest_paths and buffers must have equal lengths "
             f"({len(tmp_paths)}, {len(dest_paths)}, {len(buffers)})"
         )
+    if offsets is not None and len(tmp_paths) != len(dest_paths):
+        raise ValueError(f"tmp_paths, dest_paths must have equal lengths ({len(tmp_paths)}, {len(dest_paths)})")
     _check_counts(counts)
     checksum = _mode(checksum)
     tmps = _encode_paths(tmp_paths, "tmp_paths")
     dests = _encode_paths(dest_paths, "dest_paths")
-    views = _views(buffers, writable=False)
+    views = (_views(buffers, writable=False) if offsets is None
+             else _views_at(buffers, offsets, block_size, len(dest_paths), writable=False))
     word = None if job_state is None else _word_view(job_state)
     crc_fn = _block_crc_fn() if checksum else None
     mine: dict = {}
@@ -840,7 +872,8 @@ def batch_store_block(tmp_paths, dest_paths, buffers, /, use_o_direct=True, chec
         _merge_counts(counts, mine)
 
 
-def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False, *, counts=None, job_state=None):
+def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False, *, counts=None, job_state=None,
+                     offsets=None, block_size=None):
     """Pure-Python kvtier._C.batch_load_block: same arguments, protocol,
     return value (blocks re-read once after a first mismatch, int) and errors
     (docs/design.md "Error policy": EBADMSG + checksum_failed and EIO with
@@ -853,15 +886,18 @@ def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False
     page-aligned memory and copied into its buffer in a commit section (LIVE
     -> COMMITTING, copy, -> LIVE with the word's block count + 1); an expired
     job stops with OSError ETIMEDOUT (num_succeeded = blocks counted) and
-    writes nothing more."""
+    writes nothing more. With ``offsets`` and ``block_size``, ``buffers`` is
+    one buffer and block i its slice at ``offsets[i]``."""
     _check_list(source_paths, "source_paths")
-    _check_list(buffers, "buffers")
-    if len(source_paths) != len(buffers):
+    if offsets is None:
+        _check_list(buffers, "buffers")
+    if offsets is None and len(source_paths) != len(buffers):
         raise ValueError(f"source_paths and buffers must have equal lengths ({len(source_paths)}, {len(buffers)})")
     _check_counts(counts)
     checksum = _mode(checksum)
     srcs = _encode_paths(source_paths, "source_paths")
-    views = _views(buffers, writable=True)
+    views = (_views(buffers, writable=True) if offsets is None
+             else _views_at(buffers, offsets, block_size, len(source_paths), writable=True))
     word = None if job_state is None else _word_view(job_state)
     crc_fn = _block_crc_fn() if checksum else None
     private = None

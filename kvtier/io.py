@@ -139,7 +139,9 @@ def _as_int(v, what: str) -> int:
 
 
 def _check_blocks(paths, view, offsets, block_size, writable):
-    """Validate and slice: returns (paths list, list of per-block memoryviews)."""
+    """Validate: returns (paths list, the view as a flat byte memoryview, offsets as a list
+    of int, block_size). The backend takes the view and the offsets (``offsets=``,
+    ``block_size=``): no per-block memoryview is made."""
     paths = _check_paths(paths)
     block_size = _as_int(block_size, "block_size")
     if block_size <= 0:
@@ -162,17 +164,19 @@ def _check_blocks(paths, view, offsets, block_size, writable):
         raise ValueError(f"paths and offsets must have equal lengths ({len(paths)}, {len(offsets)})")
     limit = mv.nbytes - block_size
     # fast path: plain ints in range (one pass each); the checks below name the first bad one
-    if offsets and all(type(o) is int for o in offsets) and min(offsets) >= 0 and max(offsets) <= limit:
-        return paths, [mv[o : o + block_size] for o in offsets]
-    views = []
+    if type(offsets) is not list:
+        offsets = list(offsets)
+    if not offsets or (all(type(o) is int for o in offsets) and min(offsets) >= 0 and max(offsets) <= limit):
+        return paths, mv, offsets, block_size
+    ints = []
     for i, off in enumerate(offsets):
         off = _as_int(off, f"offsets[{i}]")
         if off < 0 or off > limit:
             raise ValueError(
                 f"offsets[{i}] = {off}: block [{off}, {off + block_size}) is outside the view of {mv.nbytes} bytes"
             )
-        views.append(mv[off : off + block_size])
-    return paths, views
+        ints.append(off)
+    return paths, mv, ints, block_size
 
 
 LIVE, COMMITTING, EXPIRED, DONE = 0, 1, 2, 3
@@ -356,13 +360,14 @@ class BlockIO:
         checksum = _policy.check_mode(checksum)
         _check_bool(use_o_direct, "use_o_direct")
         _check_bool(durable, "durable")
-        paths, views = _check_blocks(paths, view, offsets, block_size, writable=False)
+        paths, mv, offsets, block_size = _check_blocks(paths, view, offsets, block_size, writable=False)
         tag = secrets.token_hex(8)  # one per call: the destinations of a batch differ already
         tmps = [_tmp_with(p, tag) for p in paths]
         kw = _job_state_arg(job_state)
         if counts is not None:
             kw["counts"] = counts
-        self.impl.batch_store_block(tmps, paths, views, use_o_direct, checksum, durable=durable, **kw)
+        self.impl.batch_store_block(tmps, paths, mv, use_o_direct, checksum, durable=durable, offsets=offsets,
+                                    block_size=block_size, **kw)
 
     def batch_load_block(
         self,
@@ -399,11 +404,12 @@ class BlockIO:
         and writes nothing more (module docstring, "Deadlines")."""
         checksum = _policy.check_mode(checksum)
         _check_bool(use_o_direct, "use_o_direct")
-        paths, views = _check_blocks(paths, view, offsets, block_size, writable=True)
+        paths, mv, offsets, block_size = _check_blocks(paths, view, offsets, block_size, writable=True)
         kw = _job_state_arg(job_state)
         if counts is not None:
             kw["counts"] = counts
-        return self.impl.batch_load_block(paths, views, use_o_direct, checksum, **kw)
+        return self.impl.batch_load_block(paths, mv, use_o_direct, checksum, offsets=offsets, block_size=block_size,
+                                          **kw)
 
     def batch_lookup(self, paths: Sequence[PathT], block_size: int = 0) -> list:
         """list[bool]: whether each path is a regular file (not a symlink,

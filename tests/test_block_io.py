@@ -775,10 +775,50 @@ def test_c_signatures():
     C = pytest.importorskip("kvtier._C")
     assert str(inspect.signature(C.batch_store_block)) == \
         ("(tmp_paths, dest_paths, buffers, /, use_o_direct=True, checksum=False, durable=False, *, job_state=None, "
-         "counts=None)")
+         "counts=None, offsets=None, block_size=None)")
     assert str(inspect.signature(C.batch_load_block)) == \
-        "(source_paths, buffers, /, use_o_direct=True, checksum=False, *, job_state=None, counts=None)"
+        ("(source_paths, buffers, /, use_o_direct=True, checksum=False, *, job_state=None, counts=None, "
+         "offsets=None, block_size=None)")
     assert str(inspect.signature(C.batch_lookup)) == "(paths, block_size=0, /)"
+
+
+def test_offsets_form_of_the_raw_calls(io_backend, tmp_path):
+    """impl.batch_*_block(paths, buffer, ..., offsets=, block_size=): one buffer and the
+    offsets of its blocks (what kvtier.io passes: no per-block memoryview), the same bytes
+    and records as the list form, the same errors in both backends."""
+    impl = io_backend.impl
+    bs, n = 4096 + 8, 5
+    view = rand_blocks(n + 1, bs, seed=41)
+    offs = [bs * (n - i) for i in range(n)]  # out of order, the first block of the view unused
+    p = [os.path.join(str(tmp_path), f"r\u00e9{i}.bin") for i in range(n)]  # a non-ASCII name too
+    tmps = [x + "_t.tmp" for x in p]
+    impl.batch_store_block(tmps, p, view, False, True, offsets=offs, block_size=bs)
+    for i, x in enumerate(p):
+        want = view[offs[i]: offs[i] + bs].tobytes()
+        assert open(x, "rb").read() == want and os.getxattr(x, XATTR) == expected_record(want)
+        assert os.getxattr(x, ID_XATTR) == policy.identity_record(x, bs, kvtier.crc32c(want))
+    out = np.zeros((n + 1) * bs, np.uint8)
+    assert impl.batch_load_block(p, out, False, True, offsets=offs[::-1], block_size=bs) == 0
+    for i in range(n):
+        assert out[offs[n - 1 - i]: offs[n - 1 - i] + bs].tobytes() == open(p[i], "rb").read()
+    assert not out[:bs].any()
+    bad = [({"offsets": offs, "block_size": True}, TypeError, "block_size must be int"),
+           ({"offsets": offs}, TypeError, "block_size must be int"),
+           ({"offsets": offs, "block_size": 0}, ValueError, "block_size must be > 0"),
+           ({"offsets": 5, "block_size": bs}, TypeError, "offsets must be a list"),
+           ({"offsets": offs[:2], "block_size": bs}, ValueError, "equal lengths"),
+           ({"offsets": offs[:4] + [1.0], "block_size": bs}, TypeError, r"offsets\[4\] must be int, not float"),
+           ({"offsets": offs[:4] + [n * bs + 1], "block_size": bs}, ValueError, r"offsets\[4\] = .* outside"),
+           ({"offsets": [-1] + offs[1:], "block_size": bs}, ValueError, r"offsets\[0\] = -1"),
+           ({"offsets": [2**70] + offs[1:], "block_size": bs}, ValueError, r"offsets\[0\]")]
+    for kw, exc, msg in bad:
+        with pytest.raises(exc, match=msg):
+            impl.batch_load_block(p, out, False, True, **kw)
+    with pytest.raises(BufferError, match="writable"):
+        impl.batch_load_block(p, bytes(out), False, True, offsets=offs, block_size=bs)
+    with pytest.raises(ValueError, match="embedded null"):
+        impl.batch_load_block(p[:1] + ["a\0b"] + p[2:], out, False, True, offsets=offs, block_size=bs)
+    assert not out[:bs].any()  # nothing was loaded by a refused call
 
 
 # ---------------------------------------------------------------- GIL
