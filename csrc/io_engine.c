@@ -454,18 +454,20 @@ int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int ch
     }
     if (*direct) /* no CRC: one pwrite straight from the caller's buffer */
         return kvt_write_full(fd, src, len, 0, direct) == 0 ? 0 : errno;
-    /* Buffered: each chunk checksummed just before the kernel copies it, while
-     * it is in the CPU cache. */
+    /* Buffered without checksum: one write of the whole block (vLLM's one
+     * call; chunks would only add syscalls). */
+    if (!checksum)
+        return kvt_write_full(fd, src, len, 0, direct) == 0 ? 0 : errno;
+    /* Buffered with checksum: each chunk checksummed just before the kernel
+     * copies it, while it is in the CPU cache. */
     uint32_t c = 0;
     for (size_t off = 0; off < len;) {
         size_t n = len - off < KVT_ENGINE_CHUNK ? len - off : KVT_ENGINE_CHUNK;
-        if (checksum)
-            c = kvt_crc32c(c, src + off, n);
+        c = kvt_crc32c(c, src + off, n);
         if (kvt_write_full(fd, src + off, n, off, direct) != 0)
             return errno;
         off += n;
     }
-    if (checksum)
-        *crc = c;
+    *crc = c;
     return 0;
 }

@@ -412,10 +412,11 @@ def _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, w
         try:
             direct = use_o_direct and _try_direct(fd, mv)
             crc = 0
-            for off in range(0, len(mv), IO_CHUNK):
+            if not checksum:  # one write of the whole block (as io_engine.c)
+                direct = _op("write", _write_full, fd, mv, 0, direct)
+            for off in range(0, len(mv) if checksum else 0, IO_CHUNK):  # the CRC of each chunk, then its write
                 chunk = mv[off : off + IO_CHUNK]
-                if checksum:
-                    crc = crc_fn(chunk, crc)
+                crc = crc_fn(chunk, crc)
                 direct = _op("write", _write_full, fd, chunk, off, direct)
             if checksum:
                 # vLLM's record, and kvtier's identity record carrying the same CRC (what a

@@ -88,6 +88,26 @@ def load_expect_error(io_backend, paths, block_size, checksum=True, use_o_direct
 
 
 @pytest.mark.parametrize("checksum", [False, True])
+def test_round_trip_blocks_of_several_chunks_buffered(io_backend, tmp_path, checksum):
+    """Buffered blocks larger than the engine's 256 KiB chunk, not a multiple of it: written
+    in one call without checksum, chunk by chunk with the CRC of each chunk before its
+    write with it; the bytes and the records are the block's either way."""
+    bs = 4 * 256 * 1024 + 4097
+    view = rand_blocks(2, bs, seed=53)
+    paths = block_paths(tmp_path, 2)
+    io_backend.batch_store_block(paths, view, [bs, 0], bs, use_o_direct=False, checksum=checksum)
+    for p, off in zip(paths, (bs, 0)):
+        want = view[off: off + bs].tobytes()
+        assert open(p, "rb").read() == want
+        assert (XATTR in os.listxattr(p)) == checksum
+        if checksum:
+            assert os.getxattr(p, XATTR) == expected_record(want)
+    out = np.zeros_like(view)
+    assert io_backend.batch_load_block(paths, out, [0, bs], bs, use_o_direct=False, checksum=checksum) == 0
+    assert np.array_equal(out[:bs], view[bs:]) and np.array_equal(out[bs:], view[:bs])
+
+
+@pytest.mark.parametrize("checksum", [False, True])
 @pytest.mark.parametrize("n", [0, 1, 2, 5])
 def test_round_trip_batch_sizes(io_backend, tmp_path, n, checksum):
     bs = 64 * 1024 + 512  # not a power of two: the last chunk is partial
