@@ -510,6 +510,7 @@ typedef struct load_look {
     int kind;  /* LT_SHORT / LT_SIZE: this open saw it first (unconfirmed) */
     int cause; /* KVT_CAUSE_*: condemned */
     int op;    /* KVT_OP_* of the failing call */
+    int unverified; /* this open read the block without a CRC record: counted once loaded */
 } load_look;
 
 /* A wrong size / short read: the first sighting is only noted (the block is
@@ -599,11 +600,14 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
                 break;
             case KVT_REC_ABSENT: /* ENODATA: stored without checksum (vLLM, a copy without xattrs) */
                 if (checksum == KVT_CHECK_STRICT) {
+                    int e = check_block_file(fd, len, checksum, lk); /* a wrong size says EIO first */
+                    if (e)
+                        return e;
                     kvt_count(KVT_C_UNVERIFIED_MISS);
                     lk->op = KVT_OP_GETXATTR;
                     return ENODATA; /* a miss, kept */
                 }
-                kvt_count(KVT_C_UNVERIFIED);
+                lk->unverified = 1; /* counted by load_one once the block is loaded */
                 break;
             case KVT_REC_MALFORMED: { /* wrong length, or longer than the buffer (ERANGE) */
                 int e = check_block_file(fd, len, checksum, lk); /* a wrong size says EIO first */
@@ -679,6 +683,7 @@ static int load_try(const char *src, uint8_t *buf, size_t len, int use_o_direct,
     lk->kind = LT_OK;
     lk->cause = KVT_CAUSE_NONE;
     lk->op = KVT_OP_OPEN;
+    lk->unverified = 0;
     if (!kvt_job_live(js)) {
         lk->op = KVT_OP_NONE;
         return ETIMEDOUT; /* expired before this block began */
@@ -728,7 +733,7 @@ static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct,
     uint8_t id[KVT_ID_LEN] = {0};
     if (checksum)
         kvt_block_identity(src, len, id);
-    load_look lk = {LT_OK, LT_OK, KVT_CAUSE_NONE, KVT_OP_NONE};
+    load_look lk = {LT_OK, LT_OK, KVT_CAUSE_NONE, KVT_OP_NONE, 0};
     int err = 0;
     for (int transient = 0, sightings = 0;;) {
         err = load_try(src, buf, len, use_o_direct, checksum, id, js, &lk, retried);
@@ -744,6 +749,8 @@ static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct,
         if (!kvt_policy_retry(err, transient++))
             break;
     }
+    if (err == 0 && lk.unverified)
+        kvt_count(KVT_C_UNVERIFIED); /* once per block loaded, however often it was opened */
     *op = lk.op;
     *cause = lk.cause;
     return err;

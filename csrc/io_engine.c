@@ -14,6 +14,7 @@
 
 #include "crc32c.h"
 #include "dsa.h"
+#include "policy.h"
 #include "uring.h"
 
 static _Atomic uint64_t stat_fused_blocks, stat_fused_bytes;
@@ -38,12 +39,14 @@ int kvt_set_direct(int fd, int on)
 }
 
 /* After a failed pread/pwrite (errno set): 1 to retry it, 0 to fail. EINTR is
- * retried; EINVAL under O_DIRECT drops O_DIRECT for the rest of the file (a
+ * retried (counted: retry_eintr, policy.h); EINVAL under O_DIRECT drops O_DIRECT for the rest of the file (a
  * filesystem refusing it at the first I/O, or an unaligned tail) and retries. */
 static int retry_io(int fd, int *direct)
 {
-    if (errno == EINTR)
+    if (errno == EINTR) {
+        kvt_count(KVT_C_RETRY_EINTR);
         return 1;
+    }
     if (errno == EINVAL && *direct) {
         if (kvt_set_direct(fd, 0) != 0)
             return 0;

@@ -536,15 +536,17 @@ _MISMATCH_CRC, _MISMATCH_ID = "checksum", "identity"
 
 
 def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=False):
-    """Records then data. Returns (mismatch, short): mismatch "checksum" for a
-    CRC mismatch or malformed record, "identity" for an identity record other
-    than ``ident``, else None; short for a short read. OSErrors (getxattr other
+    """Records then data. Returns (mismatch, short, unverified): mismatch "checksum"
+    for a CRC mismatch or malformed record, "identity" for an identity record other
+    than ``ident``, else None; short for a short read; unverified when read without
+    a CRC record (counted by the caller once the block is loaded). OSErrors (getxattr other
     than ENODATA, read) propagate with ``kvt_op`` (file kept); ENODATA in
     strict mode too (a miss). ``reread`` (after a mismatch): buffered, each
     chunk checksummed in a private bounce buffer and then copied, so the block
     is judged on bytes no other thread of the caller can write (as the C core
     does)."""
     want = None
+    unverified = False
     if checksum:
         # The identity record first: written by kvtier it carries the CRC too (one xattr per
         # load); user.vllm.kv_crc32c only without it (stored by vLLM) or with an 8-byte one.
@@ -559,23 +561,23 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=F
                 idrec = None  # no identity (written by vLLM)
         kind, want = _policy.parse_identity(idrec, ident)
         if kind == "mismatch":
-            return _MISMATCH_ID, False
+            return _MISMATCH_ID, False, unverified
         if want is None:
             try:
                 rec = _op("getxattr", _retry_eintr, _os.getxattr, fd, XATTR_NAME)
             except OSError as e:
                 if e.errno == _errno.ERANGE:
-                    return _MISMATCH_CRC, False
+                    return _MISMATCH_CRC, False, unverified
                 if e.errno != _errno.ENODATA:
                     raise  # EOPNOTSUPP, EIO ...: not the block's fault, keep it
                 if checksum == "strict":
                     _count_into(counts, "unverified_miss")
                     raise  # a miss, kept
-                _count_into(counts, "unverified")
+                unverified = True
                 rec = None  # stored without checksum (vLLM, a copy without xattrs)
             if rec is not None:
                 if len(rec) != XATTR_LEN:
-                    return _MISMATCH_CRC, False
+                    return _MISMATCH_CRC, False, unverified
                 want = int.from_bytes(rec, "big")
     private = reread and want is not None
     direct = not private and use_o_direct and _try_direct(fd, mv)
@@ -597,23 +599,23 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=F
                 b = bounce if n == IO_CHUNK else bounce[:n]
                 got = _op("read", _os.preadv, fd, [b], off)  # buffered: EINTR retried by os.preadv (PEP 475)
                 if got == 0:  # end of file: a short read (as fs_io.c read_full)
-                    return None, True
+                    return None, True, unverified
                 if got < n:  # a partial read: finish it the general way
                     more, direct = _op("read", _read_full, fd, b[got:], off + got, direct)
                     if got + more < n:
-                        return None, True
+                        return None, True, unverified
                 crc = copy_fn(mv[off : off + n], b, crc)
         finally:
             _bounce_give(bounce)
-        return (_MISMATCH_CRC if crc != want else None), False
+        return (_MISMATCH_CRC if crc != want else None), False, unverified
     for off in range(0, len(mv), IO_CHUNK):
         chunk = mv[off : off + IO_CHUNK]
         got, direct = _op("read", _read_full, fd, chunk, off, direct)
         if got < len(chunk):
-            return None, True
+            return None, True, unverified
         if want is not None:
             crc = crc_fn(chunk, crc)
-    return (_MISMATCH_CRC if want is not None and crc != want else None), False
+    return (_MISMATCH_CRC if want is not None and crc != want else None), False, unverified
 
 
 _LT_OK, _LT_ERR, _LT_SHORT, _LT_SIZE = range(4)
@@ -651,7 +653,8 @@ def _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retr
                 _count_into(counts, "condemned_size")
             raise _Verdict(_errno.EIO, "verify", "size" if remove else None)
         for attempt in range(2):
-            mismatch, short = _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, attempt > 0)
+            mismatch, short, unverified = _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts,
+                                                       attempt > 0)
             if short:
                 if seen != _LT_SHORT:
                     return _LT_SHORT
@@ -659,6 +662,8 @@ def _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retr
                 _count_into(counts, "condemned_short")
                 raise _Verdict(_errno.EIO, "verify", "short_read")
             if mismatch is None:
+                if unverified:  # once per block loaded, however often it was opened
+                    _count_into(counts, "unverified")
                 return _LT_OK
             if attempt == 0:
                 _count_into(counts, "reread_" + mismatch)

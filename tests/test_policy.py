@@ -147,6 +147,17 @@ def check_P1(io_backend, shim, d):
     assert r["ok"] and r["sha"] == sha(data), r
     # the calls each backend retries itself (CPython retries open/pread/fstat/pwrite: PEP 475)
     assert r["counts"].get("retry_eintr", 0) >= (2 if io_backend.backend == "c" else 1), r
+    # inside the engine's reads and writes (the plain path: buffered) each retry is counted
+    # by the C core; the fallback's os.pwrite / os.preadv retry EINTR inside CPython (PEP 475),
+    # where no Python code sees it
+    q = block_path(d, "eeeeee0123456789")
+    r = child(io_backend, shim, d, "store", q, "pwrite:4:2", data=data, use_o_direct=False)
+    assert r["ok"], r
+    only(r["counts"], **({"retry_eintr": 2} if io_backend.backend == "c" else {}))
+    for checksum in (True, False):
+        r = child(io_backend, shim, d, "load", q, "pread:4:3", use_o_direct=False, checksum=checksum)
+        assert r["ok"] and r["sha"] == sha(data), r
+        only(r["counts"], **({"retry_eintr": 3} if io_backend.backend == "c" else {}))
 
 
 def check_P2(io_backend, shim, d):
@@ -282,6 +293,17 @@ def check_P12(io_backend, shim, d):
     r = get(io_backend, p)
     assert r["ok"] and r["sha"] == sha(data), r
     only(r["counts"], unverified=1)
+    # counted once per block loaded: a first short read reopens it (two opens, one load) ...
+    r = child(io_backend, shim, d, "load", p, "pread:0:1")
+    assert r["ok"] and r["sha"] == sha(data), r
+    only(r["counts"], unverified=1, reread_short=1)
+    # ... and a file of another size (two opens, condemned: not loaded) is not counted
+    with open(p, "ab") as f:
+        f.write(b"x")
+    r = get(io_backend, p)
+    assert (r["ok"], r["errno"], r["condemned"]) == (False, EIO, "size"), r
+    only(r["counts"], restat_size=1, condemned_size=1)
+    assert not os.path.exists(p)
 
 
 def check_P13(io_backend, shim, d):
@@ -292,6 +314,12 @@ def check_P13(io_backend, shim, d):
                                                                       False), r
     only(r["counts"], unverified_miss=1)
     assert Path(p).read_bytes() == data
+    with open(p, "ab") as f:  # a wrong size says so first, as with checksum on (P7)
+        f.write(b"x")
+    r = get(io_backend, p, checksum="strict")
+    assert (r["ok"], r["errno"], r["condemned"]) == (False, EIO, "size"), r
+    only(r["counts"], restat_size=1, condemned_size=1)
+    assert not os.path.exists(p)
     q = block_path(d, "9999990123456789")
     put(io_backend, q, data)
     r = get(io_backend, q, checksum="strict")  # with its record: loads
