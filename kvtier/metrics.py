@@ -50,6 +50,13 @@ per label value seen or defined:
                                                    ``errno`` (EIO, ENOENT, EBADMSG ...)
 ``kvtier:kv_offload_tiering_root_lost``            the tier root found deleted or replaced
                                                    while running (then restored)
+``kvtier:kv_offload_tiering_existing``             stores skipped: the block was already there
+                                                   (a regular file of the block size; no bytes
+                                                   counted in ``write_bytes``)
+``kvtier:kv_offload_tiering_durable_existing``     durable stores of a block already there that
+                                                   synced it (file and directory)
+``kvtier:kv_offload_tiering_replaced``             stores that replaced a symlink, FIFO or file
+                                                   of another size at the block path
 =================================================  ============================================
 
 The labelled families (``FAMILIES``: the timeouts and the four policy families above) have
@@ -92,6 +99,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvtier.engine import IO_ERROR_PREFIX, Counters
+from kvtier.policy import COUNT_DOCS
 
 READ_BYTES = "vllm:kv_offload_tiering_read_bytes"
 READ_TIME = "vllm:kv_offload_tiering_read_time"
@@ -112,6 +120,9 @@ RETRIES = "kvtier:kv_offload_tiering_retries"
 UNVERIFIED_BLOCKS = "kvtier:kv_offload_tiering_unverified_blocks"
 IO_ERRORS = "kvtier:kv_offload_tiering_io_errors"
 ROOT_LOST = "kvtier:kv_offload_tiering_root_lost"
+EXISTING = "kvtier:kv_offload_tiering_existing"
+DURABLE_EXISTING = "kvtier:kv_offload_tiering_durable_existing"
+REPLACED = "kvtier:kv_offload_tiering_replaced"
 
 LABELNAMES = ("tier",)
 
@@ -130,6 +141,11 @@ POLICY_FAMILIES: Dict[str, Tuple[str, str, Dict[str, str]]] = {
                         "(loaded unverified, or a miss in strict mode).", "outcome",
                         {"loaded": "unverified", "miss": "unverified_miss"}),
 }
+
+#: The store side's policy counters, one unlabelled family each: name -> Counters snapshot
+#: key (the vLLM adapter exports them under the same names: kvtier.vllm.metrics).
+STORE_POLICY_COUNTERS: Dict[str, str] = {EXISTING: "existing", DURABLE_EXISTING: "durable_existing",
+                                         REPLACED: "replaced"}
 
 _DOCS = {
     READ_BYTES: "Total bytes read from secondary tiers into the primary tier.",
@@ -242,6 +258,11 @@ def _tracker_families(t: "TieringMetricsTracker") -> Iterable[CounterMetricFamil
                               labels=LABELNAMES)
     fam.add_metric([t.tier], float(snap.get("root_lost", 0)))
     yield fam
+    for name, key in STORE_POLICY_COUNTERS.items():
+        doc = COUNT_DOCS[key]
+        fam = CounterMetricFamily(name, doc[:1].upper() + doc[1:] + ".", labels=LABELNAMES)
+        fam.add_metric([t.tier], float(snap.get(key, 0)))
+        yield fam
     # deadlines (docs/tier.md, "Deadlines"); the timeouts are a family (FAMILIES)
     fam = CounterMetricFamily(JOBS_REFUSED, _DOCS[JOBS_REFUSED], labels=LABELNAMES)
     fam.add_metric([t.tier], float(snap["jobs_refused"]))

@@ -240,6 +240,26 @@ def test_condemned_blocks_and_io_errors_by_cause(tmp_path):
     t.shutdown()
 
 
+# ---------------------------------------------------------------- store-side policy counters
+
+def test_existing_durable_existing_and_replaced_are_exported(tmp_path):
+    """A store of blocks already there counts them in ``existing`` (and, durable, in
+    ``durable_existing``), a store over a file of another size in ``replaced``: each its own
+    Prometheus family, with the name the vLLM adapter gives the same counter."""
+    t, buf = make_tier(tmp_path / "root", durable=True)
+    fill(buf, 14)
+    ks = keys(4)
+    assert run(t, "s1", ks[:3], [0, 1, 2], False).success
+    os.truncate(t.file_mapper.get_file_names([ks[2]])[0], BS // 2)
+    assert run(t, "s2", ks, [0, 1, 2, 3], False).success  # 2 there, 1 replaced, 1 new
+    reg = t.metrics.registry
+    tier = (("tier", "1:kvtier"),)
+    got = {n: samples(reg, f"kvtier:kv_offload_tiering_{n}") for n in ("existing", "durable_existing", "replaced")}
+    assert got == {"existing": {tier: 2}, "durable_existing": {tier: 2}, "replaced": {tier: 1}}
+    assert samples(reg, "vllm:kv_offload_tiering_write_bytes") == {tier: 5 * BS}  # 3 + 2 written
+    t.shutdown()
+
+
 # ---------------------------------------------------------------- tier root lost
 
 @pytest.mark.parametrize("how", ["deleted", "symlink_swapped"])

@@ -445,6 +445,11 @@ def test_metric_definitions_in_the_spec(vllm, tmp_path):
     for name, (_, label, keys) in FAMILIES.items():
         assert on[name].labelnames == ("tier", label)
         assert metrics(True)[name][0] == {(v,): c for v, c in keys.items()}
+    # the store side's policy counters have the standalone tracker's names (kvtier.metrics)
+    from kvtier.metrics import STORE_POLICY_COUNTERS
+
+    for name, counter in STORE_POLICY_COUNTERS.items():
+        assert metrics(True)[name][0] == {(): counter} and name in on and name in off
     assert not any(f"kvtier:kv_offload_tiering_{c}" in on for c in VLLM_DERIVED)
     # a level (the engine's stuck threads) is a gauge, not a counter
     gauges = {n for n, m in on.items() if type(m).__name__ == "OffloadingGaugeMetadata" and n.startswith("kvtier:")}
