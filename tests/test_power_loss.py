@@ -185,8 +185,8 @@ def test_checksums_reject_zero_filled_blocks_after_power_loss(io_backend):
             with fs.after_crash() as d:
                 off, on = os.path.join(d, "off"), os.path.join(d, "on")
                 got = {i: (state(off, i), state(on, i)) for i in range(N)}
-                if all(s == ("intact", "intact") for s in got.values()):
-                    continue  # written back by a sync(2) elsewhere: run again
+                if any("intact" in s for s in got.values()):
+                    continue  # written back (a sync(2) by another process?): run again
                 assert set(got.values()) == {("zeros", "zeros")}, got  # full size, zero-filled
                 lookups = io_backend.batch_lookup([block_path(off, i) for i in range(N)], BS)
                 assert lookups == [True] * N  # as vLLM's lookup would: right size, a hit
@@ -209,7 +209,8 @@ def test_checksums_reject_zero_filled_blocks_after_power_loss(io_backend):
                     outcome, err, _, counts = load(io_backend, off, i, checksum="strict")
                     assert (outcome, err, counts.get("unverified_miss")) == ("miss", errno.ENODATA, 1), i
                 return
-    pytest.fail(f"every block survived {ATTEMPTS} simulated crashes (written back by a sync(2) elsewhere?)")
+    pytest.fail(f"blocks stored without durable survived {ATTEMPTS} simulated crashes intact (written back "
+                f"by a sync(2) elsewhere?), so the crash shows nothing: {got}")
 
 
 def test_tier_docs_say_checksums_make_a_non_durable_cache_safe():
