@@ -39,8 +39,9 @@ int kvt_set_direct(int fd, int on)
 }
 
 /* After a failed pread/pwrite (errno set): 1 to retry it, 0 to fail. EINTR is
- * retried (counted: retry_eintr, policy.h); EINVAL under O_DIRECT drops O_DIRECT for the rest of the file (a
- * filesystem refusing it at the first I/O, or an unaligned tail) and retries. */
+ * retried (counted: retry_eintr, policy.h); EINVAL under O_DIRECT drops
+ * O_DIRECT for the rest of the file (a filesystem refusing it at the first
+ * I/O, or an unaligned tail) and retries. */
 static int retry_io(int fd, int *direct)
 {
     if (errno == EINTR) {
