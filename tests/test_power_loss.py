@@ -99,7 +99,7 @@ FS_OPTIONS = {"ext4": "noatime,commit=600", "xfs": "noatime"}  # ext4: no timed 
 
 
 def _durable_run(io, fs):
-    """Stores on the live filesystem; returns the key sets and the store counters."""
+    """The stores, on the live filesystem. Returns the keys of each kind."""
     root = fs.mnt
     before, existing, durable, racing, after = (range(0, 8), range(100, 104), range(200, 208),
                                                 range(300, 308), range(400, 408))
