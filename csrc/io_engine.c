@@ -456,10 +456,9 @@ int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int ch
         *crc = c;
         return 0;
     }
-    if (*direct) /* no CRC: one pwrite straight from the caller's buffer */
-        return kvt_write_full(fd, src, len, 0, direct) == 0 ? 0 : errno;
-    /* Buffered without checksum: one write of the whole block (vLLM's one
-     * call; chunks would only add syscalls). */
+    /* Without checksum (O_DIRECT or buffered): one write of the whole block
+     * straight from the caller's buffer (vLLM's one call; chunks or a ring
+     * would only add syscalls or a worker). */
     if (!checksum)
         return kvt_write_full(fd, src, len, 0, direct) == 0 ? 0 : errno;
     /* Buffered with checksum: each chunk checksummed just before the kernel
