@@ -42,9 +42,11 @@ int kvt_set_direct(int fd, int on)
  * retried (counted: retry_eintr, policy.h); EINVAL under O_DIRECT drops
  * O_DIRECT for the rest of the file (a filesystem refusing it at the first
  * I/O, or an unaligned tail) and retries. */
-static int retry_io(int fd, int *direct)
+static int retry_io(int fd, int *direct, unsigned *eintr)
 {
     if (errno == EINTR) {
+        if (++*eintr > KVT_RETRY_EINTR_MAX)
+            return 0; /* policy.h: then a miss (or a failed store) with EINTR */
         kvt_count(KVT_C_RETRY_EINTR);
         return 1;
     }
@@ -59,10 +61,11 @@ static int retry_io(int fd, int *direct)
 
 int kvt_write_full(int fd, const uint8_t *p, size_t len, uint64_t off, int *direct)
 {
+    unsigned eintr = 0; /* in a row */
     while (len > 0) {
         ssize_t w = pwrite(fd, p, len, (off_t)off);
         if (w < 0) {
-            if (retry_io(fd, direct))
+            if (retry_io(fd, direct, &eintr))
                 continue;
             return -1;
         }
@@ -70,6 +73,7 @@ int kvt_write_full(int fd, const uint8_t *p, size_t len, uint64_t off, int *dire
             errno = EIO;
             return -1;
         }
+        eintr = 0;
         p += w;
         off += (uint64_t)w;
         len -= (size_t)w;
@@ -83,15 +87,17 @@ int kvt_write_full(int fd, const uint8_t *p, size_t len, uint64_t off, int *dire
 static ssize_t read_at_least(int fd, uint8_t *p, size_t min, size_t max, uint64_t off, int *direct)
 {
     size_t got = 0;
+    unsigned eintr = 0; /* in a row */
     while (got < min) {
         ssize_t r = pread(fd, p + got, max - got, (off_t)(off + got));
         if (r < 0) {
-            if (retry_io(fd, direct))
+            if (retry_io(fd, direct, &eintr))
                 continue;
             return -1;
         }
         if (r == 0)
             break;
+        eintr = 0;
         got += (size_t)r;
     }
     return (ssize_t)got;

@@ -158,6 +158,11 @@ def check_P1(io_backend, shim, d):
         r = child(io_backend, shim, d, "load", q, "pread:4:3", use_o_direct=False, checksum=checksum)
         assert r["ok"] and r["sha"] == sha(data), r
         only(r["counts"], **({"retry_eintr": 3} if io_backend.backend == "c" else {}))
+    if io_backend.backend == "c":  # (CPython's own retries of the fallback's reads have no bound)
+        r = child(io_backend, shim, d, "load", q, "pread:4:-1", use_o_direct=False)
+        assert (r["ok"], r["errno"], r["op"], r["condemned"]) == (False, errno.EINTR, "read", None), r
+        assert r["counts"]["retry_eintr"] == policy.RETRY_EINTR_MAX, r
+        assert Path(q).read_bytes() == data  # kept
 
 
 def check_P2(io_backend, shim, d):
