@@ -27,6 +27,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Hashable, List, Mapping, Optional, Sequence, Tuple
 
@@ -99,10 +100,22 @@ def prepare_root(root: str, rank_path: str, checksum_blocks: bool) -> None:
     ValueError naming the filesystem type when it has no user xattrs."""
     if os.path.exists(root) and not os.path.isdir(root):
         raise NotADirectoryError(errno.ENOTDIR, f"tier root is not a directory: {os.strerror(errno.ENOTDIR)}", root)
+    from kvtier import policy
+
     try:
-        os.makedirs(root, exist_ok=True)
-        os.makedirs(rank_path, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".kvtier_probe_", dir=rank_path)
+        for tries in range(policy.RETRY_ENOENT_STORE + 1):
+            try:
+                os.makedirs(root, exist_ok=True)
+                os.makedirs(rank_path, exist_ok=True)
+                fd, probe = tempfile.mkstemp(prefix=".kvtier_probe_", dir=rank_path)
+                break
+            except FileNotFoundError:
+                # a directory just made (here or by another node) that a shared filesystem's
+                # name cache does not show yet (GlusterFS, ~1 s): again after 2, 4 ... 512 ms,
+                # as a store's temp open (error table P21)
+                if tries == policy.RETRY_ENOENT_STORE:
+                    raise
+                time.sleep((policy.BACKOFF_US << (tries + 1)) / 1e6)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:

@@ -658,3 +658,33 @@ def test_root_under_a_regular_file_is_not_a_directory_error(tmp_path):
     assert ei.value.errno == errno.ENOTDIR and ei.value.filename == str(f / "sub")
     assert "tier root cannot be created: Not a directory" in str(ei.value)
     assert sorted(os.listdir(tmp_path)) == ["file"]
+
+
+def test_prepare_root_retries_enoent_of_a_name_cache(tmp_path, monkeypatch):
+    """A directory just made that the filesystem answers ENOENT for (GlusterFS's name cache,
+    seen on a second node) is retried after 2, 4 ... ms; persistent ENOENT fails naming the root."""
+    import tempfile as tf
+    from kvtier import manager, policy
+
+    real, calls = tf.mkstemp, []
+
+    def flaky(*a, **kw):
+        calls.append(kw.get("dir"))
+        if len(calls) <= 2:
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", kw.get("dir"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(manager.tempfile, "mkstemp", flaky)
+    root = str(tmp_path / "root")
+    manager.prepare_root(root, os.path.join(root, "r0"), False)
+    assert len(calls) == 3 and os.listdir(os.path.join(root, "r0")) == []  # the probe removed
+
+    calls.clear()
+    monkeypatch.setattr(manager.tempfile, "mkstemp",
+                        lambda *a, **kw: calls.append(1) or (_ for _ in ()).throw(
+                            FileNotFoundError(errno.ENOENT, "No such file or directory", kw.get("dir"))))
+    monkeypatch.setattr(manager.time, "sleep", lambda s: None)
+    with pytest.raises(OSError) as ei:
+        manager.prepare_root(root, os.path.join(root, "r0"), False)
+    assert ei.value.errno == errno.ENOENT and ei.value.filename == root
+    assert len(calls) == policy.RETRY_ENOENT_STORE + 1
