@@ -324,22 +324,24 @@ class FileSystemTierManager:
             self.file_mapper.write_run_config()
             self.file_mapper.write_block_info(self.block_size)
             self.use_o_direct = bool(use_o_direct and kio.probe_o_direct(self.file_mapper.rank_path))
+            self._o_direct_refused_on = (filesystem_type(self.root_dir)[0] if use_o_direct and not self.use_o_direct
+                                         else None)
+            self._root_id = self._root_identity()
 
-        try:
+        try:  # every filesystem touch of the constructor is in startup(), under the deadline
             run_with_deadline(startup, timeout=io_timeout_s, path=self.root_dir,
-                              what=f"tier root {self.root_dir!r}: startup probes (create, write, xattr, O_DIRECT)")
+                              what=f"tier root {self.root_dir!r}: startup probes (create, write, xattr, "
+                                   f"O_DIRECT, identity)")
         except BaseException:
             if metrics is None:
                 self.metrics.close()
             raise
         self.io_timeout_s = io_timeout_s
-        if use_o_direct and not self.use_o_direct:
-            fstype, _ = filesystem_type(self.root_dir)
+        if self._o_direct_refused_on is not None:
             logger.warning(
                 "O_DIRECT is not supported at %r (%s); using buffered I/O for the %s tier",
-                self.root_dir, fstype, label,
+                self.root_dir, self._o_direct_refused_on, label,
             )
-        self._root_id = self._root_identity()
         self._root_lock = threading.Lock()
         self._export_dsa_counters()
 

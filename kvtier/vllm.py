@@ -251,15 +251,19 @@ class KvtierTier(SecondaryTierManager):
             write_json_if_absent(config_path, self.file_mapper.get_run_config())  # bytes as vLLM's
             write_block_info(os.path.dirname(config_path), bs)  # kvtier.json, for `kvtier scrub`
             self.use_o_direct = bool(cfg["use_o_direct"] and kio.probe_o_direct(rank_path))
+            if cfg["use_o_direct"] and not self.use_o_direct:  # realpath + mountinfo: under the deadline too
+                refused_on.append(filesystem_type(root_dir)[0])
+
+        refused_on: List[str] = []  # the filesystem type where O_DIRECT was refused
 
         from kvtier.deadline import DEFAULT_IO_TIMEOUT_S, run_with_deadline
 
         run_with_deadline(startup, path=root_dir,
                           timeout=DEFAULT_IO_TIMEOUT_S if cfg["io_timeout_s"] is None else cfg["io_timeout_s"],
                           what=f"tier root {root_dir!r}: startup probes (create, write, xattr, O_DIRECT)")
-        if cfg["use_o_direct"] and not self.use_o_direct:
+        if refused_on:
             logger.warning("O_DIRECT is not supported at %r (%s); using buffered I/O for the '%s' KV "
-                           "offload tier.", root_dir, filesystem_type(root_dir)[0], tier_type)
+                           "offload tier.", root_dir, refused_on[0], tier_type)
         self.tier_label = self._find_tier_label(offloading_spec, tier_type, root_dir)
 
         self._flat = flat

@@ -366,3 +366,30 @@ def test_io_timeout_s_checked_before_any_io_and_zero_means_none(tmp_path):
         tier.submit_load(TransferJob("l", [key(1)], [1]))
         assert tier.drain_jobs(30) and tier.get_finished_jobs()[0].success
         assert np.array_equal(buf[1], out[1])
+
+
+@pytest.mark.parametrize("o_direct", ["accepted", "refused"])
+def test_constructor_touches_the_root_only_under_its_deadline(ff, area, monkeypatch, o_direct):
+    """The root stops answering stat right after the startup probes (O_DIRECT accepted:
+    the root's identity is the next touch; refused: the filesystem type, a realpath):
+    the constructor raises TimeoutError naming the root at its deadline."""
+    real = kio.probe_o_direct
+    timeout = 2.0
+
+    def probe_then_stall(path):
+        ok = real(path)
+        ff.stall("getattr", "/" + os.path.basename(area))
+        return ok and o_direct == "accepted"
+
+    monkeypatch.setattr(kio, "probe_o_direct", probe_then_stall)
+    release = threading.Timer(timeout + SLACK + 2, ff.clear)  # bounds the test where the stall holds the caller
+    release.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError) as ei:
+            FileSystemTierManager(filled(13), area, "m", io_timeout_s=timeout)
+    finally:
+        release.cancel()
+    assert time.monotonic() - t0 < timeout + SLACK
+    assert ff.hits("stall_getattr") >= 1
+    assert ei.value.errno == errno.ETIMEDOUT and ei.value.filename == area

@@ -595,3 +595,26 @@ def test_import_costs_and_entry_point(vllm):
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_constructor_names_the_root_when_it_stops_answering_after_the_probes(harness, tmp_path, monkeypatch):
+    """O_DIRECT refused, then the filesystem type (a realpath of the root) does not
+    answer: the tier's constructor raises TimeoutError naming the root at io_timeout_s."""
+    import threading
+    import time
+
+    import kvtier.manager
+    from kvtier import io as kio
+
+    gate = threading.Event()
+    monkeypatch.setattr(kio, "probe_o_direct", lambda path: False)
+    monkeypatch.setattr(kvtier.manager, "filesystem_type", lambda path: (gate.wait(30), ("x", "/"))[1])
+    root = str(tmp_path / "a")
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError) as ei:
+            harness([tier_config("kvtier", root, io_timeout_s=0.5)])
+        assert time.monotonic() - t0 < 0.5 + 5
+        assert ei.value.filename == root
+    finally:
+        gate.set()
