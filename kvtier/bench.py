@@ -397,11 +397,13 @@ def run_bench(preset: str = DEFAULT_PRESET, tokens: int = DEFAULT_TOKENS, blocks
     import kvtier
     import kvtier.io as kio
 
+    # the I/O engine in use, as `kvtier info` names it: io_uring or the plain syscall path
+    eng = kio._c_module().io_engine_status()["engine"] if kio.backend == "c" else "python"
     return {
         "preset": preset, "model": p.model, "geometry": asdict(p), "tokens_per_block": tokens,
         "block_bytes": bs, "blocks": blocks, "bytes_per_pass": blocks * bs, "threads": threads,
         "repeat": repeat, "min_pass_s": min_pass_s, "root": base if keep else (root or tempfile.gettempdir()),
-        **info, "io_backend": kio.backend, "crc32c_backend": kvtier.crc32c_backend, "vllm": vnote,
+        **info, "io_backend": kio.backend, "io_engine": eng, "crc32c_backend": kvtier.crc32c_backend, "vllm": vnote,
         "rows": [asdict(r) for r in rows],
         "verified_bytes": verified,
         "mismatched_bytes": sum(r.mismatched_bytes for r in rows),
@@ -444,7 +446,7 @@ def format_table(d: dict) -> str:
         f"{_fmt_bytes(d['block_bytes'])} per block",
         f"{d['blocks']} blocks = {_fmt_bytes(d['bytes_per_pass'])} per round; root {d['root']} "
         f"({d['fstype']}, {'O_DIRECT' if d['o_direct'] else 'buffered'}); {d['threads']}+{d['threads']} "
-        f"threads; I/O {d['io_backend']}, CRC32C {d['crc32c_backend']}; median [min-max] of {d['repeat']} "
+        f"threads; I/O {d['io_backend']} (engine {d.get('io_engine', '-')}), CRC32C {d['crc32c_backend']}; median [min-max] of {d['repeat']} "
         f"passes of >= {d.get('min_pass_s', 0):g} s, modes interleaved, every mode loading the same files",
         f"vLLM: {d.get('vllm', '-')}",
         "",

@@ -368,7 +368,14 @@ class TierEngine:
 
     def drain(self, timeout: Optional[float] = None) -> bool:
         """Block until no job is queued or running (their results stay available from
-        :meth:`take_finished`).  False if ``timeout`` (seconds) expired first."""
+        :meth:`take_finished`).  False if ``timeout`` (seconds) expired first.
+        TypeError for a ``timeout`` that is not None or a number, ValueError for a
+        negative or NaN one."""
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise TypeError(f"timeout must be None or a number of seconds, got {type(timeout).__name__}")
+            if not timeout >= 0:
+                raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
         with self._cond:
             return self._cond.wait_for(lambda: self._inflight == 0, timeout)
 
@@ -599,9 +606,11 @@ class TierEngine:
             err = e
             n_ok = 0
         t1 = time.monotonic()
-        if err is not None:
-            logger.warning("%s job %r failed at block %d of %d: %s",
-                           "load" if job.is_promotion else "store", job.job_id, n_ok, n, err)
+        if err is not None:  # a job already reported (deadline, shutdown): its late outcome at debug
+            late = job.state is not None and job.state.state == _io().EXPIRED
+            logger.log(logging.DEBUG if late else logging.WARNING, "%s job %r %s at block %d of %d: %s",
+                       "load" if job.is_promotion else "store", job.job_id,
+                       "(already reported failed) ended late" if late else "failed", n_ok, n, err)
         if counts.get("unverified") and t1 - self._warned_unverified >= UNVERIFIED_WARN_INTERVAL:
             self._warned_unverified = t1  # rate-limited: at most one per interval per tier
             logger.warning("loaded %d block(s) without a CRC32C record (stored by vLLM or with checksums "

@@ -33,6 +33,9 @@ def test_bench_on_a_full_disk_counts_misses_as_failed_jobs_not_mismatches(capsys
     assert rc == 1 and d["ok"] is False
     # the table shows no GB/s for a pass with failed jobs (checksum on only: off is "-" too)
     table = bench.format_table(d).splitlines()
+    import kvtier.io as kio  # the header names the I/O engine, as `kvtier info` does
+    eng = kio._c_module().io_engine_status()["engine"] if kio.backend == "c" else "python"
+    assert d["io_engine"] == eng and f"(engine {eng})" in table[1]
     failed = [r for r in d["rows"] if r["failed_jobs"]]
     assert failed
     for r in failed:

@@ -688,3 +688,13 @@ def test_prepare_root_retries_enoent_of_a_name_cache(tmp_path, monkeypatch):
         manager.prepare_root(root, os.path.join(root, "r0"), False)
     assert ei.value.errno == errno.ENOENT and ei.value.filename == root
     assert len(calls) == policy.RETRY_ENOENT_STORE + 1
+
+
+def test_drain_jobs_timeout_is_checked(tmp_path):
+    """A timeout that is not a number of seconds is a clear TypeError / ValueError
+    (not one from deep inside threading)."""
+    with FileSystemTierManager(bytearray(4 * 4096), tmp_path, "m", block_size=4096) as m:
+        for bad, exc in (("a", TypeError), (True, TypeError), (-1, ValueError), (float("nan"), ValueError)):
+            with pytest.raises(exc, match="timeout"):
+                m.drain_jobs(bad)
+        assert m.drain_jobs(0) and m.drain_jobs(None) and m.drain_jobs(1)
