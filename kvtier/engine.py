@@ -386,7 +386,9 @@ class TierEngine:
         deadline, ``wait=True`` returns at most ``io_timeout_s`` after the last running
         job started, and ``wait=False`` expires the running jobs at once (reported
         failed, ECANCELED): once it returns, no job writes into the view or publishes a
-        block.  Returns the discarded job ids.  Idempotent; later submits raise
+        block, except a store already inside the rename of a block: that one is not
+        cancelled, it finishes (or reaches its deadline) and is reported as what it is.
+        Returns the discarded job ids.  Idempotent; later submits raise
         RuntimeError."""
         with self._cond:
             discarded = [j.job_id for j in list(self._load_q) + list(self._store_q)]
@@ -489,13 +491,35 @@ class TierEngine:
     def _expire(self, jobs: List[Job], err_no: int, why: str) -> None:
         """Expire running ``jobs`` (taken out of ``_running``; lock not held: a load's
         expire() waits for its commit section, a copy) and report each that this call
-        expired (the others finished first: their workers report them)."""
-        expired = [j for j in jobs if j.state.expire(wait_commit=j.is_promotion)]
-        if not expired:
+        expired (the others finished first: their workers report them).  A cancel
+        (ECANCELED, shutdown) never expires a store inside its rename: that job runs on
+        (under its deadline) and its worker reports it as what it is."""
+        if not jobs:
             return
+        committing = _io().COMMITTING
+        expired, renaming = [], []
+        for j in jobs:
+            if err_no != errno.ECANCELED or j.is_promotion:
+                if j.state.expire(wait_commit=j.is_promotion):
+                    expired.append(j)
+                continue
+            while True:  # a cancelled store: expired unless it is renaming a block
+                if j.state.cancel():
+                    expired.append(j)
+                elif j.state.state == committing:
+                    renaming.append(j)
+                elif j.state.state != _io().LIVE:  # DONE: its worker reports it
+                    break
+                else:
+                    continue  # the rename ended meanwhile: cancel again
+                break
         with self._cond:
             for j in expired:
                 self._expired(j, err_no, why)
+            for j in renaming:  # runs on, watched by its deadline; its worker reports it
+                if not j.returned:
+                    self._running.add(j)
+            self._watch.notify()
             self._cond.notify_all()
 
     def _expired(self, job: Job, err_no: int, why: str) -> None:

@@ -280,6 +280,13 @@ class JobState:
             elif s != LIVE:
                 return False
 
+    def cancel(self) -> bool:
+        """Give up on the job only if it is not in a commit section: LIVE ->
+        EXPIRED. True if this call expired it; False if it was COMMITTING (a
+        store renaming its block: it finishes and is reported as what it is),
+        DONE or already EXPIRED."""
+        return self._step(LIVE, EXPIRED)
+
     def finish(self) -> bool:
         """The I/O side's end: LIVE -> DONE. True: the result stands (report
         it); False: the job had expired (its result is dropped)."""

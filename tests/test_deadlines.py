@@ -399,3 +399,35 @@ def test_constructor_touches_the_root_only_under_its_deadline(ff, area, monkeypa
     assert time.monotonic() - t0 < timeout + SLACK
     assert ff.hits("stall_getattr") >= 1
     assert ei.value.errno == errno.ETIMEDOUT and ei.value.filename == area
+
+
+@pytest.mark.parametrize("op", ["write", "rename"])
+def test_shutdown_without_waiting_cancels_a_store_unless_it_is_renaming(backend, ff, area, op):
+    """shutdown(wait=False) with a store stalled in its write: the store is cancelled
+    (ECANCELED) and, released, unlinks its temp: nothing is published. Stalled in its
+    rename (its commit section): it is not reported cancelled; released, it finishes
+    and is reported as what it is, a stored block."""
+    buf = filled(14)
+    tier = tier_on(area, buf, io_timeout_s=60)  # the deadline plays no part here
+    path = tier.file_mapper._file_name(*key(7))
+    ff.stall(op, glob_of(tier, ff, key(7)) + ("_*.tmp" if op == "write" else ""))
+    tier.submit_store(TransferJob("S", [key(7)], [7]))
+    ff.wait_hits(f"stall_{op}", 1)
+    assert tier.shutdown(wait=False) == []
+    got = tier.get_finished_jobs()
+    if op == "write":
+        assert [(r.job_id, r.success, r.error.errno) for r in got] == [("S", False, errno.ECANCELED)]
+    else:
+        assert got == []  # not cancelled: it is renaming
+    ff.clear()
+    wait_until(lambda: counters(tier)["stuck_threads"] == 0 and tier._engine.pending == 0)
+    d = os.path.dirname(ff.backing_of(path))
+    assert glob.glob(os.path.join(d, "*.tmp")) == []
+    if op == "write":
+        assert not os.path.exists(ff.backing_of(path)) and tier.get_finished_jobs() == []
+    else:
+        (r,) = tier.get_finished_jobs()
+        assert (r.job_id, r.success, r.successful_keys) == ("S", True, (key(7),))
+        out = np.zeros_like(buf)
+        kio.batch_load_block([path], out, [0], BS, checksum=True)
+        assert np.array_equal(out[0], buf[7])
