@@ -149,10 +149,39 @@ static int fsetxattr_r(int fd, const char *name, const void *val, size_t n)
     return r;
 }
 
+/* The largest value an xattr can have (linux/limits.h XATTR_SIZE_MAX). */
+#define KVT_XATTR_SIZE_MAX 65536
+
+/* fgetxattr, EINTR retried; ERANGE (the value is longer than `n`) asked once
+ * more with the largest buffer an xattr can need, as CPython's os.getxattr
+ * (the fallback) does: a spurious ERANGE (a FUSE filesystem's) then reads the
+ * record, a value really longer than `n` stays ERANGE (a malformed record). */
 static ssize_t fgetxattr_r(int fd, const char *name, void *val, size_t n)
 {
     ssize_t r;
     EINTR_LOOP(r = fgetxattr(fd, name, val, n), r < 0)
+    if (r < 0 && errno == ERANGE) {
+        uint8_t *big = malloc(KVT_XATTR_SIZE_MAX);
+        if (!big) {
+            errno = ERANGE;
+            return -1;
+        }
+        EINTR_LOOP(r = fgetxattr(fd, name, big, KVT_XATTR_SIZE_MAX), r < 0)
+        int e = r < 0 ? errno : ERANGE;
+        if (r >= 0 && (size_t)r <= n)
+            memcpy(val, big, (size_t)r);
+        else
+            r = -1;
+        free(big);
+        errno = e;
+    }
+    return r;
+}
+
+static ssize_t lgetxattr_r(const char *path, const char *name, void *val, size_t n)
+{
+    ssize_t r;
+    EINTR_LOOP(r = lgetxattr(path, name, val, n), r < 0)
     return r;
 }
 
@@ -273,6 +302,18 @@ static int sync_existing(const char *dest, int *op)
     return err;
 }
 
+/* Whether the block file at `dest` has no CRC record (ENODATA for
+ * user.vllm.kv_crc32c, and its identity record absent or without CRC): a
+ * load reads it unverified, or in strict mode never (P17). Any other answer
+ * (a record, EOPNOTSUPP, EIO) says no: the block is left as it is. */
+static int lacks_crc_record(const char *dest)
+{
+    uint8_t rec[KVT_XATTR_BUF];
+    if (lgetxattr_r(dest, KVT_ID_XATTR_NAME, rec, sizeof rec) == KVT_ID_REC_LEN)
+        return 0;
+    return lgetxattr_r(dest, KVT_XATTR_NAME, rec, sizeof rec) < 0 && errno == ENODATA;
+}
+
 /* One try at storing one block. Returns 0, or an errno value with *op (the
  * temp is removed; a published block never is), or KVT_STORE_LATE: published,
  * but the job expired during the rename (job_state.h). */
@@ -285,17 +326,22 @@ static int store_try(const char *tmp, const char *dest, const uint8_t *buf, size
     if (!kvt_job_live(js))
         return ETIMEDOUT; /* expired before this block began: nothing created */
     if (lstat_r(dest, &st) == 0) {
-        if (S_ISREG(st.st_mode) && (uint64_t)st.st_size == (uint64_t)len) { /* stored (by us or a peer) */
+        int keep = S_ISREG(st.st_mode) && (uint64_t)st.st_size == (uint64_t)len; /* stored (by us or a peer) */
+        if (keep && checksum && lacks_crc_record(dest))
+            keep = 0; /* unverifiable (strict: a miss for ever): replaced by the verified copy of buf */
+        if (keep) {
             int err = durable ? sync_existing(dest, op) : 0;
             if (!err)
                 kvt_count(KVT_C_EXISTING);
-            return err;
-        }
-        if (S_ISDIR(st.st_mode)) { /* not ours to remove; never "stored" */
+            if (err != ENOENT || *op != KVT_OP_OPEN)
+                return err;
+            /* gone since the lstat (a peer, a condemnation): stored anew below */
+        } else if (S_ISDIR(st.st_mode)) { /* not ours to remove; never "stored" */
             *op = KVT_OP_RENAME;
             return EISDIR;
+        } else {
+            kvt_count(KVT_C_REPLACED); /* symlink, FIFO, file of another size, no CRC record: the rename replaces it */
         }
-        kvt_count(KVT_C_REPLACED); /* symlink, FIFO, file of another size: the rename replaces it */
     }
 
     /* O_DIRECT at open (no fcntl) when the buffer and length meet the page

@@ -383,6 +383,24 @@ def _sync_existing(dest, counts):
     _count_into(counts, "durable_existing")
 
 
+def _lacks_crc_record(dest):
+    """Whether the block file at ``dest`` has no CRC record (ENODATA for
+    user.vllm.kv_crc32c, and its identity record absent or without CRC): a load
+    reads it unverified, or in strict mode never (P17). Any other answer (a
+    record, EOPNOTSUPP, EIO) says no: the block is left as it is
+    (csrc/fs_io.c lacks_crc_record)."""
+    try:
+        if len(_retry_eintr(lambda: _os.getxattr(dest, _policy.ID_XATTR_NAME, follow_symlinks=False))) == _policy.ID_REC_LEN:
+            return False
+    except OSError:
+        pass
+    try:
+        _retry_eintr(lambda: _os.getxattr(dest, XATTR_NAME, follow_symlinks=False))
+    except OSError as e:
+        return e.errno == _errno.ENODATA
+    return False
+
+
 class _Late(Exception):
     """A store's block was renamed, but its job expired during the rename."""
 
@@ -395,17 +413,25 @@ def _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, w
     except OSError as e:
         e.kvt_op = "stat"
         raise
-    if st is not None:
-        if _stat.S_ISREG(st.st_mode) and st.st_size == len(mv):  # stored (by us or a peer)
+    keep = st is not None and _stat.S_ISREG(st.st_mode) and st.st_size == len(mv)  # stored (by us or a peer)
+    if keep and checksum and _lacks_crc_record(dest):
+        keep = False  # unverifiable (strict: a miss for ever): replaced by the verified copy of mv
+    if keep:
+        try:
             if durable:
                 _sync_existing(dest, counts)
             _count_into(counts, "existing")
             return
+        except FileNotFoundError as e:
+            if getattr(e, "kvt_op", None) != "open":
+                raise
+            # gone since the lstat (a peer, a condemnation): stored anew below
+    elif st is not None:
         if _stat.S_ISDIR(st.st_mode):  # not ours to remove; never "stored"
             e = OSError(_errno.EISDIR, _os.strerror(_errno.EISDIR), dest)
             e.kvt_op = "rename"
             raise e
-        _count_into(counts, "replaced")  # symlink, FIFO, file of another size: the rename replaces it
+        _count_into(counts, "replaced")  # symlink, FIFO, file of another size, no CRC record: the rename replaces it
     flags = _os.O_CREAT | _os.O_EXCL | _os.O_WRONLY | _os.O_CLOEXEC
     fd = _open_tmp(tmp, flags)
     try:
