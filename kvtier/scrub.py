@@ -9,16 +9,20 @@ ok            CRC32C equals every CRC recorded: xattr ``user.vllm.kv_crc32c`` an
               the identity record ``user.kvtier.id`` carries (12 bytes), and the size is
               not known to be wrong (a size that differs only from a guessed size is a
               note, not an error)
-corrupt       CRC32C differs from a record on two reads (the second after
-              POSIX_FADV_DONTNEED, as a load does), or the xattr is not 4 bytes, or the
-              identity record is present and not this block's (a block stored under
-              another key's name): a load would fail with EBADMSG and remove it (a load
-              of a block with a 12-byte identity record checks the CRC it carries; vLLM's
-              reader checks ``user.vllm.kv_crc32c``; scrub both)
+corrupt       judged as a load judges it (docs/design.md P10, P11, P22): CRC32C differs
+              on two reads (the second after POSIX_FADV_DONTNEED) from the CRC a 12-byte
+              identity record of this block carries, else from ``user.vllm.kv_crc32c``, or
+              that xattr is not 4 bytes, or the identity record is present and not this
+              block's (a block stored under another key's name): a load would fail with
+              EBADMSG and remove it.  With a good identity record, a malformed or
+              disagreeing ``user.vllm.kv_crc32c`` is a note on an ``ok`` block (vLLM's own
+              reader would reject it; kvtier's load does not read it)
 no_checksum   no CRC recorded (stored with checksums off, by vLLM, or copied without
               xattrs): loads unverified (checksum_blocks=True) or is a miss ("strict")
 wrong_size    size differs from a known block size (a load would fail with EIO)
-error         could not be read (EACCES, ELOOP for a symlink, EIO...): kept, reported
+error         could not be read (EACCES, ELOOP for a symlink, EIO...), or a directory at a
+              block path (every load and store of that key fails EISDIR; not walked):
+              kept, reported, never removed
 ============  ==========================================================================
 
 Stray temp files (``<dest>_<hex>.tmp`` left by a crashed store, ``.kvtier_probe_*``) are
@@ -213,7 +217,16 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
     """
     f = Finding(path, "error", lsize or 0, expected, source)
     if lsize is None:
-        f.detail = "not a regular file (symlink?): kept"
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError as e:
+            f.detail = f"lstat: {e.strerror} (errno {e.errno})"
+            return f
+        if stat.S_ISDIR(mode):  # never removed by scrub, not even an empty one
+            f.detail = ("a directory at a block path: every load (EISDIR) and store (EISDIR) of "
+                        "this key fails; kept: not scrub's to remove")
+        else:
+            f.detail = "not a regular file (symlink?): kept"
         return f
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -254,6 +267,18 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
             wants[XATTR_NAME] = int.from_bytes(rec, "big")
         if ident is not None and len(ident) == policy.ID_REC_LEN:
             wants[policy.ID_XATTR_NAME] = int.from_bytes(ident[policy.ID_LEN:], "big")
+        # The load's rule (design.md P10/P11): a 12-byte identity record of this block carries
+        # the CRC a load checks, and then only that one (user.vllm.kv_crc32c, which vLLM's
+        # reader checks, is not read by a load: noted when it disagrees, never condemning).
+        vllm_note = ""
+        if wants.get(policy.ID_XATTR_NAME) is not None and ident[:policy.ID_LEN] == policy.block_identity(path, size):
+            if rec is not None and (len(rec) != 4 or wants.get(XATTR_NAME) != wants[policy.ID_XATTR_NAME]):
+                vllm_note = (f"user.vllm.kv_crc32c is {len(rec)} bytes, not 4" if len(rec) != 4 else
+                             f"user.vllm.kv_crc32c 0x{wants[XATTR_NAME]:08x} differs from the identity record's")
+                vllm_note += (": kvtier loads it by its identity record's CRC32C, vLLM's own reader would "
+                              "reject it; kept")
+            wants = {policy.ID_XATTR_NAME: wants[policy.ID_XATTR_NAME]}
+            rec = None if rec is not None and len(rec) != 4 else rec
         if rec is None and not wants:
             f.status = "no_checksum"
             f.detail = "; ".join(filter(None, ["no xattr: unverified", guess_note]))
@@ -313,6 +338,8 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
                                  "POSIX_FADV_DONTNEED matched")
                 if guess_note:
                     notes.append(guess_note + "; CRC32C matches: kept")
+                if vllm_note:
+                    notes.append(vllm_note)
                 f.detail = "; ".join(notes)
                 return f
             if len(set(wants.values())) == 1:
@@ -363,6 +390,10 @@ def scrub(root: str, block_size: Optional[int] = None, remove: bool = False, pro
     temps: List[Finding] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
+        for name in [n for n in dirnames if n.endswith(".bin")]:  # at a block path: reported, not walked
+            dirnames.remove(name)
+            p = os.path.join(dirpath, name)
+            blocks[(_rank_dir(root, p), _group_of(p))].append((p, None))
         for name in sorted(filenames):
             p = os.path.join(dirpath, name)
             try:

@@ -156,11 +156,17 @@ def test_blocks_at_arbitrary_offsets(io_backend, tmp_path):
 
 
 def test_store_skips_existing_destination(io_backend, tmp_path):
+    """An existing block of the size is not rewritten; with checksums, only one with a CRC
+    record (one without is replaced by the verified copy: design.md P17)."""
     p = str(tmp_path / "a.bin")
     pathlib.Path(p).write_bytes(b"old!" * 256)
-    store_one(io_backend, p, b"new!" * 256)
+    store_one(io_backend, p, b"new!" * 256, checksum=False)
     assert pathlib.Path(p).read_bytes() == b"old!" * 256
     assert XATTR not in os.listxattr(p)
+    store_one(io_backend, p, b"new!" * 256)
+    assert pathlib.Path(p).read_bytes() == b"new!" * 256 and XATTR in os.listxattr(p)
+    store_one(io_backend, p, b"old!" * 256)
+    assert pathlib.Path(p).read_bytes() == b"new!" * 256
     assert temps_under(tmp_path) == []
 
 

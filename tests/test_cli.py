@@ -129,11 +129,18 @@ def test_scrub_finds_corruption_and_remove_deletes_only_bad(tmp_path, capsys):
 
 
 def test_scrub_malformed_xattr_is_corrupt(tmp_path, capsys):
+    """A malformed user.vllm.kv_crc32c is corrupt where a load reads it (no 12-byte identity
+    record), a note where the load checks the identity record's CRC (design.md P22)."""
     paths = make_cache(str(tmp_path))
     os.setxattr(paths[1], "user.vllm.kv_crc32c", b"\x00\x01\x02")
+    os.removexattr(paths[1], "user.kvtier.id")
+    os.setxattr(paths[2], "user.vllm.kv_crc32c", b"\x00\x01\x02")
     assert main(["scrub", str(tmp_path), "--json", "--no-progress"]) == 1
     d = json.loads(capsys.readouterr().out)
-    assert [(f["path"], f["status"]) for f in d["findings"] if f["status"] == "corrupt"] == [(paths[1], "corrupt")]
+    by = {f["path"]: f for f in d["findings"]}
+    assert (by[paths[1]]["status"], by[paths[2]]["status"]) == ("corrupt", "ok")
+    assert [f["path"] for f in d["findings"] if f["status"] == "corrupt"] == [paths[1]]
+    assert "user.vllm.kv_crc32c is 3 bytes, not 4" in by[paths[2]]["detail"]
 
 
 def test_scrub_size_without_block_info(tmp_path, capsys):

@@ -478,6 +478,24 @@ def check_P21(io_backend, shim, d):
     assert not os.path.exists(q) and temps(d) == []
 
 
+def check_P22(io_backend, shim, d):
+    """scrub judges the CRC records as a load does, and reports a directory at a block path."""
+    from kvtier import scrub
+
+    p, data = block_path(d), data_of(22)
+    put(io_backend, p, data)
+    os.setxattr(p, "user.vllm.kv_crc32c", b"\x01\x02\x03")  # malformed; the identity record is good
+    r = get(io_backend, p)
+    assert r["ok"] and r["sha"] == sha(data), r
+    q = block_path(d, "fedcba9876543210")
+    os.makedirs(q)
+    res = scrub.scrub(d, remove=True, progress=False)
+    by = {f["path"]: f for f in res["findings"]}
+    assert (by[p]["status"], by[p]["removed"]) == ("ok", False), by
+    assert (by[q]["status"], by[q]["removed"]) == ("error", False), by
+    assert Path(p).read_bytes() == data and os.path.isdir(q)
+
+
 CHECKS = {name[len("check_"):]: fn for name, fn in globals().items() if name.startswith("check_P")}
 
 

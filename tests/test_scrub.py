@@ -236,12 +236,15 @@ def test_text_report_names_sources_and_retried(tmp_path, capsys):
 
 def test_scrub_checks_both_crc_records(tmp_path):
     """A store records the CRC32C twice: user.vllm.kv_crc32c (vLLM's reader) and in the
-    12-byte identity record (kvtier's load). Scrub checks both: without vLLM's record the
-    block is ok (the identity record carries its CRC, as a load finds); with records that
-    disagree it is corrupt, naming each (one of the two readers would fail it); --adopt
+    12-byte identity record (kvtier's load, which reads only that one). Scrub judges a block
+    as a load does (design.md P22): by the identity record's CRC when it has one of this
+    block, else by user.vllm.kv_crc32c. Without vLLM's record the block is ok; a vLLM record
+    that is malformed or disagrees is noted (vLLM's reader would reject the block) but the
+    block is ok and never removed (a load serves it, verified); bytes that match vLLM's
+    record but not the identity record's CRC are corrupt (a load condemns them); --adopt
     records both."""
     root = str(tmp_path)
-    paths = [block_path(root, bytes([i]) * 16, 0) for i in range(1, 5)]
+    paths = [block_path(root, bytes([i]) * 16, 0) for i in range(1, 6)]
     data = store(paths, 8192, 7)
     crc = kvtier.crc32c(data[0])
     assert os.getxattr(paths[0], "user.kvtier.id") == kvtier.policy.identity_record(paths[0], 8192, crc)
@@ -250,16 +253,48 @@ def test_scrub_checks_both_crc_records(tmp_path):
     os.setxattr(paths[1], XATTR, bad)
     os.removexattr(paths[2], XATTR)
     os.removexattr(paths[2], "user.kvtier.id")
+    os.setxattr(paths[3], XATTR, b"\x01\x02\x03")  # malformed
+    crc4 = kvtier.crc32c(data[4])
+    os.setxattr(paths[4], "user.kvtier.id", kvtier.policy.identity_record(paths[4], 8192, crc4 ^ 1))
+    for p, ok in zip(paths, (True, True, True, True, False)):  # what a load says
+        out = np.zeros(8192, np.uint8)
+        try:
+            kio.batch_load_block([p], out, [0], 8192, use_o_direct=False, checksum=True)
+            assert ok, p
+        except OSError as e:
+            assert not ok and e.condemned == "checksum", (p, e)
+            kio.batch_store_block([p], np.frombuffer(data[4], np.uint8), [0], 8192, use_o_direct=False,
+                                  checksum=True)
+            os.setxattr(p, "user.kvtier.id", kvtier.policy.identity_record(p, 8192, crc4 ^ 1))
     rc, d = run(tmp_path)
     by = {f["path"]: f for f in d["findings"]}
-    assert rc == 1 and sorted(by) == paths[1:3] and d["counts"]["ok"] == 2  # ok: not listed
-    assert [by[p]["status"] for p in paths[1:3]] == ["corrupt", "no_checksum"]
-    assert f"0x{int.from_bytes(bad, 'big'):08x} in {XATTR}" in by[paths[1]]["detail"]
-    assert f"0x{kvtier.crc32c(data[1]):08x} in user.kvtier.id" in by[paths[1]]["detail"]
+    assert rc == 1 and sorted(by) == [paths[1], paths[2], paths[3], paths[4]] and d["counts"]["ok"] == 3
+    assert [by[p]["status"] for p in paths[1:]] == ["ok", "no_checksum", "ok", "corrupt"]
+    assert f"user.vllm.kv_crc32c 0x{int.from_bytes(bad, 'big'):08x} differs" in by[paths[1]]["detail"]
+    assert "user.vllm.kv_crc32c is 3 bytes, not 4" in by[paths[3]]["detail"]
+    assert f"recorded 0x{crc4 ^ 1:08x}" in by[paths[4]]["detail"]
     rc, d = run(tmp_path, "--adopt", "--remove")
-    assert d["adopted"] == [paths[2]] and not os.path.exists(paths[1])
+    assert d["adopted"] == [paths[2]] and d["removed"] == [paths[4]]
+    assert os.path.exists(paths[1]) and os.path.exists(paths[3]) and not os.path.exists(paths[4])
     crc2 = kvtier.crc32c(data[2])
     assert os.getxattr(paths[2], XATTR) == crc2.to_bytes(4, "big")
     assert os.getxattr(paths[2], "user.kvtier.id") == kvtier.policy.identity_record(paths[2], 8192, crc2)
     rc, d = run(tmp_path, "--strict")
-    assert rc == 0 and d["findings"] == [] and d["counts"]["ok"] == 3
+    assert rc == 0 and d["counts"]["ok"] == 4 and sorted(f["path"] for f in d["findings"]) == [paths[1], paths[3]]
+
+
+def test_scrub_reports_a_directory_at_a_block_path(tmp_path):
+    """A directory named like a block (every load and store of that key fails EISDIR) is
+    reported as an error, never removed (not even with --remove), and not walked into."""
+    root = str(tmp_path)
+    good = block_path(root, b"\x01" * 16, 0)
+    store([good], 8192, 3)
+    d_bin = block_path(root, b"\x02" * 16, 0)
+    os.makedirs(os.path.join(d_bin, "inner"))
+    open(os.path.join(d_bin, "inner", "x.bin"), "wb").close()
+    for extra in ((), ("--remove",)):
+        rc, d = run(tmp_path, *extra)
+        assert d["blocks"] == 2 and d["counts"]["ok"] == 1 and d["counts"]["error"] == 1, d
+        (f,) = d["findings"]
+        assert f["path"] == d_bin and f["status"] == "error" and "a directory at a block path" in f["detail"]
+        assert not f["removed"] and os.path.isdir(os.path.join(d_bin, "inner"))
