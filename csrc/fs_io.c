@@ -344,11 +344,15 @@ static int store_try(const char *tmp, const char *dest, const uint8_t *buf, size
         }
     }
 
-    /* O_DIRECT at open (no fcntl) when the buffer and length meet the page
-     * alignment, which every filesystem's O_DIRECT accepts. */
+    /* O_DIRECT at open (no fcntl) when the length is a multiple of the page
+     * (every filesystem's O_DIRECT accepts that) and the memory written is:
+     * with a checksum the engine's private page-aligned slots, whatever the
+     * caller's buffer; without, the caller's buffer itself (one write straight
+     * from it), so only when that is page aligned (else buffered). */
     int direct = 0;
     *op = KVT_OP_OPEN;
-    int fd = open_tmp(tmp, use_o_direct && len > 0 && len % 4096 == 0 && ((uintptr_t)buf & 4095u) == 0, &direct);
+    int fd = open_tmp(tmp, use_o_direct && len > 0 && len % 4096 == 0 && (checksum || ((uintptr_t)buf & 4095u) == 0),
+                      &direct);
     if (fd < 0)
         return errno;
 
@@ -675,9 +679,11 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
 
     int err;
     lk->op = KVT_OP_READ;
-    if (!have_rec && js == NULL) {
-        /* Nothing to verify, no deadline: straight into buf (one read), as
-         * vLLM does; the size is checked with one fstat. */
+    if (!have_rec && js == NULL && (!*direct || ((uintptr_t)buf & 4095u) == 0)) {
+        /* Nothing to verify, no deadline, and buf fit for the read (buffered,
+         * or page aligned under O_DIRECT; else through the engine's private
+         * slots below): straight into buf (one read), as vLLM does; the size
+         * is checked with one fstat. */
         err = check_block_file(fd, len, checksum, lk);
         if (err)
             return err;

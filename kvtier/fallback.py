@@ -57,6 +57,7 @@ import errno as _errno
 import fcntl as _fcntl
 import mmap as _mmap
 import os as _os
+import mmap as _mmap
 import stat as _stat
 import struct as _struct
 import threading as _threading
@@ -123,6 +124,12 @@ def _block_copy_fn():
     return _copy_fn_cache[0]
 
 
+def _plain_copy(dst, src, value):
+    """The copy of a load without CRC record through the bounce buffer."""
+    dst[:] = src
+    return value
+
+
 def _checksum_then_copy(crc_fn):
     """The copy of a private re-read: CRC32C of the bounce buffer's chunk
     (crc_fn), then the chunk copied to the caller's buffer."""
@@ -143,7 +150,8 @@ def _bounce_take():
     free = getattr(_tls, "free", None)
     if free is None:
         free = _tls.free = []
-    return free.pop() if free else memoryview(bytearray(IO_CHUNK))
+    # mmap: page aligned, so O_DIRECT can read and write it whatever the caller's buffer
+    return free.pop() if free else memoryview(_mmap.mmap(-1, IO_CHUNK))
 
 
 def _bounce_give(b):
@@ -167,11 +175,13 @@ def _buffer_address(mv):
     return _np.frombuffer(mv, dtype=_np.uint8).__array_interface__["data"][0] if len(mv) else 0
 
 
-def _dio_usable(fd, mv):
+def _dio_usable(fd, mv, bounce=False):
+    """Whether O_DIRECT can move mv's bytes on fd: its length and (unless ``bounce``: the
+    I/O goes through this module's page-aligned bounce buffers) its address aligned."""
     mem, off = _dio_align(fd)
     if not mem or IO_CHUNK % max(mem, off):
         return False
-    return len(mv) > 0 and _buffer_address(mv) % mem == 0 and len(mv) % off == 0
+    return len(mv) > 0 and (bounce or _buffer_address(mv) % mem == 0) and len(mv) % off == 0
 
 
 def _set_direct(fd, on):
@@ -179,8 +189,8 @@ def _set_direct(fd, on):
     _fcntl.fcntl(fd, _fcntl.F_SETFL, (fl | _os.O_DIRECT) if on else (fl & ~_os.O_DIRECT))
 
 
-def _try_direct(fd, mv):
-    if not _dio_usable(fd, mv):
+def _try_direct(fd, mv, bounce=False):
+    if not _dio_usable(fd, mv, bounce):
         return False
     try:
         _set_direct(fd, True)  # EINVAL: the filesystem refuses O_DIRECT
@@ -271,6 +281,11 @@ def _retry_io(op, fd, mv, off, direct):
 
 
 def _preadv_into(fd, mv, off):
+    return _os.preadv(fd, [mv], off)
+
+
+def _preadv_bounce(fd, mv, off):
+    """preadv into this module's own bounce buffer (no thread of the caller writes it)."""
     return _os.preadv(fd, [mv], off)
 
 
@@ -436,14 +451,25 @@ def _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, w
     fd = _open_tmp(tmp, flags)
     try:
         try:
-            direct = use_o_direct and _try_direct(fd, mv)
+            # O_DIRECT: with a checksum each chunk goes through a page-aligned bounce buffer
+            # (as io_engine.c's private slots: the bytes written are the bytes checksummed),
+            # whatever mv's address; without, one write straight from mv, only if it is aligned
+            direct = use_o_direct and _try_direct(fd, mv, bounce=bool(checksum))
             crc = 0
             if not checksum:  # one write of the whole block (as io_engine.c)
                 direct = _op("write", _write_full, fd, mv, 0, direct)
-            for off in range(0, len(mv) if checksum else 0, IO_CHUNK):  # the CRC of each chunk, then its write
-                chunk = mv[off : off + IO_CHUNK]
-                crc = crc_fn(chunk, crc)
-                direct = _op("write", _write_full, fd, chunk, off, direct)
+            bounce = _bounce_take() if checksum and direct else None
+            try:
+                for off in range(0, len(mv) if checksum else 0, IO_CHUNK):  # the CRC of each chunk, then its write
+                    chunk = mv[off : off + IO_CHUNK]
+                    if bounce is not None:
+                        bounce[: len(chunk)] = chunk
+                        chunk = bounce[: len(chunk)]
+                    crc = crc_fn(chunk, crc)
+                    direct = _op("write", _write_full, fd, chunk, off, direct)
+            finally:
+                if bounce is not None:
+                    _bounce_give(bounce)
             if checksum:
                 # vLLM's record, and kvtier's identity record carrying the same CRC (what a
                 # load reads: one xattr)
@@ -607,23 +633,28 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=F
                 want = int.from_bytes(rec, "big")
     private = reread and want is not None
     direct = not private and use_o_direct and _try_direct(fd, mv)
+    # O_DIRECT into an unaligned mv: through the page-aligned bounce buffer (as the C
+    # engine's private slots), so the caller's alignment never turns O_DIRECT off
+    via_bounce = not direct and not private and use_o_direct and _try_direct(fd, mv, bounce=True)
+    direct = direct or via_bounce
     if not direct and _fcntl.fcntl(fd, _fcntl.F_GETFL) & _os.O_DIRECT:
         _set_direct(fd, False)
     crc = 0
-    copy_fn = _block_copy_fn() if not direct else None
+    copy_fn = _block_copy_fn() if not direct or via_bounce else None
     # A checksummed buffered load goes through the fused copy; a re-read always goes through
     # a bounce buffer, checksummed there.
-    if private:
+    if private or (via_bounce and want is not None and copy_fn is None):
         copy_fn = _checksum_then_copy(crc_fn)
     elif want is None:
-        copy_fn = None
+        copy_fn = _plain_copy if via_bounce else None
     if copy_fn is not None:  # read into a bounce buffer, then one pass of copy + CRC
         bounce = _bounce_take()
         try:
             for off in range(0, len(mv), IO_CHUNK):
                 n = min(IO_CHUNK, len(mv) - off)
                 b = bounce if n == IO_CHUNK else bounce[:n]
-                got = _op("read", _os.preadv, fd, [b], off)  # buffered: EINTR retried by os.preadv (PEP 475)
+                # EINTR retried by os.preadv (PEP 475); EINVAL under O_DIRECT: buffered (_retry_io)
+                got, direct = _op("read", _retry_io, _preadv_bounce, fd, b, off, direct)
                 if got == 0:  # end of file: a short read (as fs_io.c read_full)
                     return None, True, unverified
                 if got < n:  # a partial read: finish it the general way
@@ -633,7 +664,7 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=F
                 crc = copy_fn(mv[off : off + n], b, crc)
         finally:
             _bounce_give(bounce)
-        return (_MISMATCH_CRC if crc != want else None), False, unverified
+        return (_MISMATCH_CRC if want is not None and crc != want else None), False, unverified
     for off in range(0, len(mv), IO_CHUNK):
         chunk = mv[off : off + IO_CHUNK]
         got, direct = _op("read", _read_full, fd, chunk, off, direct)

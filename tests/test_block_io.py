@@ -578,14 +578,19 @@ def _resident_pages(path):
 @pytest.mark.mount
 def test_o_direct_is_really_used_when_aligned(io_backend, ext4_dir):
     """O_DIRECT bypasses the page cache: an aligned store leaves none of the
-    file's pages cached; a misaligned one (buffered) leaves them all."""
+    file's pages cached, and so does a misaligned checksummed one (through the
+    engine's page-aligned slots / the fallback's bounce buffer); a misaligned
+    store without checksum (written straight from the caller's buffer: buffered)
+    leaves them all."""
     bs = 1024 * 1024
     buf = aligned_buffer(bs + 4096)
     buf[:] = os.urandom(bs + 4096)
-    p_direct, p_buffered = os.path.join(ext4_dir, "d.bin"), os.path.join(ext4_dir, "b.bin")
-    io_backend.batch_store_block([p_direct], buf, [0], bs, use_o_direct=True, checksum=True)
-    io_backend.batch_store_block([p_buffered], buf, [1], bs, use_o_direct=True, checksum=True)
+    p_direct, p_odd, p_buffered = (os.path.join(ext4_dir, n) for n in ("d.bin", "o.bin", "b.bin"))
+    io_backend.batch_store_block([p_direct], buf, [0], bs, use_o_direct=True, checksum=False)
+    io_backend.batch_store_block([p_odd], buf, [1], bs, use_o_direct=True, checksum=True)
+    io_backend.batch_store_block([p_buffered], buf, [1], bs, use_o_direct=True, checksum=False)
     assert _resident_pages(p_direct) == 0
+    assert _resident_pages(p_odd) == 0
     assert _resident_pages(p_buffered) == bs // mmap.PAGESIZE
 
 
@@ -1124,6 +1129,49 @@ def test_o_direct_refused_at_first_io_falls_back_to_buffered(io_backend, io_faul
     # once per file: after the EINVAL the fd stays buffered
     assert sum(1 for f, _, p in log if f == "pwrite") == FAULT_N
     assert sum(1 for f, _, p in log if f == "pread") == FAULT_N
+
+
+_MISALIGNED_SCRIPT = """
+import mmap, sys
+import numpy as np
+from kvtier import io
+d, shift, checksum = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+assert io.backend == sys.argv[4], io.backend
+bs = {bs}
+src = mmap.mmap(-1, bs + 4096)
+v = np.frombuffer(src, dtype=np.uint8)[shift:shift + bs]  # shift bytes past a page, as np.zeros often is
+v[:] = np.random.default_rng(6).integers(0, 256, bs, dtype=np.uint8)
+p = f"{{d}}/m/00/blk.bin"
+io.batch_store_block([p], v, [0], bs, use_o_direct=True, checksum=checksum)
+dst = mmap.mmap(-1, bs + 4096)
+o = np.frombuffer(dst, dtype=np.uint8)[shift:shift + bs]
+io.batch_load_block([p], o, [0], bs, use_o_direct=True, checksum=checksum)
+assert o.tobytes() == v.tobytes()
+""".format(bs=FAULT_BS)
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+def test_o_direct_whatever_the_callers_alignment(io_backend, io_fault, tmp_path, checksum):
+    """A caller's buffer 16 bytes past a page (np.zeros, a torch tensor) keeps O_DIRECT where
+    the bytes move through the engine's own page-aligned memory: checksummed stores (the
+    private slots; the fallback's bounce buffer) and every load. An unchecksummed store
+    writes straight from the caller's buffer, so it is O_DIRECT only when that is aligned
+    (buffered here). Seen by the shim refusing O_DIRECT I/O (logged, then finished
+    buffered)."""
+    d = tmp_path / "faulty"
+    d.mkdir()
+    if not kio.probe_o_direct(str(d)):
+        pytest.skip(f"{d} does not accept O_DIRECT")
+    log = tmp_path / "fault.log"
+    env = dict(os.environ, LD_PRELOAD=preload(io_fault), KVT_FAULT_DIR=str(d), KVT_FAULT_LOG=str(log),
+               KVTIER_IO_BACKEND=io_backend.backend, KVTIER_IO_URING="0", KVT_FAULT_DIO_EINVAL="1")
+    r = subprocess.run([sys.executable, "-c", _MISALIGNED_SCRIPT, str(d), "16", str(int(checksum)),
+                        io_backend.backend], env=env, cwd=str(ROOT), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    lines = [tuple(ln.split("\t")) for ln in log.read_text().splitlines()] if log.exists() else []
+    kinds = sorted({(f, k) for f, k, _ in lines})
+    want = [("pread", "DIO_EINVAL")] + ([("pwrite", "DIO_EINVAL")] if checksum else [])
+    assert kinds == want, lines
 
 
 EINTR_FUNCS = ["open", "pwrite", "pread", "fsetxattr", "fgetxattr", "rename", "fsync", "close"]
