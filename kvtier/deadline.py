@@ -19,6 +19,7 @@ import errno
 import os
 import queue
 import threading
+import time
 from typing import Any, Callable, List, Optional
 
 DEFAULT_IO_TIMEOUT_S = 120.0
@@ -87,16 +88,19 @@ class OffThread:
     ``call(fn, *args, timeout=..., what=..., path=...)`` returns ``fn(*args)`` or
     raises what it raised; if it has not returned after ``timeout`` seconds the
     caller gets OSError ETIMEDOUT naming ``path`` and the thread is left stuck (it
-    exits when the call returns). With ``max_stuck`` threads stuck, calls fail fast
-    with the same error without starting. ``timeout=0`` runs ``fn`` on the caller's
+    exits when the call returns). At most ``max_stuck`` calls are in the filesystem
+    at once, stuck ones included, so at most that many threads get stuck: a call
+    waits for a free slot within its own deadline, and with ``max_stuck`` threads
+    stuck calls fail fast with the same error without starting. ``timeout=0`` runs ``fn`` on the caller's
     thread (no deadline)."""
 
     def __init__(self, name: str, max_stuck: int) -> None:
         self.name = name
         self.max_stuck = max_stuck
-        self._lock = threading.Lock()
+        self._lock = threading.Condition(threading.Lock())
         self._idle: List[_Runner] = []
         self._stuck = 0
+        self._busy = 0  # calls in progress, not (yet) stuck: with the stuck ones at most max_stuck
         self._closed = False
 
     @property
@@ -109,6 +113,7 @@ class OffThread:
         with self._lock:
             if r.abandoned:
                 self._stuck -= 1
+                self._lock.notify_all()
                 return False
             if self._closed:
                 return False
@@ -118,25 +123,46 @@ class OffThread:
     def call(self, fn: Callable, *args: Any, timeout: float, what: str, path: Any) -> Any:
         if not timeout:
             return fn(*args)
-        with self._lock:
-            if self._stuck >= self.max_stuck:
-                err = timed_out(f"{what} not started, {self._stuck} earlier call(s) still stuck", timeout, path)
-                err.started = False  # failed fast: nothing was asked of the filesystem
-                raise err
+        end = time.monotonic() + timeout
+        with self._lock:  # a slot, atomically: never more than max_stuck calls in the filesystem
+            while True:
+                if self._stuck >= self.max_stuck:
+                    err = timed_out(f"{what} not started, {self._stuck} earlier call(s) still stuck", timeout,
+                                    path)
+                    err.started = False  # failed fast: nothing was asked of the filesystem
+                    raise err
+                if self._stuck + self._busy < self.max_stuck:
+                    break
+                left = end - time.monotonic()
+                if left <= 0:
+                    err = timed_out(f"{what} not started, {self._busy} earlier call(s) still running", timeout,
+                                    path)
+                    err.started = False
+                    raise err
+                self._lock.wait(left)
+            self._busy += 1
             r = self._idle.pop() if self._idle else None
-        if r is None:
-            r = _Runner(self)
+        try:
+            if r is None:
+                r = _Runner(self)
+        except BaseException:
+            with self._lock:
+                self._busy -= 1
+                self._lock.notify_all()
+            raise
         box: list = []
         done = threading.Event()
         r.inbox.put((fn, args, box, done))
-        if not done.wait(timeout):
-            with self._lock:
-                if not box:  # still in the call: abandon the thread
-                    r.abandoned = True
-                    self._stuck += 1
-            if r.abandoned:
-                raise timed_out(what, timeout, path)
-            done.wait()
+        finished = done.wait(max(end - time.monotonic(), 0))
+        with self._lock:
+            self._busy -= 1
+            if not finished and not box:  # still in the call: abandon the thread
+                r.abandoned = True
+                self._stuck += 1
+            self._lock.notify_all()
+        if r.abandoned:
+            raise timed_out(what, timeout, path)
+        done.wait()
         ok, value = box[0]
         if ok:
             return value

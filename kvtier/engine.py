@@ -303,6 +303,7 @@ class TierEngine:
         self._target = {True: n_read_threads, False: n_write_threads}
         self._healthy = {True: 0, False: 0}
         self._stuck = 0
+        self._in_io = 0  # job threads in an I/O call under a deadline, stuck ones included
         self.max_stuck = n_read_threads + n_write_threads
         # one stuck lookup is the cap: while the filesystem holds it, lookups answer
         # misses at once instead of queueing more threads (and callers) behind it
@@ -436,13 +437,24 @@ class TierEngine:
         first, second = (self._load_q, self._store_q) if w.load_priority else (self._store_q, self._load_q)
         while True:
             with self._cond:
-                while not (self._stop or first or second):
+                while True:
+                    if self._stop:
+                        self._healthy[w.load_priority] -= 1
+                        return
+                    if first or second:
+                        if not self.io_timeout_s:
+                            break
+                        if self._stuck >= self.max_stuck:  # the cap: fail fast
+                            self._fail_queued()
+                            continue
+                        # a slot, atomically: at most max_stuck threads in the filesystem
+                        # (stuck ones included), so at most that many can get stuck
+                        if self._in_io < self.max_stuck:
+                            break
                     self._cond.wait()
-                if self._stop:
-                    self._healthy[w.load_priority] -= 1
-                    return
                 job = first.popleft() if first else second.popleft()
                 if self.io_timeout_s:
+                    self._in_io += 1
                     job.state, job.worker = self._JobState(), w
                     job.started_at = time.monotonic()
                     job.deadline = job.started_at + self.io_timeout_s
@@ -451,6 +463,8 @@ class TierEngine:
             result = self.run_job(job)
             with self._cond:
                 job.returned = True
+                if job.state is not None:
+                    self._in_io -= 1
                 self._running.discard(job)
                 if job.state is None or job.state.finish():  # else the watchdog reported it
                     self._count(job, result)
@@ -547,9 +561,9 @@ class TierEngine:
             w.stuck = True
             self._stuck += 1
             self._healthy[w.load_priority] -= 1
-            if self._stuck <= self.max_stuck and not self._stop:
+            if self._stuck < self.max_stuck and not self._stop:
                 self._start_thread(w.load_priority)
-            if self._healthy[True] + self._healthy[False] == 0:
+            if self._stuck >= self.max_stuck or self._healthy[True] + self._healthy[False] == 0:
                 self._fail_queued()
 
     def _refuse(self, job: Job) -> None:

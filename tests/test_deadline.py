@@ -57,3 +57,38 @@ def test_offthread_without_deadline_runs_on_the_caller():
     ot = OffThread("t", max_stuck=1)
     assert ot.call(threading.get_ident, timeout=0, what="x", path="/p") == threading.get_ident()
     assert ot.call(threading.get_ident, timeout=1, what="x", path="/p") != threading.get_ident()
+
+
+@pytest.mark.timeout(30)
+def test_offthread_cap_holds_for_concurrent_callers():
+    """6 callers at once on a call that hangs, cap 1: one thread gets stuck, not 6; the
+    others fail (ETIMEDOUT) without starting; once it returns, calls run again."""
+    ot = OffThread("t", max_stuck=1)
+    gate = threading.Event()
+    started = []
+    errs = []
+
+    def hang():
+        started.append(1)
+        gate.wait(20)
+
+    def caller():
+        try:
+            ot.call(hang, timeout=0.3, what="x", path="/p")
+        except OSError as e:
+            errs.append(e)
+
+    ts = [threading.Thread(target=caller) for _ in range(6)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(10)
+    assert len(started) == 1 and ot.stuck == 1
+    assert len(errs) == 6 and all(e.errno == errno.ETIMEDOUT for e in errs)
+    assert sum(getattr(e, "started", True) for e in errs) == 1  # one asked the filesystem
+    gate.set()
+    end = time.monotonic() + 5
+    while ot.stuck and time.monotonic() < end:
+        time.sleep(0.01)
+    assert ot.stuck == 0 and ot.call(lambda: 9, timeout=5, what="x", path="/p") == 9
+    ot.close()

@@ -131,20 +131,20 @@ def test_late_load_is_reported_once_and_never_writes_the_reused_row(backend, ff,
         assert r.success and np.array_equal(buf[4:7], data[0:3])
 
 
-def test_n_plus_one_stalls_for_n_threads_leave_no_healthy_job_behind(backend, ff, area):
-    """2 threads, 3 loads stalled in read, then 6 healthy loads: the healthy
-    ones all load (the stuck threads are replaced at the deadline), the
+def test_stalls_below_the_cap_leave_no_healthy_job_behind(backend, ff, area):
+    """4 threads (cap 4), 3 loads stalled in read, then 6 healthy loads: the
+    healthy ones all load (the stuck threads are replaced at the deadline), the
     stalled ones time out, every job gets exactly one result."""
     buf = filled(2)
     data = buf.copy()
-    with tier_on(area, buf, n_read_threads=1, n_write_threads=1) as tier:
+    with tier_on(area, buf, n_read_threads=2, n_write_threads=2) as tier:
         store_all(tier, range(9))
         for i in range(3):
             ff.stall("read", glob_of(tier, ff, key(i)))
         buf[:] = 0
         for i in range(3):
             tier.submit_load(TransferJob(f"S{i}", [key(i)], [i]))
-        ff.wait_hits("stall_read", 2)
+        ff.wait_hits("stall_read", 3)
         for i in range(3, 9):
             tier.submit_load(TransferJob(f"H{i}", [key(i)], [i]))
         assert tier.drain_jobs(3 * T + SLACK)
@@ -431,3 +431,51 @@ def test_shutdown_without_waiting_cancels_a_store_unless_it_is_renaming(backend,
         out = np.zeros_like(buf)
         kio.batch_load_block([path], out, [0], BS, checksum=True)
         assert np.array_equal(out[0], buf[7])
+
+
+def test_more_stalls_than_the_cap_leave_at_most_the_cap_stuck(backend, ff, area):
+    """1+1 threads (cap 2) and 6 loads stalled in read: at most 2 threads are ever
+    stuck (a job starts only while fewer than the cap are in the filesystem); the
+    2 that started time out, the other 4 fail fast (EAGAIN), each job once."""
+    buf = filled(15)
+    with tier_on(area, buf, n_read_threads=1, n_write_threads=1) as tier:
+        store_all(tier, range(6))
+        ff.stall("read", "*")
+        for i in range(6):
+            tier.submit_load(TransferJob(f"S{i}", [key(i)], [i]))
+        assert tier.drain_jobs(2 * T + SLACK)
+        res = {r.job_id: r.error.errno for r in tier.get_finished_jobs()}
+        assert sorted(res) == [f"S{i}" for i in range(6)]
+        assert sorted(res.values()) == [errno.EAGAIN] * 4 + [errno.ETIMEDOUT] * 2
+        time.sleep(2 * T)  # a replacement that started a job would be stuck by now
+        c = counters(tier)
+        assert (c["stuck_threads"], c["load_timeouts"], c["jobs_refused"]) == (2, 2, 4)
+        assert ff.hits("stall_read") == 2
+        ff.clear()
+        wait_until(lambda: counters(tier)["stuck_threads"] == 0)
+        tier.submit_load(TransferJob("ok", [key(0)], [8]))
+        assert tier.drain_jobs(30)
+        (r,) = tier.get_finished_jobs()
+        assert r.success, r.error
+
+
+def test_concurrent_lookups_on_a_stalled_root_leave_one_thread_stuck(backend, ff, area):
+    """6 lookups at once from 6 threads on a root that does not answer: one lookup
+    thread is stuck (the documented cap), the 6 answers are misses."""
+    buf = filled(16)
+    with tier_on(area, buf) as tier:
+        store_all(tier, [0])
+        ff.stall("getattr", glob_of(tier, ff, key(0)))
+        answers = []
+        ts = [threading.Thread(target=lambda: answers.append(tier.lookup([key(0)]))) for _ in range(6)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(T + SLACK)
+        assert answers == [[False]] * 6
+        assert ff.hits("stall_getattr") == 1
+        assert counters(tier)["stuck_threads"] == 1
+        assert len([t for t in threading.enumerate() if t.name == "kvtier_fs_lookup"]) == 1
+        ff.clear()
+        wait_until(lambda: counters(tier)["stuck_threads"] == 0)
+        assert tier.lookup([key(0)]) == [True]
