@@ -408,15 +408,16 @@ def segments_cell(d, pool, sizes, calls):
         src = os.path.join(d, f"seg_{bs}.bin")
         kio.batch_store_block([src], pool.mv, [0], bs, True, False)
 
+        def buf_of(n):
+            if n == "pool":
+                o = pool.offsets(bs)[0]
+                return pool.mv[o:o + bs]
+            return bufs[n][:bs]
+
         def rd(n):
             fd = os.open(src, os.O_RDONLY | os.O_DIRECT)
             try:
-                if n == "pool":
-                    o = pool.offsets(bs)[0]
-                    buf = pool.mv[o:o + bs]
-                else:
-                    buf = bufs[n][:bs]
-                os.preadv(fd, [buf], 0)
+                os.preadv(fd, [buf_of(n)], 0)
             finally:
                 os.close(fd)
 
@@ -427,12 +428,7 @@ def segments_cell(d, pool, sizes, calls):
             p = os.path.join(d, f"segw_{seq[0]}.bin")
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
             try:
-                if n == "pool":
-                    o = pool.offsets(bs)[0]
-                    buf = pool.mv[o:o + bs]
-                else:
-                    buf = bufs[n][:bs]
-                os.pwritev(fd, [buf], 0)
+                os.pwritev(fd, [buf_of(n)], 0)
             finally:
                 os.close(fd)
             return lambda: os.unlink(p)
