@@ -200,6 +200,7 @@ class Job:
     worker: Any = None  # the _Worker running it
     started_at: float = 0.0
     returned: bool = False  # its I/O call returned (set under the engine's lock)
+    view: Any = None  # the engine's view, taken with the job and dropped when its I/O call returns
 
 
 @dataclass(frozen=True)
@@ -390,7 +391,14 @@ class TierEngine:
         block, except a store already inside the rename of a block: that one is not
         cancelled, it finishes (or reaches its deadline) and is reported as what it is.
         Returns the discarded job ids.  Idempotent; later submits raise
-        RuntimeError."""
+        RuntimeError.
+
+        The engine drops its reference to the view here; a job already running keeps its
+        own until its I/O call returns (a thread stuck in a store's write syscall may still
+        read the buffer, so the buffer's export lives as long as such a thread).  So once
+        ``shutdown(wait=True)`` has returned with no thread stuck, or after
+        ``shutdown(wait=False)`` once the last running I/O call has returned, nothing of
+        the engine holds the buffer (its exporter, e.g. an mmap, can be closed)."""
         with self._cond:
             discarded = [j.job_id for j in list(self._load_q) + list(self._store_q)]
             self._inflight -= len(discarded)
@@ -399,6 +407,9 @@ class TierEngine:
             self._load_q.clear()
             self._store_q.clear()
             self._stop = True
+            # the engine's reference to the buffer: no job starts any more; a running one
+            # (even stuck in a syscall) holds its own until its I/O call returns
+            self.view = None
             self._cond.notify_all()
             self._watch.notify_all()
             running = [] if wait else list(self._running)
@@ -453,6 +464,7 @@ class TierEngine:
                             break
                     self._cond.wait()
                 job = first.popleft() if first else second.popleft()
+                job.view = self.view  # the thread's own reference: shutdown() drops the engine's
                 if self.io_timeout_s:
                     self._in_io += 1
                     job.state, job.worker = self._JobState(), w
@@ -623,16 +635,19 @@ class TierEngine:
             except Exception:  # a check must never break the data path
                 logger.exception("the check before a job failed")
         counts: Dict[str, int] = {}
+        view = job.view if job.view is not None else self.view
+        if view is None:
+            raise RuntimeError("the tier is shut down")
         t0 = time.monotonic()
         try:
             if job.is_promotion:
-                ret = kio.batch_load_block(job.paths, self.view, job.offsets, self.block_size,
+                ret = kio.batch_load_block(job.paths, view, job.offsets, self.block_size,
                                            use_o_direct=self.use_o_direct, checksum=self.checksum,
                                            counts=counts, **js)
                 retries = int(ret or 0)
             else:
                 extra = {"durable": True} if self.durable else {}
-                kio.batch_store_block(job.paths, self.view, job.offsets, self.block_size,
+                kio.batch_store_block(job.paths, view, job.offsets, self.block_size,
                                       use_o_direct=self.use_o_direct, checksum=self.checksum,
                                       counts=counts, **extra, **js)
         except OSError as e:
@@ -643,6 +658,13 @@ class TierEngine:
         except Exception as e:  # BufferError/ValueError from the I/O layer: nothing moved
             err = e
             n_ok = 0
+        finally:  # the buffer is released with the call: nothing of the job keeps it
+            view = job.view = None
+        e, seen = err, set()
+        while e is not None and id(e) not in seen:  # a traceback's frames (the fallback's) hold the buffer
+            seen.add(id(e))
+            e.__traceback__ = None
+            e = e.__cause__ or e.__context__
         t1 = time.monotonic()
         if err is not None:  # a job already reported (deadline, shutdown): its late outcome at debug
             late = job.state is not None and job.state.state == _io().EXPIRED

@@ -295,7 +295,8 @@ class FileSystemTierManager:
             if metrics.checksums != bool(checksum_blocks):
                 raise ValueError("metrics.checksums must equal bool(checksum_blocks)")
         self._view, self.block_size, self.num_blocks = _primary_view(primary, block_size)
-        self._primary = primary  # keep the exporter alive
+        self._readonly = self._view.readonly
+        self._primary = primary  # keep the exporter alive (dropped by shutdown())
         self.file_mapper = FileMapper(
             root_dir, model_name, tokens_per_hash, blocks_per_file, tp_size, pp_size,
             pcp_size, dcp_size, rank, dtype, kv_cache_groups, inference_engine, parallel_agnostic,
@@ -309,6 +310,7 @@ class FileSystemTierManager:
 
         # ---- metrics first: a refused registration (same tier label twice on one
         # registry) leaves nothing on disk ----
+        self._owns_metrics = metrics is None  # closed by shutdown()
         self.metrics = metrics if metrics is not None else TieringMetricsTracker(
             label, checksums=bool(checksum_blocks), registry=registry)
 
@@ -467,7 +469,7 @@ class FileSystemTierManager:
                 raise ValueError(f"job {job.job_id!r}: chunk_id {c} out of range [0, {self.num_blocks})")
             offsets.append(c * self.block_size)
         keys = tuple(FileMapper.check_key(k) for k in keys)  # once per key: paths reuse it
-        if is_promotion and self._view.readonly:
+        if is_promotion and self._readonly:
             raise BufferError("primary buffer is read-only; loads need a writable buffer")
         return keys, offsets
 
@@ -524,8 +526,22 @@ class FileSystemTierManager:
     def shutdown(self, wait: bool = True) -> List[Hashable]:
         """Stop the tier: queued jobs are discarded (never run, never reported), running
         jobs finish, threads are joined (``wait``).  Returns the discarded job ids.
-        Idempotent; later submits raise RuntimeError."""
-        return self._engine.shutdown(wait)
+        Idempotent; later submits raise RuntimeError.
+
+        Frees what the tier holds: the tracker it created (no ``metrics`` argument) is
+        closed, so its samples leave the registry and a new tier may use the same
+        ``tier_idx`` there (a tracker passed in is the caller's to close); the tier and
+        its engine drop their references to ``primary``.  A job still running keeps its
+        own reference until its I/O call returns (a thread stuck in a store's write
+        syscall may still read the buffer), so: after ``shutdown()`` (waiting) with no
+        thread stuck, the caller may close the buffer's exporter (an mmap) once its own
+        references are gone; after ``shutdown(wait=False)``, only once every I/O call
+        that was running has returned (a stuck thread keeps the buffer until then)."""
+        discarded = self._engine.shutdown(wait)
+        self._view = self._primary = None
+        if self._owns_metrics:
+            self.metrics.close()
+        return discarded
 
     @property
     def is_shut_down(self) -> bool:

@@ -698,3 +698,85 @@ def test_drain_jobs_timeout_is_checked(tmp_path):
             with pytest.raises(exc, match="timeout"):
                 m.drain_jobs(bad)
         assert m.drain_jobs(0) and m.drain_jobs(None) and m.drain_jobs(1)
+
+
+# ---------------------------------------------------------------- shutdown frees the tier
+def test_shutdown_frees_buffer_and_metrics_label(tmp_path, io_backend, monkeypatch):
+    """After shutdown() the caller's mmap can be closed (no export left by the tier, its
+    engine, a finished job's error or the registry) and the tier label is free again on
+    the registry: a new tier with the same tier_idx registers; data stored survive."""
+    import gc
+    import mmap
+
+    monkeypatch.setattr(kio, "batch_store_block", io_backend.batch_store_block)
+    monkeypatch.setattr(kio, "batch_load_block", io_backend.batch_load_block)
+    reg = CollectorRegistry()
+    mm = mmap.mmap(-1, NB * BS)
+    mm[:] = rand_buf().tobytes()
+    keys = keys_for(4)
+    t = FileSystemTierManager(memoryview(mm), str(tmp_path / "c"), "test/model", block_size=BS,
+                              n_read_threads=2, n_write_threads=2, checksum_blocks=True,
+                              registry=reg, io_timeout_s=0)
+    assert run(t, TransferJob(1, keys, [0, 1, 2, 3]), load=False).success
+    bad = run(t, TransferJob(2, keys_for(1, salt=9), [5]), load=True)  # a miss: an error held
+    assert bad.error is not None and bad.error.errno == errno.ENOENT
+    t.submit_store(TransferJob(3, keys_for(2, salt=5), [6, 7]))
+    t.shutdown()
+    assert reg.get_sample_value(M.WRITE_BYTES + "_total", {"tier": "1:kvtier"}) is None
+    with pytest.raises(RuntimeError):
+        t.submit_load(TransferJob(4, keys, [0, 1, 2, 3]))
+    del t
+    gc.collect()
+    mm.close()  # BufferError while anything still exports the mmap
+    buf = np.zeros((NB, BS), dtype=np.uint8)
+    t2 = FileSystemTierManager(buf, str(tmp_path / "c"), "test/model", n_read_threads=2,
+                               n_write_threads=2, checksum_blocks=True, registry=reg, io_timeout_s=0)
+    try:
+        assert run(t2, TransferJob(1, keys, [0, 1, 2, 3]), load=True).success
+        assert buf[:4].tobytes() == rand_buf()[:4].tobytes()
+        assert reg.get_sample_value(M.READ_BYTES + "_total", {"tier": "1:kvtier"}) == 4 * BS
+    finally:
+        t2.shutdown()
+
+
+def test_shutdown_nowait_keeps_buffer_while_io_runs(tmp_path, monkeypatch):
+    """shutdown(wait=False) while a store's I/O call is still running (as if stuck in its
+    write syscall): the buffer stays exported (mmap.close() refused) until that call
+    returns; then it is freed and the block stored."""
+    import gc
+    import mmap
+
+    real = kio.batch_store_block
+    entered, go = threading.Event(), threading.Event()
+
+    def gated(*a, **kw):
+        entered.set()
+        assert go.wait(30)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(kio, "batch_store_block", gated)
+    mm = mmap.mmap(-1, NB * BS)
+    mm[:] = rand_buf().tobytes()
+    t = FileSystemTierManager(memoryview(mm), str(tmp_path / "c"), "test/model", block_size=BS,
+                              n_read_threads=1, n_write_threads=1, io_timeout_s=0)
+    keys = keys_for(2)
+    t.submit_store(TransferJob(1, keys, [0, 1]))
+    assert entered.wait(30)
+    threads = list(t._engine.threads)
+    t.shutdown(wait=False)
+    del t
+    gc.collect()
+    with pytest.raises(BufferError):
+        mm.close()  # the running call still reads the buffer
+    go.set()
+    for th in threads:
+        th.join(30)
+        assert not th.is_alive()
+    gc.collect()
+    mm.close()
+    p = FileSystemTierManager(np.zeros((NB, BS), np.uint8), str(tmp_path / "c"), "test/model",
+                              n_read_threads=1, n_write_threads=1)
+    try:
+        assert all(p.lookup(keys))
+    finally:
+        p.shutdown()
