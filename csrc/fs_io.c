@@ -561,6 +561,7 @@ typedef struct load_look {
     int cause; /* KVT_CAUSE_*: condemned */
     int op;    /* KVT_OP_* of the failing call */
     int unverified; /* this open read the block without a CRC record: counted once loaded */
+    unsigned long long size; /* the file's size when condemned KVT_CAUSE_SIZE */
 } load_look;
 
 /* A wrong size / short read: the first sighting is only noted (the block is
@@ -594,8 +595,10 @@ static int check_block_file(int fd, size_t len, int checksum, load_look *lk)
         if (lk->seen != LT_SIZE)
             return sighting(lk, LT_SIZE, KVT_CAUSE_SIZE);
         lk->op = KVT_OP_VERIFY;
-        if (!checksum || whole_file_verifies(fd, (uint64_t)st.st_size) == 0)
+        if (!checksum || whole_file_verifies(fd, (uint64_t)st.st_size) == 0) {
             lk->cause = KVT_CAUSE_SIZE;
+            lk->size = (unsigned long long)st.st_size; /* the error message says it */
+        }
         return EIO;
     }
     return 0;
@@ -779,7 +782,7 @@ static int load_try(const char *src, uint8_t *buf, size_t len, int use_o_direct,
  * after a mismatch. The common path is open, fgetxattr (with checksums: the
  * identity record, which carries the CRC), the reads, close. */
 static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct, int checksum, kvt_job_state *js,
-                    int *op, int *cause, int *retried)
+                    int *op, int *cause, int *retried, unsigned long long *size)
 {
     *retried = 0;
     uint8_t id[KVT_ID_LEN] = {0};
@@ -805,6 +808,7 @@ static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct,
         kvt_count(KVT_C_UNVERIFIED); /* once per block loaded, however often it was opened */
     *op = lk.op;
     *cause = lk.cause;
+    *size = lk.size;
     return err;
 }
 
@@ -814,8 +818,9 @@ int kvt_batch_load(const char *const *src_paths, void *const *bufs, const size_t
     batch_begin(res, n);
     for (size_t i = 0; i < n; i++) {
         int op = KVT_OP_NONE, cause = 0, retried = 0;
+        unsigned long long size = 0;
         int e = load_one(src_paths[i], (uint8_t *)bufs[i], lens[i], use_o_direct, checksum, js, &op, &cause,
-                         &retried);
+                         &retried, &size);
         res->retried += (size_t)retried;
         if (!e && !kvt_job_block_done(js)) {
             e = ETIMEDOUT; /* whole and verified, but the job expired first: not counted */
@@ -825,6 +830,8 @@ int kvt_batch_load(const char *const *src_paths, void *const *bufs, const size_t
             set_fail(res, e, i, cause == KVT_CAUSE_CHECKSUM || cause == KVT_CAUSE_IDENTITY);
             res->op = op;
             res->condemned = cause;
+            res->size_seen = size;
+            res->size_expected = (unsigned long long)lens[i];
             break;
         }
     }

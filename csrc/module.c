@@ -651,7 +651,28 @@ static const char *const count_names[KVT_NCOUNTS] = KVT_COUNT_NAMES;
 static void raise_batch_error(const kvt_batch_result *res, PyObject *path)
 {
     int err = res->err;
-    PyObject *exc = PyObject_CallFunction(PyExc_OSError, "isO", err, strerror(err), path);
+    /* a condemned block: the message says why (kvtier/fallback.py _condemned_message) */
+    char msg[160];
+    switch (res->condemned) {
+    case KVT_CAUSE_SIZE:
+        snprintf(msg, sizeof msg, "block condemned (size): %llu bytes, expected %llu", res->size_seen,
+                 res->size_expected);
+        break;
+    case KVT_CAUSE_CHECKSUM:
+        snprintf(msg, sizeof msg, "block condemned (checksum): CRC32C mismatch (or malformed record) on two reads");
+        break;
+    case KVT_CAUSE_IDENTITY:
+        snprintf(msg, sizeof msg, "block condemned (identity): identity record of another block or layout on "
+                                  "two reads");
+        break;
+    case KVT_CAUSE_SHORT:
+        snprintf(msg, sizeof msg, "block condemned (short_read): short read of %llu bytes on two opens",
+                 res->size_expected);
+        break;
+    default:
+        snprintf(msg, sizeof msg, "%s", strerror(err));
+    }
+    PyObject *exc = PyObject_CallFunction(PyExc_OSError, "isO", err, msg, path);
     if (exc == NULL)
         return; /* the constructor's error is set */
     PyObject *ns = PyLong_FromSize_t(res->index);

@@ -199,8 +199,24 @@ def _try_direct(fd, mv, bounce=False):
     return True
 
 
-def _batch_error(err, path, index, checksum_failed, num_retried=0, operation="", condemned=None):
-    exc = OSError(err, _os.strerror(err), path)  # the errno's subclass, e.g. FileNotFoundError
+def _condemned_message(err, cause, size_seen, size_expected):
+    """The message of an error, saying why a condemned block was (csrc/module.c
+    raise_batch_error)."""
+    if cause == "size":
+        return f"block condemned (size): {size_seen} bytes, expected {size_expected}"
+    if cause == "checksum":
+        return "block condemned (checksum): CRC32C mismatch (or malformed record) on two reads"
+    if cause == "identity":
+        return "block condemned (identity): identity record of another block or layout on two reads"
+    if cause == "short_read":
+        return f"block condemned (short_read): short read of {size_expected} bytes on two opens"
+    return _os.strerror(err)
+
+
+def _batch_error(err, path, index, checksum_failed, num_retried=0, operation="", condemned=None,
+                 size_seen=0, size_expected=0):
+    # the errno's subclass, e.g. FileNotFoundError
+    exc = OSError(err, _condemned_message(err, condemned, size_seen, size_expected), path)
     exc.operation = operation  # the failing call (kvtier.policy.OPERATIONS)
     exc.condemned = condemned  # kvtier.policy.CAUSES when the file was removed, else None
     exc.num_succeeded = index
@@ -681,9 +697,9 @@ _LT_OK, _LT_ERR, _LT_SHORT, _LT_SIZE = range(4)
 class _Verdict(Exception):
     """A judged block: errno, operation, cause (None: kept)."""
 
-    def __init__(self, err, op, cause=None):
+    def __init__(self, err, op, cause=None, size=0):
         super().__init__(err)
-        self.err, self.op, self.cause = err, op, cause
+        self.err, self.op, self.cause, self.size = err, op, cause, size  # size: the file's, when "size"
 
 
 def _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retried_out):
@@ -708,7 +724,7 @@ def _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retr
             remove = not checksum or _whole_file_verifies(fd, st.st_size, crc_fn) is False
             if remove:
                 _count_into(counts, "condemned_size")
-            raise _Verdict(_errno.EIO, "verify", "size" if remove else None)
+            raise _Verdict(_errno.EIO, "verify", "size" if remove else None, st.st_size)
         for attempt in range(2):
             mismatch, short, unverified = _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts,
                                                        attempt > 0)
@@ -985,7 +1001,7 @@ def _load_batch(source_paths, srcs, views, use_o_direct, checksum, crc_fn, word,
                 _load_one(src, dst, bool(use_o_direct), checksum, crc_fn, mine, retried_out)
             except _Verdict as v:
                 raise _batch_error(v.err, source_paths[i], i, v.cause in ("checksum", "identity"),
-                                   retried_total + retried_out[0], v.op, v.cause) from None
+                                   retried_total + retried_out[0], v.op, v.cause, v.size, len(mv)) from None
             except OSError as e:
                 raise _batch_error(e.errno or _errno.EIO, source_paths[i], i, False,
                                    retried_total + retried_out[0], getattr(e, "kvt_op", None) or "") from None

@@ -548,3 +548,46 @@ def test_identity_record_is_the_same_in_both_backends(tmp_path):
     assert policy.block_identity("/r1/m_1_r0/abc/de_g0/k.bin", 8) == policy.block_identity("/r2/m_1_r0/abc/de_g0/k.bin", 8)
     assert policy.block_identity("/r/m_1_r0/abc/de_g0/k.bin", 8) != policy.block_identity("/r/m_2_r0/abc/de_g0/k.bin", 8)
     assert policy.block_identity("/r/m_1_r0/abc/de_g0/k.bin", 8) != policy.block_identity("/r/m_1_r0/abc/de_g0/k.bin", 16)
+
+
+def test_condemned_error_says_why(io_backend, tmp_path):
+    """A condemned block's OSError says the cause in its message (str(), as JobResult.error
+    and the log show it), errno, filename and attributes unchanged; both backends alike."""
+    def load_err(p, n=BS):
+        out = np.zeros(n, np.uint8)
+        with pytest.raises(OSError) as ei:
+            io_backend.batch_load_block([p], out, [0], n, checksum=True)
+        assert not os.path.exists(p)  # condemned: removed
+        return ei.value
+
+    p, data = block_path(tmp_path), data_of(40)
+    put(io_backend, p, data)
+    os.truncate(p, 1000)
+    e = load_err(p)
+    assert (e.errno, e.filename, e.operation, e.condemned) == (EIO, p, "verify", "size")
+    assert e.strerror == f"block condemned (size): 1000 bytes, expected {BS}"
+    assert str(e) == f"[Errno {EIO}] block condemned (size): 1000 bytes, expected {BS}: {p!r}"
+
+    put(io_backend, p, data)
+    with open(p, "r+b") as f:
+        f.seek(100)
+        f.write(bytes([data[100] ^ 1]))
+    e = load_err(p)
+    assert (e.errno, e.filename, e.operation, e.condemned, e.checksum_failed) == (
+        errno.EBADMSG, p, "verify", "checksum", True)
+    assert e.strerror == "block condemned (checksum): CRC32C mismatch (or malformed record) on two reads"
+
+    other = block_path(tmp_path, "fedcba9876543210")
+    put(io_backend, other, data)
+    shutil.copy2(other, p)  # another block's bytes and records under this name
+    e = load_err(p)
+    assert (e.errno, e.filename, e.condemned, e.checksum_failed) == (errno.EBADMSG, p, "identity", True)
+    assert e.strerror == "block condemned (identity): identity record of another block or layout on two reads"
+
+    e2 = None
+    try:  # an error that condemns nothing keeps the plain strerror
+        io_backend.batch_load_block([p], np.zeros(BS, np.uint8), [0], BS, checksum=True)
+    except OSError as e2_:
+        e2 = e2_
+    assert e2 is not None and (e2.errno, e2.strerror, e2.condemned) == (
+        errno.ENOENT, os.strerror(errno.ENOENT), None)
