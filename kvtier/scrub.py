@@ -172,6 +172,17 @@ def _crc_of(fd: int, buf: bytearray) -> Tuple[int, int]:
         off += n
 
 
+def _remove_if(remove: bool, f, path: str, fd: int):
+    """With ``remove``, unlink a condemned ``path`` if it is still the file ``fd`` (the
+    reason it was not, appended to ``f.detail``); returns ``f``."""
+    if remove:
+        why = _unlink_if_same(path, fd)
+        f.removed = not why
+        if why:
+            f.detail += "; " + why
+    return f
+
+
 def _unlink_if_same(path: str, fd: int) -> str:
     """Remove ``path`` only if it still names the file open as ``fd`` (same st_dev, st_ino).
 
@@ -325,12 +336,7 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
                     f.status = "corrupt"
                     f.detail = ("identity record user.kvtier.id is not this block's: its bytes verify, "
                                 "but it was stored under another key's name or layout")
-                    if remove:
-                        why = _unlink_if_same(path, fd)
-                        f.removed = not why
-                        if why:
-                            f.detail += "; " + why
-                    return f
+                    return _remove_if(remove, f, path, fd)
                 f.status = "ok"
                 notes = []
                 if f.retried:
@@ -351,12 +357,7 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
                 f"CRC32C 0x{crc:08x}, recorded {recorded}"
                 + (" (twice: re-read after POSIX_FADV_DONTNEED)" if f.retried else ""),
                 guess_note, size_note]))
-        if remove:
-            why = _unlink_if_same(path, fd)
-            f.removed = not why
-            if why:
-                f.detail += "; " + why
-        return f
+        return _remove_if(remove, f, path, fd)
     finally:
         os.close(fd)
 
