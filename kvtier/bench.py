@@ -357,8 +357,10 @@ def run_bench(preset: str = DEFAULT_PRESET, tokens: int = DEFAULT_TOKENS, blocks
                                    o_direct, 0)
                 else:
                     mgr = mgrs[("store", m)]
-                    shutil.rmtree(mgr.file_mapper.rank_path)
-                    os.makedirs(mgr.file_mapper.rank_path)
+                    rank = mgr.file_mapper.rank_path  # emptied, not replaced: the tier watches
+                    for name in os.listdir(rank):       # its directory's identity (root lost)
+                        q = os.path.join(rank, name)
+                        shutil.rmtree(q) if os.path.isdir(q) else os.unlink(q)
                     s = _pass(mgr, "store", keys, store_jobs, job_base)
                     job_base += store_jobs
                 samples.setdefault(("store", m), []).append(s + (0,))
