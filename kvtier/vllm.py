@@ -424,13 +424,20 @@ class KvtierTier(SecondaryTierManager):
         self._engine.drain()
 
     def shutdown(self) -> None:
-        """Stop the lookup thread and the pool: queued jobs never run (each reported once
-        as failed, should anyone still poll), running ones finish, threads joined."""
+        """Stop and free the tier, as the standalone tier's ``shutdown()`` does
+        (:meth:`kvtier.engine.TierEngine.shutdown`): the lookup thread stops (its batch
+        returns within ``lookup_timeout_s``); queued jobs never run (each reported once
+        as failed, should anyone still poll); running ones finish or are reported failed
+        at their deadline (``io_timeout_s``: it never waits longer); the threads not
+        stuck are joined.  The tier and its engine then drop their references to the
+        primary view, so vLLM can unmap it.  A thread stuck in the filesystem keeps its
+        own until its call returns (the buffer is not released under it): vLLM then keeps
+        the mapping (it warns) but still removes its /dev/shm file.  Never raises for a
+        stuck thread, so vLLM goes on to shut its primary tier down.  Idempotent."""
         self._lookup.shutdown()
         for job_id in self._engine.shutdown(wait=True):
             self._discarded.append(JobResult(job_id=job_id, success=False, transfer_bytes=0))
-        if self._flat is not self._primary_kv_view:
-            self._flat.release()  # no thread runs: let vLLM unmap the primary region
+        self._flat = self._primary_kv_view = None  # a running job holds its own (Job.view)
 
     def __repr__(self) -> str:
         return (f"KvtierTier({self.tier_label}, root={self.root_dir!r}, checksum_blocks={self.checksum_blocks}, "

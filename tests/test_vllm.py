@@ -618,3 +618,112 @@ def test_constructor_names_the_root_when_it_stops_answering_after_the_probes(har
         assert ei.value.filename == root
     finally:
         gate.set()
+
+
+# ------------------------------------------------------------------ shutdown
+class _Export:
+    """A C-level export of a buffer (``PyObject_GetBuffer`` .. ``PyBuffer_Release``), as the
+    C core holds the primary view for the whole of a batch call (csrc/module.c)."""
+
+    def __init__(self, obj) -> None:
+        import ctypes
+
+        class PyBuffer(ctypes.Structure):
+            _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t),
+                        ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
+                        ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+                        ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
+
+        self._api = ctypes.pythonapi
+        self._buf = PyBuffer()
+        self._ref = ctypes.byref(self._buf)
+        assert self._api.PyObject_GetBuffer(ctypes.py_object(obj), self._ref, 0) == 0
+
+    def release(self) -> None:
+        self._api.PyBuffer_Release(self._ref)
+
+
+def test_shutdown_frees_the_primary_for_vllm(harness, tmp_path):
+    """vLLM's manager.shutdown() after stores and loads through kvtier: the tier holds
+    nothing of the primary (vLLM closes its mmap and removes the /dev/shm file), and a
+    shut-down tier refuses new jobs."""
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    h = harness("kvtier")
+    (a,) = h.tiers
+    ks, data = keys_and_data(4, salt=21)
+    h.store(ks, data)
+    h.wait_tiers()
+    h.reset()
+    rc = h.ctx()
+    assert all(s[-1] == "HIT" for s in h.lookup_all(ks, rc).values())
+    assert h.load(ks, rc) == data
+    h.finish(rc)
+    region = h.manager.primary_tier._mmap_region
+    path = region.mmap_path
+    assert os.path.exists(path)
+    h.close()
+    assert region.mmap_obj is None and not os.path.exists(path)  # unmapped and removed by vLLM
+    assert a._flat is None and a._engine.view is None
+    a.shutdown()  # idempotent
+    with pytest.raises(RuntimeError, match="shut down"):
+        a.submit_load(TransferJob(1, ks[:1], np.array([0], dtype=np.int32), True, ReqContext(req_id="r")))
+
+
+def test_shutdown_with_a_stuck_load_returns_at_the_deadline_and_frees_the_rest(vllm, tmp_path, monkeypatch):
+    """A load stuck in the filesystem (its I/O call holds the primary view, as the C core
+    does) when vLLM shuts down: the tier's shutdown returns at io_timeout_s without an
+    error, so vLLM shuts its primary tier down too (the /dev/shm file removed; vLLM keeps
+    the mapping while the stuck call exports it). The stuck call is the only holder: once
+    it returns, the mapping can be closed."""
+    import gc
+    import threading
+    import time
+
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    from vllm_harness import Harness
+
+    from kvtier import io as kio
+
+    h = Harness([tier_config("kvtier", str(tmp_path / "a"), io_timeout_s=0.5)], block_bytes=BS)  # closed here
+    (a,) = h.tiers
+    ks, data = keys_and_data(2, salt=23)
+    h.store(ks, data)
+    h.wait_tiers()
+    entered, gate = threading.Event(), threading.Event()
+    real = kio.batch_load_block
+
+    def stuck(paths, view, *args, **kw):
+        export = _Export(view)
+        try:
+            entered.set()
+            gate.wait(60)  # the filesystem does not answer
+            return real(paths, view, *args, **kw)
+        finally:
+            export.release()
+
+    monkeypatch.setattr(kio, "batch_load_block", stuck)
+    region = h.manager.primary_tier._mmap_region
+    path = region.mmap_path
+    worker = a._engine.threads[0]
+    try:
+        a.submit_load(TransferJob(5, ks, np.array([10, 11], dtype=np.int32), True, ReqContext(req_id="r")))
+        assert entered.wait(30)
+        t0 = time.monotonic()
+        h.close()  # vLLM's manager.shutdown(): raises if a tier's shutdown raises
+        assert 0.3 < time.monotonic() - t0 < 5
+        assert not os.path.exists(path)  # vLLM removed the file
+        assert region.mmap_obj is not None and not region.mmap_obj.closed  # kept mapped: still exported
+        assert a._flat is None and a._engine.view is None
+        assert [(r.job_id, r.success) for r in a.get_finished_jobs()] == [(5, False)]
+    finally:
+        gate.set()
+        if os.path.exists(path):  # the shutdown failed: do not leave the region behind
+            os.unlink(path)
+    worker.join(30)
+    assert not worker.is_alive()
+    gc.collect()
+    region.mmap_obj.close()  # BufferError while anything of the tier still exports it
