@@ -43,6 +43,10 @@ GIB = 1 << 30
 CELLS = ("fs", "kvtier-off", "kvtier-on")
 
 
+def loadavg() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -158,7 +162,8 @@ def main(argv=None) -> int:
     print(f"vLLM {vllm.__version__} fs tier ({fs_io}) vs kvtier {kvtier.__version__} "
           f"(io {kio.backend}, CRC32C {kvtier.crc32c_backend}); {args.jobs} jobs in flight, "
           f"{args.total_mib} MiB per pass, median of {args.repeat}, 16+16 threads per tier")
-    print(f"root: {args.root or tempfile.gettempdir()}; {os.cpu_count()} CPUs")
+    print(f"root: {args.root or tempfile.gettempdir()}; {os.cpu_count()} CPUs; load average {loadavg()} "
+          f"(1/5/15 min: other work on the host slows every cell alike; the ratios are fairer than the GB/s)")
     hdr = (f"{'block':>6} {'tier':<11} {'store GB/s':>10} {'load GB/s':>10} {'store CPU s/GiB':>15} "
            f"{'load CPU s/GiB':>14} {'store x fs':>10} {'load x fs':>9}")
     print(hdr)
@@ -171,7 +176,8 @@ def main(argv=None) -> int:
             ratio = "" if cell == "fs" else f"{c['store_gbs'] / fs['store_gbs']:>10.2f} {c['load_gbs'] / fs['load_gbs']:>9.2f}"
             print(f"{mib:>4}Mi {cell:<11} {c['store_gbs']:>10.2f} {c['load_gbs']:>10.2f} "
                   f"{c['store_cpu_per_gib']:>15.3f} {c['load_cpu_per_gib']:>14.3f} {ratio}")
-        print(f"       ({r['blocks']} blocks per pass; O_DIRECT fs/off/on: {r['o_direct']})")
+        print(f"       ({r['blocks']} blocks per pass; O_DIRECT fs/off/on: {r['o_direct']}; "
+              f"load average after: {loadavg()})")
     return 0
 
 
