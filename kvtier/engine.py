@@ -184,6 +184,27 @@ class Counters:
 
 # ---------------------------------------------------------------------- jobs
 
+def check_no_duplicates(job_id: Hashable, keys: Sequence[Any], paths: Sequence[str], offsets: Sequence[int],
+                        is_promotion: bool, block_size: int) -> None:
+    """ValueError naming the first duplicate of a job, if any: a load with two blocks
+    into one row of the buffer (the same offset twice: which block would the row hold?),
+    or a store with one key twice (the same file twice: stored twice, counted twice).  A
+    load of one key into two rows, or a store of one row under two keys, is allowed."""
+    seen: Dict[Any, int] = {}
+    items = offsets if is_promotion else paths
+    if len(set(items)) == len(items):  # the common case: one C-level pass
+        return
+    for i, x in enumerate(items):
+        j = seen.setdefault(x, i)
+        if j == i:
+            continue
+        if is_promotion:
+            raise ValueError(f"load job {job_id!r}: blocks {j} and {i} ({keys[j]!r} and {keys[i]!r}) both load "
+                             f"into row {x // block_size} (byte offset {x}): duplicate chunk_id; nothing done")
+        raise ValueError(f"store job {job_id!r}: key {keys[i]!r} twice (blocks {j} and {i}, file {x}): "
+                         f"duplicate key; nothing done")
+
+
 @dataclass(eq=False)  # identity: a running job is a member of the engine's set
 class Job:
     """A queued job: ``keys[i]`` (opaque to the engine) <-> file ``paths[i]`` <-> bytes
@@ -330,11 +351,16 @@ class TierEngine:
                is_promotion: bool) -> None:
         """Queue a job (non-blocking).  ``offsets``: byte offsets into the view, already
         checked by the caller.  A job without keys finishes at once.  Raises ValueError
-        for a job id not yet collected, RuntimeError after :meth:`shutdown`, and whatever
-        ``path_of`` raises (nothing queued)."""
+        for a job id not yet collected, for a load with two blocks into one row (the same
+        offset twice) or a store with one key twice (the same path twice), naming the
+        duplicate (:func:`check_no_duplicates`); RuntimeError after :meth:`shutdown`, and
+        whatever ``path_of`` raises.  An error leaves nothing queued, no byte moved and the
+        job id free."""
         keys = tuple(keys)
         paths = [self.path_of(k) for k in keys]
-        job = Job(job_id, keys, paths, list(offsets), is_promotion)
+        offsets = list(offsets)
+        check_no_duplicates(job_id, keys, paths, offsets, is_promotion, self.block_size)
+        job = Job(job_id, keys, paths, offsets, is_promotion)
         with self._cond:
             if self._stop:
                 raise RuntimeError("the tier is shut down")

@@ -483,7 +483,8 @@ class FileSystemTierManager:
         """Queue a store (cascade): block ``chunk_ids[i]`` of the buffer -> file of ``keys[i]``.
 
         Existing files are skipped (counted as stored).  Non-blocking.  Raises TypeError /
-        ValueError for a bad job (before queueing), ValueError for a job id still in use,
+        ValueError for a bad job (before queueing; a key twice, or for a load a chunk_id
+        twice, is a ValueError naming it), ValueError for a job id still in use,
         RuntimeError after :meth:`shutdown`.
         """
         self._submit(job, False)

@@ -383,7 +383,15 @@ class KvtierTier(SecondaryTierManager):
         return [int(c) * bs for c in job.chunk_ids]
 
     def submit_store(self, job_metadata) -> None:
-        self._engine.submit(job_metadata.job_id, job_metadata.keys, self._offsets(job_metadata), False)
+        """Queue the store.  vLLM's manager passes a key offered twice in one
+        ``complete_store`` on as it is (the same key and row twice; vLLM's fs tier writes the
+        file twice): such an exact repeat is stored once.  One key from two different rows
+        is a ValueError (:func:`kvtier.engine.check_no_duplicates`), as in the standalone tier."""
+        keys, offsets = list(job_metadata.keys), self._offsets(job_metadata)
+        if len(set(keys)) != len(keys):
+            pairs = dict.fromkeys(zip(keys, offsets))  # first occurrences, in order
+            keys, offsets = [k for k, _ in pairs], [o for _, o in pairs]
+        self._engine.submit(job_metadata.job_id, keys, offsets, False)
 
     def submit_load(self, job_metadata) -> None:
         self._engine.submit(job_metadata.job_id, job_metadata.keys, self._offsets(job_metadata), True)

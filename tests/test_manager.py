@@ -326,6 +326,46 @@ def test_job_ids_and_validation(tier, monkeypatch):
     assert m.get_finished_jobs() == [JobResult(9, True, (), 0.0, 0, False, True)]
 
 
+def test_duplicates_in_a_job_are_a_value_error_before_any_io(tmp_path, io_backend, monkeypatch):
+    """Two loads into one row, or one key stored twice, in one job: ValueError naming the
+    duplicate, raised by submit before any I/O (no batch call, no file, the row
+    untouched) with the job id still free.  A load of one key into two rows and a store
+    of one row under two keys are fine (both backends)."""
+    calls = []
+
+    def spy(real):
+        return lambda *a, **kw: (calls.append(len(a[0])), real(*a, **kw))[1]
+
+    monkeypatch.setattr(kio, "batch_store_block", spy(io_backend.batch_store_block))
+    monkeypatch.setattr(kio, "batch_load_block", spy(io_backend.batch_load_block))
+    buf = rand_buf()
+    data = buf.copy()
+    m = mk(buf, tmp_path / "c", checksum_blocks=True)
+    try:
+        k = keys_for(3)
+        with pytest.raises(ValueError, match=r"store job 1: key .*ab.* twice \(blocks 0 and 2, file .*\.bin\)"):
+            m.submit_store(TransferJob(1, [k[0], k[1], k[0]], [0, 1, 2]))
+        assert calls == [] and not any(f.endswith(".bin") for _, _, fs in os.walk(tmp_path / "c") for f in fs)
+        assert run(m, TransferJob(1, k, [0, 1, 2]), load=False).success  # the id is free
+        assert calls == [3]
+        with pytest.raises(ValueError, match=r"load job 2: blocks 1 and 2 .* both load into row 9 "
+                                             r"\(byte offset 147456\): duplicate chunk_id"):
+            m.submit_load(TransferJob(2, k, [8, 9, 9]))
+        assert calls == [3] and np.array_equal(buf[8:10], data[8:10])
+        assert m.drain_jobs(1) and m.get_finished_jobs() == []
+        buf[10:12] = 0
+        r = run(m, TransferJob(2, [k[1], k[1]], [10, 11]), load=True)  # one key into two rows
+        assert r.success and np.array_equal(buf[10], data[1]) and np.array_equal(buf[11], data[1])
+        k2 = keys_for(2, salt=4)
+        assert run(m, TransferJob(3, k2, [5, 5]), load=False).success  # one row under two keys
+        buf[12:14] = 0
+        assert run(m, TransferJob(4, k2, [12, 13]), load=True).success
+        assert np.array_equal(buf[12], data[5]) and np.array_equal(buf[13], data[5])
+        assert calls == [3, 2, 2, 2]
+    finally:
+        m.shutdown()
+
+
 def test_read_and_write_threads_steal(tier, monkeypatch):
     m, _ = tier(n_read_threads=1, n_write_threads=1)
     k = keys_for(2)

@@ -620,6 +620,37 @@ def test_constructor_names_the_root_when_it_stops_answering_after_the_probes(har
         gate.set()
 
 
+@pytest.mark.parametrize("kind", TIERS)
+def test_a_key_offered_twice_is_stored_once_as_vllm_passes_it(harness, kind):
+    """vLLM's manager does not dedupe the keys of one store: [k0, k1, k0] reaches a tier as
+    a store job with k0 twice from the same row (vLLM's fs tier writes it twice). kvtier
+    stores it once without an error (its standalone engine refuses a key twice), and
+    every block loads back; a conflicting duplicate stays a ValueError."""
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    h = harness(kind)
+    (a,) = h.tiers
+    seen = []
+    real = a.submit_store
+    a.submit_store = lambda job: (seen.append((list(job.keys), [int(c) for c in job.chunk_ids])), real(job))[1]
+    ks, data = keys_and_data(2, salt=31)
+    h.store([ks[0], ks[1], ks[0]], [data[0], data[1], data[0]])
+    h.wait_tiers()
+    ((keys, rows),) = seen
+    assert keys == [ks[0], ks[1], ks[0]] and rows[0] == rows[2] != rows[1]
+    if kind != "fs":
+        snap = a.counters()
+        assert (snap["store_jobs"], snap["store_failures"], snap["bytes_written"]) == (1, 0, 2 * BS)
+        with pytest.raises(ValueError, match="twice"):
+            real(TransferJob(77, [ks[0], ks[0]], np.array([3, 4], dtype=np.int32), False, ReqContext(req_id="r")))
+    h.reset()
+    rc = h.ctx()
+    assert all(s[-1] == "HIT" for s in h.lookup_all(ks, rc).values())
+    assert h.load(ks, rc) == data
+    h.finish(rc)
+
+
 # ------------------------------------------------------------------ shutdown
 class _Export:
     """A C-level export of a buffer (``PyObject_GetBuffer`` .. ``PyBuffer_Release``), as the
