@@ -11,3 +11,19 @@ def plain_text(doc: str) -> str:
     indentation stay as they are."""
     doc = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", doc)
     return re.sub(r"``([^`]+)``", r"\1", doc)
+
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+
+
+def human_bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps the number >= 1, one decimal
+    ("4.0 MiB", "1.5 KiB", "512 B"), so a non-zero size never prints as zero."""
+    if n < 1024:
+        return f"{int(n)} B"
+    i = 0
+    x = float(n)
+    while x >= 1024 and i < len(_UNITS) - 1:
+        x /= 1024
+        i += 1
+    return f"{x:.1f} {_UNITS[i]}"

@@ -417,7 +417,10 @@ def check_space(root: str) -> Check:
     free = st.f_bavail * st.f_frsize
     d = {"free_bytes": free, "total_bytes": st.f_blocks * st.f_frsize, "free_inodes": st.f_favail,
          "total_inodes": st.f_files}
-    text = f"{free / 2**30:.1f} GiB free of {st.f_blocks * st.f_frsize / 2**30:.1f} GiB, {st.f_favail} of {st.f_files} inodes free"
+    from kvtier._clitext import human_bytes
+
+    text = (f"{human_bytes(free)} free of {human_bytes(st.f_blocks * st.f_frsize)}, {st.f_favail} of "
+            f"{st.f_files} inodes free")
     if st.f_blocks == 0:
         return Check("space", WARN, "no size reported (ramfs-like): the cache can fill the machine's RAM",
                      "use a filesystem with a size limit (tmpfs size=, a disk)", d)

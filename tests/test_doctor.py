@@ -85,6 +85,21 @@ def test_read_only_mount_fails():
         assert "EROFS" in check(d, "writable")["detail"]
 
 
+def test_sizes_print_in_a_unit_that_never_rounds_to_zero():
+    """A 4 MiB filesystem's space is printed in MiB (it printed "0.0 GiB free of 0.0 GiB")."""
+    from kvtier._clitext import human_bytes
+    from kvtier.doctor import check_space
+
+    assert [human_bytes(n) for n in (0, 1, 1023, 1024, 1536, 4 << 20, 5 << 30, 3 << 40)] == \
+        ["0 B", "1 B", "1023 B", "1.0 KiB", "1.5 KiB", "4.0 MiB", "5.0 GiB", "3.0 TiB"]
+    with mount_tmpfs(size="4m") as root:
+        with open(os.path.join(root, "f"), "wb") as f:
+            f.write(b"\0" * (1 << 20))
+        c = check_space(root)
+        assert c.status == "warn" and c.data["total_bytes"] == 4 << 20
+        assert c.detail.startswith("3.0 MiB free of 4.0 MiB, "), c.detail
+
+
 def test_full_filesystem_fails_naming_enospc():
     with mount_tmpfs(size="8m") as root:
         with open(os.path.join(root, "fill"), "wb") as f:
