@@ -532,6 +532,62 @@ static void unlink_if_same(const char *path, int fd)
         unlink(path);
 }
 
+/* The directory every path of a load batch lies under, opened once (O_PATH):
+ * each block is then opened relative to it, so the kernel walks the shared
+ * components (the tier's root and rank directory, at least) once per batch
+ * instead of once per block (docs/block_io.md "Small blocks"). fd = -1: each
+ * path is opened whole. */
+typedef struct load_dir {
+    int fd;
+    size_t skip; /* the shared prefix, up to and including its last '/' */
+} load_dir;
+
+/* A batch of fewer blocks opens whole paths: the directory's open and close
+ * cost about what the shorter walks save over this many blocks. */
+#define KVT_BATCH_DIR_MIN 16
+
+static int openat_r(int at, const char *path, int flags)
+{
+    int fd;
+    EINTR_LOOP(fd = openat(at, path, flags), fd < 0)
+    return fd;
+}
+
+/* The batch's directory: the longest prefix of every path that ends in '/'
+ * (not "/" alone), opened O_PATH | O_DIRECTORY. Symlinks in it are followed
+ * as a whole path's open follows them; a name under it is opened with
+ * O_NOFOLLOW as before; a path equal to the prefix (nothing after the '/')
+ * is opened whole. A directory that does not open (gone, EACCES, EINTR ...)
+ * leaves every path to be opened whole, each with its own error. */
+static load_dir batch_dir(const char *const *paths, size_t n)
+{
+    load_dir d = {-1, 0};
+    if (n < KVT_BATCH_DIR_MIN)
+        return d;
+    const char *first = paths[0];
+    const char *slash = strrchr(first, '/');
+    if (slash == NULL)
+        return d;
+    size_t len = (size_t)(slash - first) + 1;
+    for (size_t i = 1; i < n && len > 1; i++) {
+        size_t k = 0;
+        while (k < len && paths[i][k] == first[k])
+            k++;
+        while (k > 0 && first[k - 1] != '/')
+            k--;
+        len = k;
+    }
+    if (len <= 1)
+        return d; /* nothing shared but "/" (or nothing) */
+    char *dir = strndup(first, len);
+    if (dir == NULL)
+        return d;
+    d.fd = open(dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    free(dir);
+    d.skip = d.fd >= 0 ? len : 0;
+    return d;
+}
+
 /* Open a block for reading. O_DIRECT at open (no fcntl) when asked and the
  * length is a multiple of the page: the engine reads O_DIRECT into its
  * page-aligned private memory. A filesystem refusing O_DIRECT at open
@@ -539,18 +595,23 @@ static void unlink_if_same(const char *path, int fd)
  * the engine. O_NOFOLLOW: a block is never a symlink (ELOOP, kept: nothing
  * outside the cache is read or removed). O_NONBLOCK: a FIFO or device at a
  * block path must not block the batch; a regular file ignores it. */
-static int open_block(const char *src, int want_direct, int *direct)
+static int open_block(const load_dir *dir, const char *src, int want_direct, int *direct)
 {
     const int fl = O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK;
+    int at = AT_FDCWD;
+    if (dir->fd >= 0 && src[dir->skip] != '\0') { /* under the batch's directory (batch_dir) */
+        at = dir->fd;
+        src += dir->skip;
+    }
     *direct = 0;
     if (want_direct) {
-        int fd = open_r(src, fl | O_DIRECT, 0);
+        int fd = openat_r(at, src, fl | O_DIRECT);
         if (fd >= 0 || errno != EINVAL) {
             *direct = fd >= 0;
             return fd;
         }
     }
-    return open_r(src, fl, 0);
+    return openat_r(at, src, fl);
 }
 
 /* What one open of a block saw (load_try), and what the previous open saw. */
@@ -732,8 +793,8 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
  * once, the page cache dropped), the failure path's fstat. Returns 0 or an
  * errno value with lk filled (lk->kind: a first short read / wrong size,
  * lk->cause: condemned, the file removed). */
-static int load_try(const char *src, uint8_t *buf, size_t len, int use_o_direct, int checksum, const uint8_t *id,
-                    kvt_job_state *js, load_look *lk, int *retried)
+static int load_try(const load_dir *dir, const char *src, uint8_t *buf, size_t len, int use_o_direct, int checksum,
+                    const uint8_t *id, kvt_job_state *js, load_look *lk, int *retried)
 {
     lk->kind = LT_OK;
     lk->cause = KVT_CAUSE_NONE;
@@ -744,7 +805,7 @@ static int load_try(const char *src, uint8_t *buf, size_t len, int use_o_direct,
         return ETIMEDOUT; /* expired before this block began */
     }
     int direct;
-    int fd = open_block(src, use_o_direct && len > 0 && len % 4096 == 0, &direct);
+    int fd = open_block(dir, src, use_o_direct && len > 0 && len % 4096 == 0, &direct);
     if (fd < 0)
         return errno;
 
@@ -781,8 +842,8 @@ static int load_try(const char *src, uint8_t *buf, size_t len, int use_o_direct,
  * an errno value with *op, and *cause when condemned. *retried = 1 if re-read
  * after a mismatch. The common path is open, fgetxattr (with checksums: the
  * identity record, which carries the CRC), the reads, close. */
-static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct, int checksum, kvt_job_state *js,
-                    int *op, int *cause, int *retried, unsigned long long *size)
+static int load_one(const load_dir *dir, const char *src, uint8_t *buf, size_t len, int use_o_direct, int checksum,
+                    kvt_job_state *js, int *op, int *cause, int *retried, unsigned long long *size)
 {
     *retried = 0;
     uint8_t id[KVT_ID_LEN] = {0};
@@ -791,7 +852,7 @@ static int load_one(const char *src, uint8_t *buf, size_t len, int use_o_direct,
     load_look lk = {LT_OK, LT_OK, KVT_CAUSE_NONE, KVT_OP_NONE, 0};
     int err = 0;
     for (int transient = 0, sightings = 0;;) {
-        err = load_try(src, buf, len, use_o_direct, checksum, id, js, &lk, retried);
+        err = load_try(dir, src, buf, len, use_o_direct, checksum, id, js, &lk, retried);
         if (err == 0 || lk.cause)
             break;
         if (lk.kind != LT_OK) { /* a first short read / wrong size: reopen and look again */
@@ -816,10 +877,11 @@ int kvt_batch_load(const char *const *src_paths, void *const *bufs, const size_t
                    int checksum, kvt_job_state *js, kvt_batch_result *res)
 {
     batch_begin(res, n);
+    load_dir dir = batch_dir(src_paths, n);
     for (size_t i = 0; i < n; i++) {
         int op = KVT_OP_NONE, cause = 0, retried = 0;
         unsigned long long size = 0;
-        int e = load_one(src_paths[i], (uint8_t *)bufs[i], lens[i], use_o_direct, checksum, js, &op, &cause,
+        int e = load_one(&dir, src_paths[i], (uint8_t *)bufs[i], lens[i], use_o_direct, checksum, js, &op, &cause,
                          &retried, &size);
         res->retried += (size_t)retried;
         if (!e && !kvt_job_block_done(js)) {
@@ -835,6 +897,8 @@ int kvt_batch_load(const char *const *src_paths, void *const *bufs, const size_t
             break;
         }
     }
+    if (dir.fd >= 0)
+        close(dir.fd);
     return batch_end(res);
 }
 

@@ -460,6 +460,56 @@ def test_missing_file_enoent_kept_going_nowhere(io_backend, tmp_path):
     assert np.array_equal(out[:bs], view[:bs]) and not out[bs:].any()
 
 
+@pytest.mark.parametrize("case", ["good", "missing", "symlink", "directory", "dir_itself", "dotdot", "linked_dir"])
+def test_batch_of_many_blocks_in_one_directory(io_backend, tmp_path, case):
+    """A batch of >= 16 blocks: the C core opens the directory they share once and each
+    block relative to it (fs_io.c batch_dir). Same bytes and the same errors as whole
+    paths: a missing block ENOENT, a symlink at a block path ELOOP, a directory EISDIR,
+    a path naming the shared directory itself, '..' inside the rest, a symlinked
+    shared directory (followed, as a whole path's open follows it)."""
+    bs, n, bad = 4096, 40, 23
+    view = rand_blocks(n, bs, seed=5)
+    real = tmp_path / "real"  # above the four components the identity record binds
+    paths = [str(real / "m_0123456789ab_r0" / f"{i % 4:03x}" / "00_g0" / f"blk{i}.bin") for i in range(n)]
+    io_backend.batch_store_block(paths, view, offsets_of(n, bs), bs, checksum=True)
+    want = None  # (errno, num_succeeded) or None: loads
+    if case == "missing":
+        os.unlink(paths[bad])
+        want = (errno.ENOENT, bad)
+    elif case == "symlink":
+        os.unlink(paths[bad])
+        os.symlink(paths[0], paths[bad])
+        want = (errno.ELOOP, bad)
+    elif case == "directory":
+        os.unlink(paths[bad])
+        os.mkdir(paths[bad])
+        want = (errno.EISDIR, bad)
+    elif case == "dir_itself":
+        paths[bad] = str(real / "m_0123456789ab_r0" / f"{bad % 4:03x}") + "/"
+        want = (errno.EISDIR, bad)
+    elif case == "dotdot":
+        os.mkdir(real / "x")
+        paths = [p.replace(str(real), str(real / "x" / "..")) for p in paths]
+    elif case == "linked_dir":
+        os.symlink(real, tmp_path / "link")
+        paths = [p.replace(str(real), str(tmp_path / "link")) for p in paths]
+    out = np.zeros(n * bs, dtype=np.uint8)
+    for checksum in (True, False):
+        out[:] = 0
+        if want is None:
+            io_backend.batch_load_block(paths, out, offsets_of(n, bs), bs, checksum=checksum)
+            assert np.array_equal(out, view)
+            continue
+        with pytest.raises(OSError) as ei:
+            io_backend.batch_load_block(paths, out, offsets_of(n, bs), bs, checksum=checksum)
+        err = ei.value
+        assert (err.errno, err.num_succeeded, err.checksum_failed) == (*want, False)
+        assert os.fsdecode(err.filename) == paths[bad]
+        assert np.array_equal(out[:bad * bs], view[:bad * bs]) and not out[(bad + 1) * bs:].any()
+    if want is not None and case != "missing":
+        assert os.path.lexists(paths[bad].rstrip("/"))  # kept
+
+
 def test_symlink_loop_eloop_kept(io_backend, tmp_path):
     a, b = str(tmp_path / "a.bin"), str(tmp_path / "b.bin")
     os.symlink(b, a)
