@@ -582,7 +582,7 @@ static load_dir batch_dir(const char *const *paths, size_t n)
     char *dir = strndup(first, len);
     if (dir == NULL)
         return d;
-    d.fd = open(dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    d.fd = open_r(dir, O_PATH | O_DIRECTORY | O_CLOEXEC, 0);
     free(dir);
     d.skip = d.fd >= 0 ? len : 0;
     return d;
@@ -598,20 +598,20 @@ static load_dir batch_dir(const char *const *paths, size_t n)
 static int open_block(const load_dir *dir, const char *src, int want_direct, int *direct)
 {
     const int fl = O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK;
-    int at = AT_FDCWD;
+    int at = -1;
     if (dir->fd >= 0 && src[dir->skip] != '\0') { /* under the batch's directory (batch_dir) */
         at = dir->fd;
         src += dir->skip;
     }
     *direct = 0;
     if (want_direct) {
-        int fd = openat_r(at, src, fl | O_DIRECT);
+        int fd = at >= 0 ? openat_r(at, src, fl | O_DIRECT) : open_r(src, fl | O_DIRECT, 0);
         if (fd >= 0 || errno != EINVAL) {
             *direct = fd >= 0;
             return fd;
         }
     }
-    return openat_r(at, src, fl);
+    return at >= 0 ? openat_r(at, src, fl) : open_r(src, fl, 0);
 }
 
 /* What one open of a block saw (load_try), and what the previous open saw. */

@@ -1242,6 +1242,53 @@ def test_eintr_once_everywhere_is_retried(io_backend, io_fault, tmp_path):
     assert sum(1 for f, _, p in log if f == "rename") == FAULT_N
 
 
+_MANY_SCRIPT = """
+import sys
+import numpy as np
+from kvtier import io
+d, n, bs, step = sys.argv[1], int(sys.argv[2]), 4096, sys.argv[4]
+assert io.backend == sys.argv[3], io.backend
+v = np.random.default_rng(6).integers(0, 256, n * bs, dtype=np.uint8)
+paths = [f"{d}/m/{i % 3:02x}/blk{i}.bin" for i in range(n)]
+offs = [i * bs for i in range(n)]
+o = np.zeros(n * bs, dtype=np.uint8)
+if step == "round_trip":
+    io.batch_store_block(paths, v, offs, bs, use_o_direct=False, checksum=True)
+    assert io.batch_load_block(paths, o, offs, bs, use_o_direct=False, checksum=True) == 0
+    assert np.array_equal(o, v)
+else:
+    try:
+        io.batch_load_block(paths, o, offs, bs, use_o_direct=False, checksum=True)
+    except PermissionError as e:
+        print(e.num_succeeded, e.filename)
+        assert np.array_equal(o[:e.num_succeeded * bs], v[:e.num_succeeded * bs])
+"""
+
+
+def test_open_faults_in_a_batch_under_one_directory(io_backend, io_fault, tmp_path):
+    """40 blocks (the C core opens them relative to the directory they share): the first
+    open of each block fails with EINTR and is retried (the round trip); then every open
+    of one block failing with EACCES stops the batch there, named by its whole path."""
+    d = tmp_path / "faulty"
+    d.mkdir()
+    log = tmp_path / "fault.log"
+
+    def run(step, **faults):
+        env = dict(os.environ, LD_PRELOAD=preload(io_fault), KVT_FAULT_LOG=str(log),
+                   KVTIER_IO_BACKEND=io_backend.backend, **faults)
+        r = subprocess.run([sys.executable, "-c", _MANY_SCRIPT, str(d), "40", io_backend.backend, step], env=env,
+                           cwd=str(ROOT), capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.split()
+
+    # the blocks' directories, not the shared one (d/m), start with d/m/0
+    run("round_trip", KVT_FAULT_DIR=str(d / "m" / "0"), KVT_FAULT_EINTR="open")
+    eintr = {p for f, k, p in (ln.split("\t") for ln in log.read_text().splitlines()) if (f, k) == ("open", "EINTR")}
+    assert {f"{d}/m/{i % 3:02x}/blk{i}.bin" for i in range(40)} <= eintr
+    bad = f"{d}/m/01/blk7.bin"
+    assert run("load", KVT_FAULT_DIR=bad, KVT_FAULT_ERRNO=f"open:{errno.EACCES}:-1") == ["7", bad]
+
+
 @pytest.mark.parametrize("limit", [12345, 5 * 4096])
 def test_short_transfers_round_trip(io_backend, io_fault, tmp_path, limit):
     """pread/pwrite move at most `limit` bytes per call (an unaligned limit

@@ -26,6 +26,7 @@
  *                            E: an error after a good read). The error policy
  *                            tests (tests/test_policy.py) walk docs/design.md's
  *                            table with it.
+ *   (open covers openat relative to a directory fd too, keyed by the whole path.)
  *   KVT_FAULT_LOG=path       one line per injected fault: "<func>\t<kind>\t<path>".
  *
  * glibc's headers may route pread/pwrite/open to their *64 names (and CPython's
@@ -53,6 +54,7 @@
         real_##name = (type)dlsym(RTLD_NEXT, #name);
 
 typedef int (*open_t)(const char *, int, ...);
+typedef int (*openat_t)(int, const char *, int, ...);
 typedef ssize_t (*pio_t)(int, void *, size_t, off_t);
 typedef ssize_t (*pwo_t)(int, const void *, size_t, off_t);
 typedef ssize_t (*piov_t)(int, const struct iovec *, int, off_t);
@@ -274,6 +276,52 @@ int open64(const char *path, int flags, ...)
     va_list ap;
     va_start(ap, flags);
     int r = do_open("open64", path, flags, ap);
+    va_end(ap);
+    return r;
+}
+
+/* openat relative to a directory fd (the C core's loads of a batch under one
+ * directory): the faults of "open", keyed by the whole path. */
+static int do_openat(const char *name, int dirfd, const char *path, int flags, va_list ap)
+{
+    char full[8200];
+    if (dirfd != AT_FDCWD && path[0] != '/') {
+        char dir[4096];
+        fd_path(dirfd, dir, sizeof dir);
+        snprintf(full, sizeof full, "%s/%s", dir, path);
+    } else {
+        snprintf(full, sizeof full, "%s", path);
+    }
+    mode_t mode = 0;
+    if (flags & (O_CREAT | O_TMPFILE))
+        mode = (mode_t)va_arg(ap, int);
+    if (eintr_once("open", full)) {
+        errno = EINTR;
+        return -1;
+    }
+    int e;
+    if (errno_fault("open", full, &e)) {
+        errno = e;
+        return -1;
+    }
+    openat_t real = (openat_t)dlsym(RTLD_NEXT, name);
+    return real(dirfd, path, flags, mode);
+}
+
+int openat(int dirfd, const char *path, int flags, ...)
+{
+    va_list ap;
+    va_start(ap, flags);
+    int r = do_openat("openat", dirfd, path, flags, ap);
+    va_end(ap);
+    return r;
+}
+
+int openat64(int dirfd, const char *path, int flags, ...)
+{
+    va_list ap;
+    va_start(ap, flags);
+    int r = do_openat("openat64", dirfd, path, flags, ap);
     va_end(ap);
     return r;
 }
