@@ -67,6 +67,7 @@ import operator
 import os
 import secrets
 import time
+from collections import abc as _abc
 from typing import Sequence, Union
 
 # torch CPU tensors are taken as their bytes, the same conversion as the C core
@@ -110,12 +111,16 @@ def _tmp_with(dest, tag: str):
     return f"{d}_{tag}.tmp"
 
 
+_STR, _INT = {str}, {int}
+
+
 def _check_paths(paths, what="paths") -> list:
-    if isinstance(paths, (str, bytes)) or not isinstance(paths, Sequence):
+    # a list first: isinstance() against an ABC costs more than the rest of a one-block check
+    if type(paths) is not list and (isinstance(paths, (str, bytes)) or not isinstance(paths, _abc.Sequence)):
         raise TypeError(f"{what} must be a sequence of paths, not {type(paths).__name__}")
     paths = list(paths)
     # fast path (the engine's str paths): one scan for NUL and empties, per-path checks only on a hit
-    if all(type(p) is str for p in paths) and "\0" not in "".join(paths) and all(paths):
+    if set(map(type, paths)) == _STR and "\0" not in "".join(paths) and all(paths):
         return paths
     for i, p in enumerate(paths):
         if not isinstance(p, (str, bytes)) and not hasattr(p, "__fspath__"):
@@ -166,7 +171,7 @@ def _check_blocks(paths, view, offsets, block_size, writable):
     # fast path: plain ints in range (one pass each); the checks below name the first bad one
     if type(offsets) is not list:
         offsets = list(offsets)
-    if not offsets or (all(type(o) is int for o in offsets) and min(offsets) >= 0 and max(offsets) <= limit):
+    if not offsets or (set(map(type, offsets)) == _INT and min(offsets) >= 0 and max(offsets) <= limit):
         return paths, mv, offsets, block_size
     ints = []
     for i, off in enumerate(offsets):
