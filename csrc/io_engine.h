@@ -14,7 +14,13 @@
  * k+1 is copied in (checksummed on the way) while piece k is written, so the
  * CRC is of the bytes written. Buffered loads go KVT_ENGINE_CHUNK at a time
  * through a cache-resident bounce buffer; other stores write from the
- * caller's buffer. */
+ * caller's buffer.
+ *
+ * Small blocks stay on the plain calls: a 4 KiB load is one pread of the
+ * block and the page past it into the bounce buffer, then one move, so with
+ * fs_io.c's open, fgetxattr and close four syscalls per block. Batching them
+ * through io_uring was measured slower (the kernel hands every fgetxattr to
+ * an io-wq worker): docs/block_io.md "Small blocks". */
 #ifndef KVTIER_IO_ENGINE_H
 #define KVTIER_IO_ENGINE_H
 
