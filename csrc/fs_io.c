@@ -351,6 +351,8 @@ static int store_try(const char *tmp, const char *dest, const uint8_t *buf, size
      * from it), so only when that is page aligned (else buffered). */
     int direct = 0;
     *op = KVT_OP_OPEN;
+    if (use_o_direct && len > 0 && len % 4096 == 0 && !checksum && ((uintptr_t)buf & 4095u) != 0)
+        kvt_count(KVT_C_BUFFERED_UNALIGNED); /* counted: the O_DIRECT asked for is not used */
     int fd = open_tmp(tmp, use_o_direct && len > 0 && len % 4096 == 0 && (checksum || ((uintptr_t)buf & 4095u) == 0),
                       &direct);
     if (fd < 0)

@@ -63,12 +63,13 @@ enum {
     KVT_C_DURABLE_EXISTING, /* existing block made durable by a durable store */
     KVT_C_REPLACED,         /* store replaced a non-block (symlink, FIFO, wrong size) */
     KVT_C_EXISTING,         /* store skipped: the block was already there (no bytes written) */
+    KVT_C_BUFFERED_UNALIGNED, /* store without checksum written buffered: O_DIRECT asked, buffer not page aligned */
     KVT_NCOUNTS
 };
 #define KVT_COUNT_NAMES                                                                                          \
     {"unverified", "unverified_miss", "reread_checksum", "reread_identity", "reread_short", "restat_size",      \
      "condemned_checksum", "condemned_identity", "condemned_size", "condemned_short", "retry_eintr",             \
-     "retry_eagain", "retry_estale", "durable_existing", "replaced", "existing"}
+     "retry_eagain", "retry_estale", "durable_existing", "replaced", "existing", "buffered_unaligned"}
 
 typedef struct kvt_counts {
     uint64_t v[KVT_NCOUNTS];

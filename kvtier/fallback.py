@@ -471,6 +471,8 @@ def _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, w
             # (as io_engine.c's private slots: the bytes written are the bytes checksummed),
             # whatever mv's address; without, one write straight from mv, only if it is aligned
             direct = use_o_direct and _try_direct(fd, mv, bounce=bool(checksum))
+            if use_o_direct and not checksum and not direct and _dio_usable(fd, mv, bounce=True):
+                _count_into(counts, "buffered_unaligned")  # only the buffer's address kept O_DIRECT off
             crc = 0
             if not checksum:  # one write of the whole block (as io_engine.c)
                 direct = _op("write", _write_full, fd, mv, 0, direct)

@@ -57,6 +57,9 @@ per label value seen or defined:
                                                    synced it (file and directory)
 ``kvtier:kv_offload_tiering_replaced``             stores that replaced a symlink, FIFO or file
                                                    of another size at the block path
+``kvtier:kv_offload_tiering_buffered_unaligned``   stores without checksum written buffered
+                                                   although O_DIRECT was on: the primary
+                                                   buffer is not page aligned
 =================================================  ============================================
 
 The labelled families (``FAMILIES``: the timeouts and the four policy families above) have
@@ -123,6 +126,7 @@ ROOT_LOST = "kvtier:kv_offload_tiering_root_lost"
 EXISTING = "kvtier:kv_offload_tiering_existing"
 DURABLE_EXISTING = "kvtier:kv_offload_tiering_durable_existing"
 REPLACED = "kvtier:kv_offload_tiering_replaced"
+BUFFERED_UNALIGNED = "kvtier:kv_offload_tiering_buffered_unaligned"
 
 LABELNAMES = ("tier",)
 
@@ -145,7 +149,7 @@ POLICY_FAMILIES: Dict[str, Tuple[str, str, Dict[str, str]]] = {
 #: The store side's policy counters, one unlabelled family each: name -> Counters snapshot
 #: key (the vLLM adapter exports them under the same names: kvtier.vllm.metrics).
 STORE_POLICY_COUNTERS: Dict[str, str] = {EXISTING: "existing", DURABLE_EXISTING: "durable_existing",
-                                         REPLACED: "replaced"}
+                                         REPLACED: "replaced", BUFFERED_UNALIGNED: "buffered_unaligned"}
 
 _DOCS = {
     READ_BYTES: "Total bytes read from secondary tiers into the primary tier.",

@@ -1224,6 +1224,32 @@ def test_o_direct_whatever_the_callers_alignment(io_backend, io_fault, tmp_path,
     assert kinds == want, lines
 
 
+def test_unaligned_unchecksummed_store_is_counted_buffered(io_backend, tmp_path):
+    """A store without checksum from a buffer 16 bytes past a page is written buffered
+    although O_DIRECT was asked for: counted per block as buffered_unaligned (the tier's
+    counter and metric of that name), so the silent fallback is visible. An aligned
+    buffer, a checksummed store (aligned slots) or use_o_direct=False is not counted;
+    the bytes round-trip either way."""
+    if not kio.probe_o_direct(str(tmp_path)):
+        pytest.skip(f"{tmp_path} does not accept O_DIRECT")
+    bs, n = 4096, 3
+    raw = np.random.default_rng(5).integers(0, 256, (n + 2) * bs, dtype=np.uint8)
+    start = (-raw.ctypes.data) % bs
+    aligned, off16 = raw[start:start + n * bs], raw[start + 16:start + 16 + n * bs]
+    offs = [i * bs for i in range(n)]
+    seen = {}
+    for name, buf, checksum, direct in [("off16", off16, False, True), ("aligned", aligned, False, True),
+                                        ("off16_crc", off16, True, True), ("off16_nodirect", off16, False, False)]:
+        paths = [str(tmp_path / f"{name}{i}.bin") for i in range(n)]
+        counts = {}
+        io_backend.batch_store_block(paths, buf, offs, bs, use_o_direct=direct, checksum=checksum, counts=counts)
+        seen[name] = counts.get("buffered_unaligned", 0)
+        out = np.zeros(n * bs, np.uint8)
+        io_backend.batch_load_block(paths, out, offs, bs, checksum=checksum)
+        assert np.array_equal(out, buf)
+    assert seen == {"off16": n, "aligned": 0, "off16_crc": 0, "off16_nodirect": 0}
+
+
 EINTR_FUNCS = ["open", "pwrite", "pread", "fsetxattr", "fgetxattr", "rename", "fsync", "close"]
 
 
