@@ -128,9 +128,10 @@ def _print_info(d: dict) -> None:
               f"blocks{not_c}")
         thp = eng.get("thp")
         if thp in ("always", "madvise"):
-            print(f"                O_DIRECT load slots: 2 x 2 MiB per I/O thread on transparent huge pages (THP {thp})")
+            print(f"                O_DIRECT slots (loads, checksummed stores): 2 x 2 MiB per I/O thread on transparent "
+                  f"huge pages (THP {thp})")
         else:
-            print(f"                O_DIRECT load slots: 2 x 2 MiB per I/O thread on 4 KiB pages (THP "
+            print(f"                O_DIRECT slots (loads, checksummed stores): 2 x 2 MiB per I/O thread on 4 KiB pages (THP "
                   f"{thp or 'not in this kernel'}): loads lose the speed of one segment per piece")
     if d.get("crc_copy_error"):
         print(f"CRC copy:       error: {d['crc_copy_error']}")

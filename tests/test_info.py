@@ -121,7 +121,8 @@ def test_info_reports_the_io_engine():
         thp = None
     assert d["io_engine"]["thp"] == thp
     pages = "transparent huge pages" if thp in ("always", "madvise") else "4 KiB pages"
-    assert f"O_DIRECT load slots: 2 x 2 MiB per I/O thread on {pages} (THP {thp or 'not in this kernel'}" in text
+    assert (f"O_DIRECT slots (loads, checksummed stores): 2 x 2 MiB per I/O thread on {pages} "
+            f"(THP {thp or 'not in this kernel'}") in text
     off = json.loads(run_info("--json", env={"KVTIER_IO_URING": "0"}).stdout)["io_engine"]
     assert (off["engine"], off["setting"]) == ("plain", "0")
     if built:
