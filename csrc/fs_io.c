@@ -314,6 +314,31 @@ static int lacks_crc_record(const char *dest)
     return lgetxattr_r(dest, KVT_XATTR_NAME, rec, sizeof rec) < 0 && errno == ENODATA;
 }
 
+/* The records of a checksummed store (kvt_store_records, io_engine.h), set
+ * on the open temp by the engine once the CRC is known (while the last piece
+ * is written, where it can): vLLM's record, and kvtier's identity record
+ * carrying the same CRC (what a load reads: one xattr). */
+typedef struct store_records {
+    int fd;
+    const char *dest;
+    size_t len;
+    int err; /* errno of the failed fsetxattr */
+} store_records;
+
+static int set_records(void *ctx, uint32_t crc)
+{
+    store_records *sr = ctx;
+    uint8_t idrec[KVT_ID_REC_LEN];
+    kvt_block_identity(sr->dest, sr->len, idrec);
+    put_be32(idrec + KVT_ID_LEN, crc);
+    if (fsetxattr_r(sr->fd, KVT_XATTR_NAME, idrec + KVT_ID_LEN, KVT_XATTR_LEN) != 0 ||
+        fsetxattr_r(sr->fd, KVT_ID_XATTR_NAME, idrec, sizeof idrec) != 0) {
+        sr->err = errno ? errno : EIO;
+        return -1;
+    }
+    return 0;
+}
+
 /* One try at storing one block. Returns 0, or an errno value with *op (the
  * temp is removed; a published block never is), or KVT_STORE_LATE: published,
  * but the job expired during the rename (job_state.h). */
@@ -359,18 +384,13 @@ static int store_try(const char *tmp, const char *dest, const uint8_t *buf, size
         return errno;
 
     uint32_t crc = 0;
+    store_records sr = {fd, dest, len, 0};
+    const kvt_store_records rec = {set_records, &sr};
     *op = KVT_OP_WRITE;
-    int err = kvt_engine_write(fd, buf, len, &direct, checksum, crc_copy_enabled(), &crc);
-    if (!err && checksum) {
-        /* vLLM's record, and kvtier's identity record carrying the same CRC
-         * (what a load reads: one xattr) */
-        uint8_t idrec[KVT_ID_REC_LEN];
-        kvt_block_identity(dest, len, idrec);
-        put_be32(idrec + KVT_ID_LEN, crc);
+    int err = kvt_engine_write(fd, buf, len, &direct, crc_copy_enabled(), checksum ? &rec : NULL, &crc);
+    if (err == KVT_WRITE_RECORD) {
+        err = sr.err;
         *op = KVT_OP_SETXATTR;
-        if (fsetxattr_r(fd, KVT_XATTR_NAME, idrec + KVT_ID_LEN, KVT_XATTR_LEN) != 0 ||
-            fsetxattr_r(fd, KVT_ID_XATTR_NAME, idrec, sizeof idrec) != 0)
-            err = errno;
     }
     if (!err && durable) { /* data before the name */
         *op = KVT_OP_SYNC;

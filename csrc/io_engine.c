@@ -392,21 +392,35 @@ static void stage(uint8_t *dst, const uint8_t *src, size_t n, int fused, uint32_
     }
 }
 
-/* O_DIRECT through io_uring, one write in flight: piece k+1 is copied into
- * the other slot (checksummed on the way) while piece k is written. The file
- * is first given its final size: a write that extends a file is one ext4 and
- * XFS do not issue without waiting (-EAGAIN under IOCB_NOWAIT, then an io_uring
- * kernel worker issues it and waits for it, updating the size each time); a
- * write inside the size is issued and left in flight. 0, EIO (the ring broke
- * with a write out: not retried, it may land late in the temp, which the
- * store removes), or EAGAIN (redo on the plain path; what was written lands
- * in the temp and is rewritten). */
-static int write_uring(kvt_uring *ring, int fd, const uint8_t *src, size_t len, uint8_t *priv, int fused,
-                       uint32_t *crc)
+/* The records of a checksummed store, set once the CRC is known (rec->set,
+ * fs_io.c): while the last piece is still being written on the ring, after
+ * the writes elsewhere. 0, or KVT_WRITE_RECORD when rec->set failed. */
+static int set_records(const kvt_store_records *rec, uint32_t crc)
 {
-    (void)ftruncate(fd, (off_t)len); /* refused (a FUSE fs without setattr): extending writes, as without it */
+    return rec == NULL || rec->set(rec->ctx, crc) == 0 ? 0 : KVT_WRITE_RECORD;
+}
+
+/* O_DIRECT through io_uring, one write in flight: piece k+1 is copied into
+ * the other slot (checksummed on the way) while piece k is written, and the
+ * records are set while the last piece is written. The temp is first given
+ * its blocks (fallocate: unwritten extents of the final size): ext4 and XFS
+ * issue a direct write from the submitting thread only when it overwrites
+ * blocks the file already has inside its size (else -EAGAIN under
+ * IOCB_NOWAIT, and io_uring hands the write to a kernel worker thread that
+ * issues it; on 2 busy vCPUs that worker waits for a CPU, 2-3x the store's
+ * time). ftruncate where fallocate is refused (a filesystem without it):
+ * then no extending writes at least. 0, KVT_WRITE_RECORD, EIO (the ring
+ * broke with a write out: not retried, it may land late in the temp, which
+ * the store removes), or EAGAIN (redo on the plain path; what was written
+ * lands in the temp and is rewritten, the records set again). */
+static int write_uring(kvt_uring *ring, int fd, const uint8_t *src, size_t len, uint8_t *priv, int fused,
+                       const kvt_store_records *rec, uint32_t *crc)
+{
+    if (fallocate(fd, 0, 0, (off_t)len) != 0)
+        (void)ftruncate(fd, (off_t)len); /* refused too (a FUSE fs without setattr): extending writes */
     size_t off = 0, n = store_piece(0, len);
     unsigned s = 0;
+    int rec_err = 0;
     *crc = 0;
     stage(priv, src, n, fused, crc);
     for (;;) {
@@ -415,22 +429,25 @@ static int write_uring(kvt_uring *ring, int fd, const uint8_t *src, size_t len, 
         size_t next = off + n, m = next < len ? store_piece(next, len) : 0;
         if (m > 0)
             stage(priv + (s ^ 1) * (size_t)KVT_SLOT, src + next, m, fused, crc);
+        else
+            rec_err = set_records(rec, *crc); /* the CRC is complete: hidden behind the last write */
         int r;
         if (ring_reap(ring, &r) != 0)
             return EIO;
         if (r < 0 || (size_t)r != n)
             return EAGAIN;
         if (m == 0)
-            return 0;
+            return rec_err;
         off = next;
         n = m;
         s ^= 1;
     }
 }
 
-int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int checksum, int fused, uint32_t *crc)
+int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int fused, const kvt_store_records *rec,
+                     uint32_t *crc)
 {
-    if (*direct && checksum) {
+    if (*direct && rec != NULL) {
         /* Through the private slots: the bytes written are the bytes
          * checksummed, and a slot on a huge page is one segment for the
          * device (docs/block_io.md "I/O engine"). */
@@ -444,7 +461,7 @@ int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int ch
                 kvt_uring_note_plain();
         }
         if (ring != NULL) {
-            int e = write_uring(ring, fd, src, len, priv, fused, crc);
+            int e = write_uring(ring, fd, src, len, priv, fused, rec, crc);
             if (e != EAGAIN)
                 return e;
             if ((priv = thread_priv()) == NULL)
@@ -460,12 +477,12 @@ int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int ch
             off += n;
         }
         *crc = c;
-        return 0;
+        return set_records(rec, c);
     }
     /* Without checksum (O_DIRECT or buffered): one write of the whole block
      * straight from the caller's buffer (vLLM's one call; chunks or a ring
      * would only add syscalls or a worker). */
-    if (!checksum)
+    if (rec == NULL)
         return kvt_write_full(fd, src, len, 0, direct) == 0 ? 0 : errno;
     /* Buffered with checksum: each chunk checksummed just before the kernel
      * copies it, while it is in the CPU cache. */
@@ -478,5 +495,5 @@ int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int ch
         off += n;
     }
     *crc = c;
-    return 0;
+    return set_records(rec, c);
 }

@@ -57,14 +57,30 @@ enum {
  * errno of a failed read. */
 int kvt_engine_read(int fd, uint8_t *dst, size_t len, int *direct, int move, kvt_job_state *js, uint32_t *crc);
 
+/* The records of a checksummed store: set(ctx, crc) sets them on the temp
+ * (fs_io.c) once the block's CRC32C is known; 0, or -1 (its errno kept by
+ * the caller in ctx). Called once per pass over the block (again, with the
+ * CRC of that pass, when a ring write is redone on the plain path). */
+typedef struct kvt_store_records {
+    int (*set)(void *ctx, uint32_t crc);
+    void *ctx;
+} kvt_store_records;
+
+#define KVT_WRITE_RECORD (-3) /* kvt_engine_write: rec->set failed */
+
 /* Write src[0, len) at offset 0 of `fd` (O_DIRECT when *direct, cleared if
- * refused); with `checksum` *crc = CRC32C(src). O_DIRECT with checksum: each
- * piece copied into the private slots and checksummed on the way (the fused
- * copy + CRC when `fused`, else the active backend's CRC and memcpy), through
- * io_uring while the previous piece is written; O_DIRECT without: one
- * pwrite from src; buffered: from src, each piece checksummed just before
- * the kernel copies it. Returns 0 or an errno value. */
-int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int checksum, int fused, uint32_t *crc);
+ * refused); with records `rec` (checksum on; NULL: off) *crc = CRC32C of the
+ * bytes written and rec->set(crc). O_DIRECT with checksum: each piece copied
+ * into the private slots and checksummed on the way (the fused copy + CRC
+ * when `fused`, else the active backend's CRC and memcpy); through io_uring
+ * (blocks of more than KVT_PIECE_MIN) the temp gets its blocks first
+ * (fallocate), piece k+1 is copied while piece k is written and the records
+ * are set while the last piece is written; else copy, pwrite, records.
+ * O_DIRECT without checksum: one pwrite from src; buffered: from src, each
+ * piece checksummed just before the kernel copies it, then the records.
+ * Returns 0, KVT_WRITE_RECORD, or an errno value. */
+int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int fused, const kvt_store_records *rec,
+                     uint32_t *crc);
 
 /* EINTR/short-transfer/O_DIRECT-refusal-safe pread/pwrite (plain path). */
 ssize_t kvt_read_full(int fd, uint8_t *p, size_t len, uint64_t off, int *direct);
