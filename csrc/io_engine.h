@@ -12,9 +12,12 @@
  * live, and the CRC is computed on private bytes nobody else can write.
  * Checksummed O_DIRECT stores go the other way through the same slots: piece
  * k+1 is copied in (checksummed on the way) while piece k is written, so the
- * CRC is of the bytes written. Buffered loads go KVT_ENGINE_CHUNK at a time
- * through a cache-resident bounce buffer; other stores write from the
- * caller's buffer.
+ * CRC is of the bytes written, and the records are set (a callback into
+ * fs_io.c) while the last piece is written; the temp gets its blocks first
+ * (fallocate) so the filesystem issues each write from this thread, not an
+ * io_uring worker. Buffered loads go KVT_ENGINE_CHUNK at a time through a
+ * cache-resident bounce buffer; other stores write from the caller's
+ * buffer.
  *
  * Small blocks stay on the plain calls: a 4 KiB load is one pread of the
  * block and the page past it into the bounce buffer, then one move, so with
