@@ -80,7 +80,7 @@ typedef struct kvt_store_records {
  * (fallocate), piece k+1 is copied while piece k is written and the records
  * are set while the last piece is written; else copy, pwrite, records.
  * O_DIRECT without checksum: one pwrite from src; buffered: from src, each
- * piece checksummed just before the kernel copies it, then the records.
+ * piece checksummed right after the kernel copied it, then the records.
  * Returns 0, KVT_WRITE_RECORD, or an errno value. */
 int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int fused, const kvt_store_records *rec,
                      uint32_t *crc);

@@ -144,3 +144,89 @@ def test_kernel_without_io_uring_falls_back(tmp_path, no_io_uring, setting):
     assert eng["plain_blocks"] >= 3 + 9
     if eng["liburing"]:
         assert eng["setup_errno"] == errno.ENOSYS
+
+
+RECORDS_SCRIPT = r"""
+import json, mmap, os, sys
+import numpy as np
+from kvtier import io, _C
+d, f = sys.argv[1], sys.argv[2]  # faults only under f (KVT_FAULT_DIR)
+if not io.probe_o_direct(d):
+    print("RESULT " + json.dumps({"no_direct": True}))
+    sys.exit(0)
+bs = 3 << 20  # 256 KiB + 256 KiB + 512 KiB + 1 MiB + 1 MiB: the records under the last write
+v = np.frombuffer(mmap.mmap(-1, bs), dtype=np.uint8)
+v[:] = np.random.default_rng(7).integers(0, 256, bs, dtype=np.uint8)
+crc = _C.crc32c(v).to_bytes(4, "big")
+res = {}
+
+def stored(p):
+    with open(p, "rb") as fh:
+        return fh.read() == v.tobytes() and os.getxattr(p, "user.vllm.kv_crc32c") == crc and \
+            os.getxattr(p, "user.kvtier.id")[8:] == crc
+
+p = os.path.join(f, "a.bin")
+try:
+    io.batch_store_block([p], v, [0], bs, use_o_direct=True, checksum=True, job_state=bytearray(8))
+    res["first"] = "ok" if stored(p) else "wrong"
+except OSError as e:
+    res["first"] = [e.errno, e.operation, os.path.exists(p)]
+q = os.path.join(d, "b.bin")  # outside f: no fault; the thread's ring and slots still serve
+io.batch_store_block([q], v, [0], bs, use_o_direct=True, checksum=True, job_state=bytearray(8))
+res["second"] = stored(q)
+res["temps"] = [n for n in os.listdir(f) + os.listdir(d) if n.endswith(".tmp")]
+res["engine"] = _C.io_engine_status()
+print("RESULT " + json.dumps(res))
+"""
+
+
+@pytest.fixture(scope="module")
+def io_fault(tmp_path_factory):
+    from test_block_io import build_preload
+    return build_preload(tmp_path_factory, "io_fault")
+
+
+@pytest.mark.parametrize("setting", ["1", "0"])
+@pytest.mark.parametrize("fault", ["fsetxattr", "fallocate"])
+def test_store_records_and_fallocate_faults(tmp_path, io_fault, setting, fault):
+    """A checksummed O_DIRECT store of several pieces sets its records while
+    the last piece is written (io_uring) or after the writes (plain): an
+    fsetxattr failing there (ENOSPC) fails the store as a record error
+    (operation "setxattr", errno kept), nothing published, no temp, and the
+    next store on the thread works (the write in flight was reaped). A
+    filesystem refusing fallocate (EOPNOTSUPP) stores the same bytes and
+    records (ftruncate, then the same writes); only the ring path asks for
+    it."""
+    from test_block_io import preload
+    if setting == "1":
+        _need_liburing()
+    d = tmp_path / "blocks"
+    f = d / "faulty"
+    f.mkdir(parents=True)
+    log = tmp_path / "faults.log"
+    code = errno.ENOSPC if fault == "fsetxattr" else errno.EOPNOTSUPP
+    e = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    e.update(KVTIER_IO_BACKEND="c", KVTIER_IO_URING=setting, LD_PRELOAD=preload(io_fault), KVT_FAULT_DIR=str(f),
+             KVT_FAULT_ERRNO=f"{fault}:{code}:-1", KVT_FAULT_LOG=str(log))
+    r = subprocess.run([sys.executable, "-c", RECORDS_SCRIPT, str(d), str(f)], capture_output=True, text=True,
+                       env=e, cwd=str(ROOT), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+    if res.get("no_direct"):
+        pytest.skip(f"{d} does not accept O_DIRECT")
+    eng = res["engine"]
+    if setting == "1" and eng["engine"] != "io_uring":
+        unavailable(f"the kernel refuses io_uring here ({os.strerror(eng['setup_errno'])})")
+    hits = log.read_text().splitlines() if log.exists() else []
+    if fault == "fsetxattr":
+        assert res["first"] == [errno.ENOSPC, "setxattr", False]
+        assert len(hits) >= 1 and all(h.startswith("fsetxattr\t") for h in hits)
+    else:
+        assert res["first"] == "ok"
+        # the ring path asks once per store under f; the plain path never
+        assert len(hits) == (1 if setting == "1" else 0), hits
+    assert res["second"] is True and res["temps"] == []
+    if setting == "1":
+        assert eng["uring_ops"] >= 2 * 4 and eng["plain_blocks"] == 0
+    else:
+        assert eng["uring_ops"] == 0 and eng["plain_blocks"] >= 2

@@ -23,7 +23,8 @@
  *                            preadv: E = 0 returns 0 bytes, an early end of file:
  *                            a short read), fgetxattr, fsetxattr, pwrite,
  *                            fdatasync, fsync, rename, close (closes, then reports
- *                            E: an error after a good read). The error policy
+ *                            E: an error after a good read), fallocate (fallocate,
+ *                            fallocate64: E = 95 is a filesystem without it). The error policy
  *                            tests (tests/test_policy.py) walk docs/design.md's
  *                            table with it.
  *   (open covers openat relative to a directory fd too, keyed by the whole path.)
@@ -438,6 +439,28 @@ ssize_t fgetxattr(int fd, const char *name, void *val, size_t n)
     }
     return real_fgetxattr(fd, name, val, n);
 }
+
+/* ---------------------------------------------------------------- fallocate */
+
+typedef int (*falloc_t)(int, int, off_t, off_t);
+
+static int do_fallocate(const char *name, int fd, int mode, off_t off, off_t len)
+{
+    static falloc_t real;
+    if (!real)
+        real = (falloc_t)dlsym(RTLD_NEXT, name);
+    char path[4096];
+    fd_path(fd, path, sizeof path);
+    int e;
+    if (errno_fault("fallocate", path, &e)) {
+        errno = e;
+        return -1;
+    }
+    return real(fd, mode, off, len);
+}
+
+int fallocate(int fd, int mode, off_t off, off_t len) { return do_fallocate("fallocate", fd, mode, off, len); }
+int fallocate64(int fd, int mode, off_t off, off_t len) { return do_fallocate("fallocate64", fd, mode, off, len); }
 
 /* ---------------------------------------------------------------- rename */
 
