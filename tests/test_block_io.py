@@ -281,6 +281,28 @@ def test_xattr_set_before_rename(io_backend, tmp_path, rename_spy, checksum):
             assert rec == f"-{errno.ENODATA}"
 
 
+def test_store_temp_tags_differ_per_call_and_per_process():
+    """The temp tag of a store call (kvtier.io._store_tag): 16 hex digits, a
+    new one every call, and a forked child draws its own base (not the
+    parent's next tags)."""
+    from kvtier import io
+    tags = [io._store_tag() for _ in range(1000)]
+    assert len(set(tags)) == 1000 and all(len(t) == 16 and int(t, 16) >= 0 for t in tags)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.write(w, " ".join(io._store_tag() for _ in range(3)).encode())
+        os._exit(0)
+    os.close(w)
+    child = os.read(r, 100).decode().split()
+    os.close(r)
+    os.waitpid(pid, 0)
+    ours = [io._store_tag() for _ in range(3)]
+    assert len(child) == 3 and not set(child) & set(ours + tags)
+    # the child's tags do not continue the parent's sequence
+    assert abs(int(child[0], 16) - int(ours[0], 16)) > 10_000
+
+
 # ---------------------------------------------------------------- checksum failures
 
 
