@@ -245,20 +245,28 @@ static int rw_fault(const char *func, int fd, size_t *len)
 
 /* ---------------------------------------------------------------- open */
 
+/* The faults of an open of `path` (whole path): 0, or -1 with errno set. */
+static int open_fault(const char *path)
+{
+    int e;
+    if (eintr_once("open", path)) {
+        errno = EINTR;
+        return -1;
+    }
+    if (errno_fault("open", path, &e)) {
+        errno = e;
+        return -1;
+    }
+    return 0;
+}
+
 static int do_open(const char *name, const char *path, int flags, va_list ap)
 {
     mode_t mode = 0;
     if (flags & (O_CREAT | O_TMPFILE))
         mode = (mode_t)va_arg(ap, int);
-    if (eintr_once("open", path)) {
-        errno = EINTR;
+    if (open_fault(path) != 0)
         return -1;
-    }
-    int e;
-    if (errno_fault("open", path, &e)) {
-        errno = e;
-        return -1;
-    }
     open_t real = (open_t)dlsym(RTLD_NEXT, name);
     return real(path, flags, mode);
 }
@@ -296,15 +304,8 @@ static int do_openat(const char *name, int dirfd, const char *path, int flags, v
     mode_t mode = 0;
     if (flags & (O_CREAT | O_TMPFILE))
         mode = (mode_t)va_arg(ap, int);
-    if (eintr_once("open", full)) {
-        errno = EINTR;
+    if (open_fault(full) != 0)
         return -1;
-    }
-    int e;
-    if (errno_fault("open", full, &e)) {
-        errno = e;
-        return -1;
-    }
     openat_t real = (openat_t)dlsym(RTLD_NEXT, name);
     return real(dirfd, path, flags, mode);
 }
