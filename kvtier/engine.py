@@ -22,8 +22,8 @@ Pieces, each in one place:
 - **Deadlines** (``io_timeout_s`` > 0): each running job has a deadline and a
   :class:`kvtier.io.JobState`; a watchdog thread reports a job past its deadline as failed
   (ETIMEDOUT) through ``JobState.expire()``, so the late I/O writes nothing more, and
-  replaces the thread stuck in it (up to ``max_stuck`` stuck threads; at the cap new jobs
-  fail fast with EAGAIN).  Lookups run off-thread under a deadline of their own
+  replaces the thread stuck in it (up to ``max_stuck`` stuck threads, twice the pool: N+1
+  stalls on N threads leave N-1 serving; at the cap new jobs fail fast with EAGAIN).  Lookups run off-thread under a deadline of their own
   (``lookup_timeout_s``, short: a lookup's caller is waiting) and never pile up on a
   hung filesystem: while one is stuck, the next answer misses at once
   (:mod:`kvtier.deadline`).  docs/tier.md, "Deadlines".
@@ -335,7 +335,10 @@ class TierEngine:
         self._healthy = {True: 0, False: 0}
         self._stuck = 0
         self._in_io = 0  # job threads in an I/O call under a deadline, stuck ones included
-        self.max_stuck = n_read_threads + n_write_threads
+        # the cap of threads in a filesystem call (stuck ones included): twice the pool, so
+        # the pool keeps all its threads serving while up to its size are stuck, and
+        # some beyond (N+1 stalls on N threads leave N-1); at the cap jobs fail fast
+        self.max_stuck = 2 * (n_read_threads + n_write_threads)
         # one stuck lookup is the cap: while the filesystem holds it, lookups answer
         # misses at once instead of queueing more threads (and callers) behind it
         self._lookups = OffThread(f"{thread_name}_lookup", max_stuck=1)

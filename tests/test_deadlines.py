@@ -131,54 +131,55 @@ def test_late_load_is_reported_once_and_never_writes_the_reused_row(backend, ff,
         assert r.success and np.array_equal(buf[4:7], data[0:3])
 
 
-def test_stalls_below_the_cap_leave_no_healthy_job_behind(backend, ff, area):
-    """4 threads (cap 4), 3 loads stalled in read, then 6 healthy loads: the
+def test_n_plus_1_stalls_on_n_threads_leave_no_healthy_job_behind(backend, ff, area):
+    """4 threads (cap 8), 5 loads stalled in read (N+1), then 6 healthy loads: the
     healthy ones all load (the stuck threads are replaced at the deadline), the
     stalled ones time out, every job gets exactly one result."""
     buf = filled(2)
     data = buf.copy()
     with tier_on(area, buf, n_read_threads=2, n_write_threads=2) as tier:
-        store_all(tier, range(9))
-        for i in range(3):
+        assert tier._engine.max_stuck == 8
+        store_all(tier, range(11))
+        for i in range(5):
             ff.stall("read", glob_of(tier, ff, key(i)))
         buf[:] = 0
-        for i in range(3):
+        for i in range(5):
             tier.submit_load(TransferJob(f"S{i}", [key(i)], [i]))
-        ff.wait_hits("stall_read", 3)
-        for i in range(3, 9):
+        ff.wait_hits("stall_read", 4)  # 4 threads in the stalls; S4 waits for a replacement
+        for i in range(5, 11):
             tier.submit_load(TransferJob(f"H{i}", [key(i)], [i]))
         assert tier.drain_jobs(3 * T + SLACK)
         res = {r.job_id: r for r in tier.get_finished_jobs()}
-        assert sorted(res) == sorted([f"S{i}" for i in range(3)] + [f"H{i}" for i in range(3, 9)])
-        for i in range(3, 9):
+        assert sorted(res) == sorted([f"S{i}" for i in range(5)] + [f"H{i}" for i in range(5, 11)])
+        for i in range(5, 11):
             assert res[f"H{i}"].success, res[f"H{i}"].error
             assert np.array_equal(buf[i], data[i])
-        for i in range(3):
+        for i in range(5):
             assert not res[f"S{i}"].success and res[f"S{i}"].error.errno == errno.ETIMEDOUT
         c = counters(tier)
-        assert c["load_timeouts"] == 3 and c["stuck_threads"] == 3
+        assert c["load_timeouts"] == 5 and c["stuck_threads"] == 5 and c["jobs_refused"] == 0
         ff.clear()
         wait_until(lambda: counters(tier)["stuck_threads"] == 0)
-        assert (buf[0:3] == 0).all()
+        assert (buf[0:5] == 0).all()
         assert tier.get_finished_jobs() == []
 
 
 def test_at_the_cap_of_stuck_threads_new_jobs_fail_fast(backend, ff, area):
-    """The cap is the pool's size (2 here): with 2 threads stuck, a new job
-    fails at once (EAGAIN) instead of queueing; when the filesystem answers
+    """The cap is twice the pool's size (4 here): with 4 threads stuck, a new
+    job fails at once (EAGAIN) instead of queueing; when the filesystem answers
     the tier serves again."""
     buf = filled(3)
     with tier_on(area, buf, n_read_threads=1, n_write_threads=1) as tier:
-        store_all(tier, range(3))
-        for i in range(2):
+        store_all(tier, range(5))
+        for i in range(4):
             ff.stall("read", glob_of(tier, ff, key(i)))
             tier.submit_load(TransferJob(f"S{i}", [key(i)], [i]))
-        ff.wait_hits("stall_read", 2)
+        ff.wait_hits("stall_read", 4)  # 2 at once, 2 more on the replacements
         assert tier.drain_jobs(T + SLACK)
-        assert counters(tier)["stuck_threads"] == 2
-        assert len(tier.get_finished_jobs()) == 2
+        assert counters(tier)["stuck_threads"] == 4
+        assert len(tier.get_finished_jobs()) == 4
         t0 = time.monotonic()
-        tier.submit_load(TransferJob("F", [key(2)], [2]))
+        tier.submit_load(TransferJob("F", [key(4)], [4]))
         tier.submit_store(TransferJob("G", [key(9)], [9]))
         assert tier.drain_jobs(SLACK)
         assert time.monotonic() - t0 < T  # not a deadline: at once
@@ -187,12 +188,12 @@ def test_at_the_cap_of_stuck_threads_new_jobs_fail_fast(backend, ff, area):
             "F": (False, errno.EAGAIN), "G": (False, errno.EAGAIN)}
         assert "stuck" in str(res["F"].error)
         c = counters(tier)
-        assert c["jobs_refused"] == 2 and c["load_timeouts"] == 2 and c["store_timeouts"] == 0
+        assert c["jobs_refused"] == 2 and c["load_timeouts"] == 4 and c["store_timeouts"] == 0
         assert tier.metrics.registry.get_sample_value("kvtier:kv_offload_tiering_jobs_refused_total",
                                                       {"tier": "1:kvtier"}) == 2
         ff.clear()
         wait_until(lambda: counters(tier)["stuck_threads"] == 0)
-        tier.submit_load(TransferJob("F", [key(2)], [2]))
+        tier.submit_load(TransferJob("F", [key(4)], [4]))
         assert tier.drain_jobs(30)
         (r,) = tier.get_finished_jobs()
         assert r.success, r.error
@@ -434,23 +435,23 @@ def test_shutdown_without_waiting_cancels_a_store_unless_it_is_renaming(backend,
 
 
 def test_more_stalls_than_the_cap_leave_at_most_the_cap_stuck(backend, ff, area):
-    """1+1 threads (cap 2) and 6 loads stalled in read: at most 2 threads are ever
+    """1+1 threads (cap 4) and 7 loads stalled in read: at most 4 threads are ever
     stuck (a job starts only while fewer than the cap are in the filesystem); the
-    2 that started time out, the other 4 fail fast (EAGAIN), each job once."""
+    4 that started time out, the other 3 fail fast (EAGAIN), each job once."""
     buf = filled(15)
     with tier_on(area, buf, n_read_threads=1, n_write_threads=1) as tier:
-        store_all(tier, range(6))
+        store_all(tier, range(7))
         ff.stall("read", "*")
-        for i in range(6):
+        for i in range(7):
             tier.submit_load(TransferJob(f"S{i}", [key(i)], [i]))
-        assert tier.drain_jobs(2 * T + SLACK)
+        assert tier.drain_jobs(3 * T + SLACK)
         res = {r.job_id: r.error.errno for r in tier.get_finished_jobs()}
-        assert sorted(res) == [f"S{i}" for i in range(6)]
-        assert sorted(res.values()) == [errno.EAGAIN] * 4 + [errno.ETIMEDOUT] * 2
+        assert sorted(res) == [f"S{i}" for i in range(7)]
+        assert sorted(res.values()) == [errno.EAGAIN] * 3 + [errno.ETIMEDOUT] * 4
         time.sleep(2 * T)  # a replacement that started a job would be stuck by now
         c = counters(tier)
-        assert (c["stuck_threads"], c["load_timeouts"], c["jobs_refused"]) == (2, 2, 4)
-        assert ff.hits("stall_read") == 2
+        assert (c["stuck_threads"], c["load_timeouts"], c["jobs_refused"]) == (4, 4, 3)
+        assert ff.hits("stall_read") == 4
         ff.clear()
         wait_until(lambda: counters(tier)["stuck_threads"] == 0)
         tier.submit_load(TransferJob("ok", [key(0)], [8]))

@@ -303,7 +303,7 @@ def test_storage_server_stopped_mid_load(dfs, dfs_dirs):
     pid = dfs.storage_pids[0]
     buf = np.zeros_like(src)
     deadline = 3.0
-    # threads: 2 x 16, so the stalled jobs (< 16) stay under the stuck-thread cap (its size)
+    # threads: 2 x 16, so the stalled jobs (< 16) stay under the stuck-thread cap (twice that)
     t = dfs_node.tier(buf, a, True, True, threads=16, io_timeout_s=deadline)
 
     ids = itertools.count()
