@@ -428,7 +428,9 @@ class TierEngine:
         failed, ECANCELED): once it returns, no job writes into the view or publishes a
         block, except a store already inside the rename of a block: that one is not
         cancelled, it finishes (or reaches its deadline) and is reported as what it is.
-        Returns the discarded job ids.  Idempotent; later submits raise
+        Without a deadline nothing can be cancelled: running jobs go on (a load writes
+        into its rows) until they end and are reported then.  Returns the discarded job
+        ids.  Idempotent; later submits raise
         RuntimeError.
 
         The engine drops its reference to the view here; a job already running keeps its
