@@ -42,12 +42,14 @@ recompute of those blocks."""
 
 def check_timeout(value: Any, name: str = "io_timeout_s") -> float:
     """``value`` as seconds (float >= 0; 0 = no deadline). TypeError for a
-    non-number or bool, ValueError for a negative, NaN or infinite value."""
+    non-number or bool, ValueError for a negative or NaN value or one above
+    ``threading.TIMEOUT_MAX`` (~292 years: the longest wait Python's locks take)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number of seconds (0 = no deadline), got {type(value).__name__}")
     v = float(value)
-    if not v >= 0 or v == float("inf"):
-        raise ValueError(f"{name} must be >= 0 and finite (0 = no deadline), got {value!r}")
+    if not 0 <= v <= threading.TIMEOUT_MAX:
+        raise ValueError(f"{name} must be >= 0 and at most {threading.TIMEOUT_MAX:.0f} s (threading.TIMEOUT_MAX; "
+                         f"0 = no deadline), got {value!r}")
     return v
 
 
