@@ -330,12 +330,17 @@ class FileMapper:
 
 
 def read_block_info(base_path: str) -> Optional[dict]:
-    """Contents of ``<base_path>/kvtier.json``, or None if absent."""
+    """Contents of ``<base_path>/kvtier.json``, or None if absent.  ValueError naming the
+    file if it is not JSON (e.g. empty, or garbage after a crash of another writer)."""
+    path = f"{base_path}/{BLOCK_INFO_FILENAME}"
     try:
-        with open(f"{base_path}/{BLOCK_INFO_FILENAME}", encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             return json.load(f)
     except FileNotFoundError:
         return None
+    except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON ({e}): it records the tier's block size; remove it "
+                         f"to have it written again") from None
 
 
 def write_block_info(base_path: str, block_bytes: int) -> bool:

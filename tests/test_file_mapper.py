@@ -111,6 +111,21 @@ def test_block_info_mismatch(tmp_path):
         fm.write_block_info(8192)
 
 
+@pytest.mark.parametrize("content", [b"", b"garbage", b"\xff\xfe{"])
+def test_block_info_not_json_names_the_file(tmp_path, content):
+    fm = make(str(tmp_path))
+    os.makedirs(fm.base_path)
+    path = os.path.join(fm.base_path, "kvtier.json")
+    with open(path, "wb") as f:
+        f.write(content)
+    for call in (fm.read_block_info, lambda: fm.write_block_info(4096)):
+        with pytest.raises(ValueError, match="kvtier.json is not valid JSON") as ei:
+            call()
+        assert path in str(ei.value)
+    with open(path, "rb") as f:
+        assert f.read() == content  # left as it was: the operator decides
+
+
 @pytest.mark.parametrize("kw,exc", [
     (dict(model_name=3), TypeError),
     (dict(model_name=""), ValueError),
