@@ -730,6 +730,7 @@ def test_shutdown_with_a_stuck_load_returns_at_the_deadline_and_frees_the_rest(v
     def stuck(paths, view, *args, **kw):
         export = _Export(view)
         try:
+            stuck_thread.append(threading.current_thread())  # the pool thread this call holds
             entered.set()
             gate.wait(60)  # the filesystem does not answer
             return real(paths, view, *args, **kw)
@@ -739,7 +740,7 @@ def test_shutdown_with_a_stuck_load_returns_at_the_deadline_and_frees_the_rest(v
     monkeypatch.setattr(kio, "batch_load_block", stuck)
     region = h.manager.primary_tier._mmap_region
     path = region.mmap_path
-    worker = a._engine.threads[0]
+    stuck_thread: list = []
     try:
         a.submit_load(TransferJob(5, ks, np.array([10, 11], dtype=np.int32), True, ReqContext(req_id="r")))
         assert entered.wait(30)
@@ -754,6 +755,7 @@ def test_shutdown_with_a_stuck_load_returns_at_the_deadline_and_frees_the_rest(v
         gate.set()
         if os.path.exists(path):  # the shutdown failed: do not leave the region behind
             os.unlink(path)
+    (worker,) = stuck_thread  # not threads[0]: any pool thread may have taken the load
     worker.join(30)
     assert not worker.is_alive()
     gc.collect()
