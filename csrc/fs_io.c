@@ -272,9 +272,11 @@ static int open_tmp(const char *tmp, int want_direct, int *direct)
             want_direct = 0;
             continue;
         }
-        /* ENOENT: make the parents and open again; ENOENT once they were made
-         * (a shared filesystem's name cache): again after a pause (policy.h) */
-        if (errno != ENOENT || tries > KVT_RETRY_ENOENT_STORE || make_parents(tmp) != 0)
+        /* ENOENT: make the parents and open again; ENOENT once they were made,
+         * or from a parent's mkdir (a shared filesystem's name cache not showing
+         * a directory just made, here or by another node): again after a pause
+         * (policy.h) */
+        if (errno != ENOENT || tries > KVT_RETRY_ENOENT_STORE || (make_parents(tmp) != 0 && errno != ENOENT))
             return -1;
         if (tries > 0) {
             struct timespec ts = {0, (long)(1000000L << tries)};

@@ -708,9 +708,10 @@ class TierEngine:
         t1 = time.monotonic()
         if err is not None:  # a job already reported (deadline, shutdown): its late outcome at debug
             late = job.state is not None and job.state.state == _io().EXPIRED
-            logger.log(logging.DEBUG if late else logging.WARNING, "%s job %r %s at block %d of %d: %s",
+            logger.log(logging.DEBUG if late else logging.WARNING, "%s job %r %s at block %d of %d (%s): %s",
                        "load" if job.is_promotion else "store", job.job_id,
-                       "(already reported failed) ended late" if late else "failed", n_ok, n, err)
+                       "(already reported failed) ended late" if late else "failed", n_ok, n,
+                       getattr(err, "operation", "") or "-", err)
         if counts.get("unverified") and t1 - self._warned_unverified >= UNVERIFIED_WARN_INTERVAL:
             self._warned_unverified = t1  # rate-limited: at most one per interval per tier
             logger.warning("loaded %d block(s) without a CRC32C record (stored by vLLM or with checksums "

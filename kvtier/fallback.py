@@ -384,8 +384,9 @@ def _op(name, fn, *args):
 
 def _open_tmp(tmp, flags):
     """Create a store's temp; on ENOENT make its parents and open again, and while ENOENT
-    persists once they were made (a shared filesystem's name cache), again after 2, 4 ...
-    512 ms (policy.RETRY_ENOENT_STORE, as csrc/fs_io.c open_tmp)."""
+    persists once they were made, or making them fails with ENOENT or EEXIST (a shared
+    filesystem's name cache), again after 2, 4 ... 512 ms (policy.RETRY_ENOENT_STORE, as
+    csrc/fs_io.c open_tmp)."""
     parent = _os.path.dirname(tmp)
     for tries in range(_policy.RETRY_ENOENT_STORE + 2):
         try:
@@ -393,7 +394,10 @@ def _open_tmp(tmp, flags):
         except FileNotFoundError:
             if not parent or tries > _policy.RETRY_ENOENT_STORE:
                 raise
-        _op("mkdir", _os.makedirs, parent, 0o755, True)
+        try:
+            _op("mkdir", _os.makedirs, parent, 0o755, True)
+        except (FileNotFoundError, FileExistsError):
+            pass  # a parent just made (here or by another node) not shown yet: again after the pause
         if tries > 0:
             _time.sleep((1000 << tries) / 1e6)
 

@@ -1337,6 +1337,16 @@ def test_open_faults_in_a_batch_under_one_directory(io_backend, io_fault, tmp_pa
     assert run("load", KVT_FAULT_DIR=bad, KVT_FAULT_ERRNO=f"open:{errno.EACCES}:-1") == ["7", bad]
 
 
+def test_parents_not_shown_yet_are_retried(io_backend, io_fault, tmp_path):
+    """Every mkdir of a store's parents fails once with ENOENT (a shared filesystem's name
+    cache not showing a directory another node just made: GlusterFS, two nodes storing
+    into new directories at once): the store pauses and makes them again (P21), and every
+    block round-trips."""
+    log = _run_under_faults(io_backend, io_fault, tmp_path, KVT_FAULT_ERRNO=f"mkdir:{errno.ENOENT}:1")
+    failed = {p for f, _, p in log if f == "mkdir"}
+    assert {str(tmp_path / "faulty" / "m" / f"{i:02x}") for i in range(FAULT_N)} <= failed
+
+
 @pytest.mark.parametrize("limit", [12345, 5 * 4096])
 def test_short_transfers_round_trip(io_backend, io_fault, tmp_path, limit):
     """pread/pwrite move at most `limit` bytes per call (an unaligned limit

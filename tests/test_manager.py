@@ -758,6 +758,26 @@ def test_prepare_root_retries_enoent_of_a_name_cache(tmp_path, monkeypatch):
     assert len(calls) == policy.RETRY_ENOENT_STORE + 1
 
 
+def test_prepare_root_retries_eexist_of_a_directory_not_shown_yet(tmp_path, monkeypatch):
+    """Two nodes making the rank directory at once: this node's mkdir answers EEXIST but
+    its stat does not show the directory yet (GlusterFS), so os.makedirs raises
+    FileExistsError: retried as ENOENT is, and the root is prepared."""
+    from kvtier import manager
+
+    real, calls = os.makedirs, []
+
+    def racing(path, *a, **kw):
+        calls.append(path)
+        if path.endswith("r0") and calls.count(path) == 1:
+            raise FileExistsError(errno.EEXIST, "File exists", path)
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(manager.os, "makedirs", racing)
+    root = str(tmp_path / "root")
+    manager.prepare_root(root, os.path.join(root, "r0"), False)
+    assert calls.count(os.path.join(root, "r0")) == 2 and os.listdir(os.path.join(root, "r0")) == []
+
+
 def test_drain_jobs_timeout_is_checked(tmp_path):
     """A timeout that is not a number of seconds is a clear TypeError / ValueError
     (not one from deep inside threading)."""

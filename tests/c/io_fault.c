@@ -24,7 +24,9 @@
  *                            a short read), fgetxattr, fsetxattr, pwrite,
  *                            fdatasync, fsync, rename, close (closes, then reports
  *                            E: an error after a good read), fallocate (fallocate,
- *                            fallocate64: E = 95 is a filesystem without it). The error policy
+ *                            fallocate64: E = 95 is a filesystem without it), mkdir
+ *                            (E = 2: a parent another node just made that this
+ *                            client's name cache does not show yet). The error policy
  *                            tests (tests/test_policy.py) walk docs/design.md's
  *                            table with it.
  *   (open covers openat relative to a directory fd too, keyed by the whole path.)
@@ -62,6 +64,7 @@ typedef ssize_t (*piov_t)(int, const struct iovec *, int, off_t);
 typedef int (*fsetx_t)(int, const char *, const void *, size_t, int);
 typedef ssize_t (*fgetx_t)(int, const char *, void *, size_t);
 typedef int (*rename_t)(const char *, const char *);
+typedef int (*mkdir_t)(const char *, mode_t);
 typedef int (*renameat_t)(int, const char *, int, const char *);
 typedef int (*fdop_t)(int);
 
@@ -326,6 +329,19 @@ int openat64(int dirfd, const char *path, int flags, ...)
     int r = do_openat("openat64", dirfd, path, flags, ap);
     va_end(ap);
     return r;
+}
+
+/* ---------------------------------------------------------------- mkdir */
+
+int mkdir(const char *path, mode_t mode)
+{
+    int e;
+    if (errno_fault("mkdir", path, &e)) {
+        errno = e;
+        return -1;
+    }
+    mkdir_t real = (mkdir_t)dlsym(RTLD_NEXT, "mkdir");
+    return real(path, mode);
 }
 
 /* ---------------------------------------------------------------- pwrite / pread */
