@@ -248,52 +248,25 @@ static int rw_fault(const char *func, int fd, size_t *len)
 
 /* ---------------------------------------------------------------- open */
 
-/* The faults of an open of `path` (whole path): 0, or -1 with errno set. */
-static int open_fault(const char *path)
+/* The faults of a call of `func` on `path` (KVT_FAULT_EINTR when `eintr`, then
+ * KVT_FAULT_ERRNO): 0, or -1 with errno set. */
+static int fault_at(const char *func, const char *path, int eintr)
 {
     int e;
-    if (eintr_once("open", path)) {
+    if (eintr && eintr_once(func, path)) {
         errno = EINTR;
         return -1;
     }
-    if (errno_fault("open", path, &e)) {
+    if (errno_fault(func, path, &e)) {
         errno = e;
         return -1;
     }
     return 0;
 }
 
-static int do_open(const char *name, const char *path, int flags, va_list ap)
-{
-    mode_t mode = 0;
-    if (flags & (O_CREAT | O_TMPFILE))
-        mode = (mode_t)va_arg(ap, int);
-    if (open_fault(path) != 0)
-        return -1;
-    open_t real = (open_t)dlsym(RTLD_NEXT, name);
-    return real(path, flags, mode);
-}
-
-int open(const char *path, int flags, ...)
-{
-    va_list ap;
-    va_start(ap, flags);
-    int r = do_open("open", path, flags, ap);
-    va_end(ap);
-    return r;
-}
-
-int open64(const char *path, int flags, ...)
-{
-    va_list ap;
-    va_start(ap, flags);
-    int r = do_open("open64", path, flags, ap);
-    va_end(ap);
-    return r;
-}
-
-/* openat relative to a directory fd (the C core's loads of a batch under one
- * directory): the faults of "open", keyed by the whole path. */
+/* open, or openat relative to a directory fd (the C core's loads of a batch
+ * under one directory): the faults of "open", keyed by the whole path; then the
+ * real `name` (open/open64 when dirfd is AT_FDCWD and name is not an openat). */
 static int do_openat(const char *name, int dirfd, const char *path, int flags, va_list ap)
 {
     char full[8200];
@@ -307,39 +280,36 @@ static int do_openat(const char *name, int dirfd, const char *path, int flags, v
     mode_t mode = 0;
     if (flags & (O_CREAT | O_TMPFILE))
         mode = (mode_t)va_arg(ap, int);
-    if (open_fault(full) != 0)
+    if (fault_at("open", full, 1) != 0)
         return -1;
+    if (strncmp(name, "openat", 6) != 0)
+        return ((open_t)dlsym(RTLD_NEXT, name))(path, flags, mode);
     openat_t real = (openat_t)dlsym(RTLD_NEXT, name);
     return real(dirfd, path, flags, mode);
 }
 
-int openat(int dirfd, const char *path, int flags, ...)
-{
-    va_list ap;
-    va_start(ap, flags);
-    int r = do_openat("openat", dirfd, path, flags, ap);
-    va_end(ap);
-    return r;
-}
-
-int openat64(int dirfd, const char *path, int flags, ...)
-{
-    va_list ap;
-    va_start(ap, flags);
-    int r = do_openat("openat64", dirfd, path, flags, ap);
-    va_end(ap);
-    return r;
-}
+/* The variadic entry points (open, open64, openat, openat64): `fn` with `params`
+ * calls do_openat with its name, the directory fd, path, flags and the va_list. */
+#define OPEN_ENTRY(fn, params, ...)                                                                           \
+    int fn params                                                                                                    \
+    {                                                                                                                \
+        va_list ap;                                                                                                  \
+        va_start(ap, flags);                                                                                         \
+        int r = do_openat(#fn, __VA_ARGS__, ap);                                                                      \
+        va_end(ap);                                                                                                  \
+        return r;                                                                                                    \
+    }
+OPEN_ENTRY(open, (const char *path, int flags, ...), AT_FDCWD, path, flags)
+OPEN_ENTRY(open64, (const char *path, int flags, ...), AT_FDCWD, path, flags)
+OPEN_ENTRY(openat, (int dirfd, const char *path, int flags, ...), dirfd, path, flags)
+OPEN_ENTRY(openat64, (int dirfd, const char *path, int flags, ...), dirfd, path, flags)
 
 /* ---------------------------------------------------------------- mkdir */
 
 int mkdir(const char *path, mode_t mode)
 {
-    int e;
-    if (errno_fault("mkdir", path, &e)) {
-        errno = e;
+    if (fault_at("mkdir", path, 0) != 0)
         return -1;
-    }
     mkdir_t real = (mkdir_t)dlsym(RTLD_NEXT, "mkdir");
     return real(path, mode);
 }
@@ -428,15 +398,8 @@ int fsetxattr(int fd, const char *name, const void *val, size_t n, int flags)
     REAL(fsetxattr, fsetx_t)
     char path[4096];
     fd_path(fd, path, sizeof path);
-    if (eintr_once("fsetxattr", path)) {
-        errno = EINTR;
+    if (fault_at("fsetxattr", path, 1) != 0)
         return -1;
-    }
-    int e;
-    if (errno_fault("fsetxattr", path, &e)) {
-        errno = e;
-        return -1;
-    }
     return real_fsetxattr(fd, name, val, n, flags);
 }
 
@@ -445,15 +408,8 @@ ssize_t fgetxattr(int fd, const char *name, void *val, size_t n)
     REAL(fgetxattr, fgetx_t)
     char path[4096];
     fd_path(fd, path, sizeof path);
-    if (eintr_once("fgetxattr", path)) {
-        errno = EINTR;
+    if (fault_at("fgetxattr", path, 1) != 0)
         return -1;
-    }
-    int e;
-    if (errno_fault("fgetxattr", path, &e)) {
-        errno = e;
-        return -1;
-    }
     return real_fgetxattr(fd, name, val, n);
 }
 
@@ -468,11 +424,8 @@ static int do_fallocate(const char *name, int fd, int mode, off_t off, off_t len
         real = (falloc_t)dlsym(RTLD_NEXT, name);
     char path[4096];
     fd_path(fd, path, sizeof path);
-    int e;
-    if (errno_fault("fallocate", path, &e)) {
-        errno = e;
+    if (fault_at("fallocate", path, 0) != 0)
         return -1;
-    }
     return real(fd, mode, off, len);
 }
 
@@ -513,15 +466,8 @@ int fsync(int fd)
     REAL(fsync, fdop_t)
     char path[4096];
     fd_path(fd, path, sizeof path);
-    if (eintr_once("fsync", path)) {
-        errno = EINTR;
+    if (fault_at("fsync", path, 1) != 0)
         return -1;
-    }
-    int e;
-    if (errno_fault("fsync", path, &e)) {
-        errno = e;
-        return -1;
-    }
     const char *eio = getenv("KVT_FAULT_DIRSYNC_EIO");
     struct stat st;
     if (eio && eio[0] == '1' && under_dir(path) && fstat(fd, &st) == 0 && S_ISDIR(st.st_mode)) {
@@ -564,11 +510,8 @@ static int do_fstat(const char *name, int fd, struct stat *st)
 {
     char path[4096];
     fd_path(fd, path, sizeof path);
-    int e;
-    if (errno_fault("fstat", path, &e)) {
-        errno = e;
+    if (fault_at("fstat", path, 0) != 0)
         return -1;
-    }
     fstat_t real = (fstat_t)dlsym(RTLD_NEXT, name);
     return real(fd, st);
 }
@@ -581,10 +524,7 @@ int fdatasync(int fd)
     REAL(fdatasync, fdop_t)
     char path[4096];
     fd_path(fd, path, sizeof path);
-    int e;
-    if (errno_fault("fdatasync", path, &e)) {
-        errno = e;
+    if (fault_at("fdatasync", path, 0) != 0)
         return -1;
-    }
     return real_fdatasync(fd);
 }
