@@ -68,6 +68,17 @@ def counters(tier):
     return tier.metrics.counters.snapshot()
 
 
+def serves_again(tier, ff, i, row):
+    """The filesystem answers again: the stuck threads come back and block ``i`` loads
+    into ``row``."""
+    ff.clear()
+    wait_until(lambda: counters(tier)["stuck_threads"] == 0)
+    tier.submit_load(TransferJob("again", [key(i)], [row]))
+    assert tier.drain_jobs(30)
+    (r,) = tier.get_finished_jobs()
+    assert r.success, r.error
+
+
 def wait_until(cond, timeout=10.0):
     end = time.monotonic() + timeout
     while not cond():
@@ -191,12 +202,7 @@ def test_at_the_cap_of_stuck_threads_new_jobs_fail_fast(backend, ff, area):
         assert c["jobs_refused"] == 2 and c["load_timeouts"] == 4 and c["store_timeouts"] == 0
         assert tier.metrics.registry.get_sample_value("kvtier:kv_offload_tiering_jobs_refused_total",
                                                       {"tier": "1:kvtier"}) == 2
-        ff.clear()
-        wait_until(lambda: counters(tier)["stuck_threads"] == 0)
-        tier.submit_load(TransferJob("F", [key(4)], [4]))
-        assert tier.drain_jobs(30)
-        (r,) = tier.get_finished_jobs()
-        assert r.success, r.error
+        serves_again(tier, ff, 4, 4)
 
 
 @pytest.mark.parametrize("op", ["write", "open"])
@@ -454,12 +460,7 @@ def test_more_stalls_than_the_cap_leave_at_most_the_cap_stuck(backend, ff, area)
         c = counters(tier)
         assert (c["stuck_threads"], c["load_timeouts"], c["jobs_refused"]) == (4, 4, 3)
         assert ff.hits("stall_read") == 4
-        ff.clear()
-        wait_until(lambda: counters(tier)["stuck_threads"] == 0)
-        tier.submit_load(TransferJob("ok", [key(0)], [8]))
-        assert tier.drain_jobs(30)
-        (r,) = tier.get_finished_jobs()
-        assert r.success, r.error
+        serves_again(tier, ff, 0, 8)
 
 
 def test_concurrent_lookups_on_a_stalled_root_leave_one_thread_stuck(backend, ff, area):
