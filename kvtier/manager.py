@@ -109,10 +109,13 @@ def prepare_root(root: str, rank_path: str, checksum_blocks: bool) -> None:
                 os.makedirs(rank_path, exist_ok=True)
                 fd, probe = tempfile.mkstemp(prefix=".kvtier_probe_", dir=rank_path)
                 break
-            except (FileNotFoundError, FileExistsError):
+            except OSError as e:
+                if e.errno not in (errno.ENOENT, errno.EEXIST, errno.ESTALE):
+                    raise
                 # a directory just made (here or by another node) that a shared filesystem's
-                # name cache does not show yet (GlusterFS, ~1 s): ENOENT, or EEXIST from a
-                # mkdir whose directory the next stat does not see; again after 2, 4 ...
+                # name cache does not show yet (GlusterFS, ~1 s): ENOENT, ESTALE (a handle of
+                # the other node's directory), or EEXIST from a mkdir whose directory the
+                # next stat does not see; again after 2, 4 ...
                 # 512 ms, as a store's temp open (error table P21)
                 if tries == policy.RETRY_ENOENT_STORE:
                     raise

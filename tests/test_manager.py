@@ -758,7 +758,8 @@ def test_prepare_root_retries_enoent_of_a_name_cache(tmp_path, monkeypatch):
     assert len(calls) == policy.RETRY_ENOENT_STORE + 1
 
 
-def test_prepare_root_retries_eexist_of_a_directory_not_shown_yet(tmp_path, monkeypatch):
+@pytest.mark.parametrize("err", [errno.EEXIST, errno.ESTALE])
+def test_prepare_root_retries_eexist_of_a_directory_not_shown_yet(tmp_path, monkeypatch, err):
     """Two nodes making the rank directory at once: this node's mkdir answers EEXIST but
     its stat does not show the directory yet (GlusterFS), so os.makedirs raises
     FileExistsError: retried as ENOENT is, and the root is prepared."""
@@ -769,7 +770,7 @@ def test_prepare_root_retries_eexist_of_a_directory_not_shown_yet(tmp_path, monk
     def racing(path, *a, **kw):
         calls.append(path)
         if path.endswith("r0") and calls.count(path) == 1:
-            raise FileExistsError(errno.EEXIST, "File exists", path)
+            raise OSError(err, os.strerror(err), path)
         return real(path, *a, **kw)
 
     monkeypatch.setattr(manager.os, "makedirs", racing)
