@@ -646,7 +646,8 @@ typedef struct load_look {
     int cause; /* KVT_CAUSE_*: condemned */
     int op;    /* KVT_OP_* of the failing call */
     int unverified; /* this open read the block without a CRC record: counted once loaded */
-    unsigned long long size; /* the file's size when condemned KVT_CAUSE_SIZE */
+    unsigned long long size; /* the file's size when it was not the block size */
+    int size_kept; /* KVT_SIZE_KEPT_*: a file of another size on two opens, kept */
 } load_look;
 
 /* A wrong size / short read: the first sighting is only noted (the block is
@@ -677,13 +678,15 @@ static int check_block_file(int fd, size_t len, int checksum, load_look *lk)
     if (!S_ISREG(st.st_mode))
         return S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
     if ((uint64_t)st.st_size != (uint64_t)len) {
+        lk->size = (unsigned long long)st.st_size; /* the error message says it */
         if (lk->seen != LT_SIZE)
             return sighting(lk, LT_SIZE, KVT_CAUSE_SIZE);
         lk->op = KVT_OP_VERIFY;
-        if (!checksum || whole_file_verifies(fd, (uint64_t)st.st_size) == 0) {
+        int v = checksum ? whole_file_verifies(fd, (uint64_t)st.st_size) : 0;
+        if (v == 0)
             lk->cause = KVT_CAUSE_SIZE;
-            lk->size = (unsigned long long)st.st_size; /* the error message says it */
-        }
+        else
+            lk->size_kept = v == 1 ? KVT_SIZE_KEPT_INTACT : KVT_SIZE_KEPT_UNSURE;
         return EIO;
     }
     return 0;
@@ -824,6 +827,7 @@ static int load_try(const load_dir *dir, const char *src, uint8_t *buf, size_t l
     lk->cause = KVT_CAUSE_NONE;
     lk->op = KVT_OP_OPEN;
     lk->unverified = 0;
+    lk->size_kept = KVT_SIZE_KEPT_NONE;
     if (!kvt_job_live(js)) {
         lk->op = KVT_OP_NONE;
         return ETIMEDOUT; /* expired before this block began */
@@ -863,25 +867,30 @@ static int load_try(const load_dir *dir, const char *src, uint8_t *buf, size_t l
 /* Load one block under the error policy (policy.h, docs/design.md "Error
  * policy"): a first short read or wrong size reopens the block, the same
  * again condemns it; EAGAIN/ESTALE are retried from the open. Returns 0, or
- * an errno value with *op, and *cause when condemned. *retried = 1 if re-read
- * after a mismatch. The common path is open, fgetxattr (with checksums: the
+ * an errno value with *op, and *cause when condemned (*size: a file's size
+ * other than len; *size_kept: KVT_SIZE_KEPT_* when such a file was kept,
+ * EIO). *retried = 1 if re-read after a mismatch. The common path is open, fgetxattr (with checksums: the
  * identity record, which carries the CRC), the reads, close. */
 static int load_one(const load_dir *dir, const char *src, uint8_t *buf, size_t len, int use_o_direct, int checksum,
-                    kvt_job_state *js, int *op, int *cause, int *retried, unsigned long long *size)
+                    kvt_job_state *js, int *op, int *cause, int *retried, unsigned long long *size,
+                    int *size_kept)
 {
     *retried = 0;
     uint8_t id[KVT_ID_LEN] = {0};
     if (checksum)
         kvt_block_identity(src, len, id);
-    load_look lk = {LT_OK, LT_OK, KVT_CAUSE_NONE, KVT_OP_NONE, 0};
+    load_look lk = {LT_OK, LT_OK, KVT_CAUSE_NONE, KVT_OP_NONE, 0, 0, KVT_SIZE_KEPT_NONE};
     int err = 0;
     for (int transient = 0, sightings = 0;;) {
         err = load_try(dir, src, buf, len, use_o_direct, checksum, id, js, &lk, retried);
         if (err == 0 || lk.cause)
             break;
         if (lk.kind != LT_OK) { /* a first short read / wrong size: reopen and look again */
-            if (sightings++ >= 2)
-                break; /* short, then wrong size, then short ...: unconfirmed, a miss */
+            if (sightings++ >= 2) { /* short, then wrong size, then short ...: unconfirmed, a miss */
+                if (lk.kind == LT_SIZE)
+                    lk.size_kept = KVT_SIZE_KEPT_UNSURE;
+                break;
+            }
             kvt_count(lk.kind == LT_SHORT ? KVT_C_REREAD_SHORT : KVT_C_RESTAT_SIZE);
             lk.seen = lk.kind;
             continue;
@@ -894,6 +903,7 @@ static int load_one(const load_dir *dir, const char *src, uint8_t *buf, size_t l
     *op = lk.op;
     *cause = lk.cause;
     *size = lk.size;
+    *size_kept = err == EIO && !lk.cause ? lk.size_kept : KVT_SIZE_KEPT_NONE;
     return err;
 }
 
@@ -903,10 +913,10 @@ int kvt_batch_load(const char *const *src_paths, void *const *bufs, const size_t
     batch_begin(res, n);
     load_dir dir = batch_dir(src_paths, n);
     for (size_t i = 0; i < n; i++) {
-        int op = KVT_OP_NONE, cause = 0, retried = 0;
+        int op = KVT_OP_NONE, cause = 0, retried = 0, size_kept = 0;
         unsigned long long size = 0;
         int e = load_one(&dir, src_paths[i], (uint8_t *)bufs[i], lens[i], use_o_direct, checksum, js, &op, &cause,
-                         &retried, &size);
+                         &retried, &size, &size_kept);
         res->retried += (size_t)retried;
         if (!e && !kvt_job_block_done(js)) {
             e = ETIMEDOUT; /* whole and verified, but the job expired first: not counted */
@@ -918,6 +928,7 @@ int kvt_batch_load(const char *const *src_paths, void *const *bufs, const size_t
             res->condemned = cause;
             res->size_seen = size;
             res->size_expected = (unsigned long long)lens[i];
+            res->size_kept = size_kept;
             break;
         }
     }

@@ -27,8 +27,9 @@ typedef struct kvt_batch_result {
                              mismatch, on failure too (the failing block included) */
     int op;               /* KVT_OP_* of the failing call (policy.h) */
     int condemned;        /* KVT_CAUSE_* when the failing block was condemned (removed) */
-    unsigned long long size_seen; /* condemned KVT_CAUSE_SIZE: the file's size (bytes) */
-    unsigned long long size_expected; /* condemned: the block size asked for (bytes) */
+    unsigned long long size_seen; /* condemned KVT_CAUSE_SIZE or size_kept: the file's size (bytes) */
+    unsigned long long size_expected; /* loads: the block size asked for (bytes) */
+    int size_kept;        /* KVT_SIZE_KEPT_*: a file of another size, kept (policy.h) */
     kvt_counts counts;    /* this batch's policy counters (policy.h), on failure too */
 } kvt_batch_result;
 

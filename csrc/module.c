@@ -651,8 +651,9 @@ static const char *const count_names[KVT_NCOUNTS] = KVT_COUNT_NAMES;
 static void raise_batch_error(const kvt_batch_result *res, PyObject *path)
 {
     int err = res->err;
-    /* a condemned block: the message says why (kvtier/fallback.py _condemned_message) */
-    char msg[160];
+    /* a condemned block, or a file of another size kept: the message says why
+     * (kvtier/fallback.py _condemned_message) */
+    char msg[256];
     switch (res->condemned) {
     case KVT_CAUSE_SIZE:
         snprintf(msg, sizeof msg, "block condemned (size): %llu bytes, expected %llu", res->size_seen,
@@ -670,7 +671,18 @@ static void raise_batch_error(const kvt_batch_result *res, PyObject *path)
                  res->size_expected);
         break;
     default:
-        snprintf(msg, sizeof msg, "%s", strerror(err));
+        if (res->size_kept == KVT_SIZE_KEPT_INTACT)
+            snprintf(msg, sizeof msg,
+                     "block size mismatch (kept): the file has %llu bytes, the block size asked for is %llu; "
+                     "its own CRC record verifies all its bytes (a block of another block size)",
+                     res->size_seen, res->size_expected);
+        else if (res->size_kept == KVT_SIZE_KEPT_UNSURE)
+            snprintf(msg, sizeof msg,
+                     "block size mismatch (kept): the file has %llu bytes, the block size asked for is %llu; "
+                     "not confirmed (its size changed between opens, or its record could not be read)",
+                     res->size_seen, res->size_expected);
+        else
+            snprintf(msg, sizeof msg, "%s", strerror(err));
     }
     PyObject *exc = PyObject_CallFunction(PyExc_OSError, "isO", err, msg, path);
     if (exc == NULL)

@@ -98,6 +98,15 @@ enum {
 enum { KVT_CAUSE_NONE = 0, KVT_CAUSE_CHECKSUM, KVT_CAUSE_IDENTITY, KVT_CAUSE_SIZE, KVT_CAUSE_SHORT };
 #define KVT_CAUSE_NAMES {"", "checksum", "identity", "size", "short_read"}
 
+/* Why a file of another size than the block size was kept, not condemned
+ * (kvt_batch_result.size_kept: the OSError's message says it). */
+enum {
+    KVT_SIZE_KEPT_NONE = 0,
+    KVT_SIZE_KEPT_INTACT, /* its own CRC record verifies all its bytes: another block size asked for (P8) */
+    KVT_SIZE_KEPT_UNSURE, /* not confirmed: an error while checking its record (P9), or the size changed
+                             between opens */
+};
+
 /* The counters of the batch running on this thread (set by kvt_batch_*;
  * NULL outside one): the EINTR wrappers count into it. */
 extern __thread kvt_counts *kvt_tl_counts;

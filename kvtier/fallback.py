@@ -199,9 +199,16 @@ def _try_direct(fd, mv, bounce=False):
     return True
 
 
-def _condemned_message(err, cause, size_seen, size_expected):
-    """The message of an error, saying why a condemned block was (csrc/module.c
+def _condemned_message(err, cause, size_seen, size_expected, size_kept=None):
+    """The message of an error, saying why a condemned block was, or why a file
+    of another size than the block size was kept (csrc/module.c
     raise_batch_error)."""
+    if size_kept is not None and cause is None:
+        head = (f"block size mismatch (kept): the file has {size_seen} bytes, the block size asked for is "
+                f"{size_expected}; ")
+        if size_kept == "intact":
+            return head + "its own CRC record verifies all its bytes (a block of another block size)"
+        return head + "not confirmed (its size changed between opens, or its record could not be read)"
     if cause == "size":
         return f"block condemned (size): {size_seen} bytes, expected {size_expected}"
     if cause == "checksum":
@@ -214,9 +221,9 @@ def _condemned_message(err, cause, size_seen, size_expected):
 
 
 def _batch_error(err, path, index, checksum_failed, num_retried=0, operation="", condemned=None,
-                 size_seen=0, size_expected=0):
+                 size_seen=0, size_expected=0, size_kept=None):
     # the errno's subclass, e.g. FileNotFoundError
-    exc = OSError(err, _condemned_message(err, condemned, size_seen, size_expected), path)
+    exc = OSError(err, _condemned_message(err, condemned, size_seen, size_expected, size_kept), path)
     exc.operation = operation  # the failing call (kvtier.policy.OPERATIONS)
     exc.condemned = condemned  # kvtier.policy.CAUSES when the file was removed, else None
     exc.num_succeeded = index
@@ -703,15 +710,16 @@ _LT_OK, _LT_ERR, _LT_SHORT, _LT_SIZE = range(4)
 class _Verdict(Exception):
     """A judged block: errno, operation, cause (None: kept)."""
 
-    def __init__(self, err, op, cause=None, size=0):
+    def __init__(self, err, op, cause=None, size=0, size_kept=None):
         super().__init__(err)
-        self.err, self.op, self.cause, self.size = err, op, cause, size  # size: the file's, when "size"
+        self.err, self.op, self.cause, self.size = err, op, cause, size  # size: the file's, when not the block's
+        self.size_kept = size_kept  # a file of another size kept: "intact" (P8) or "unsure" (P9, unconfirmed)
 
 
-def _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retried_out):
+def _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retried_out, size_out):
     """One open of a block (csrc/fs_io.c load_try). Returns _LT_OK, or _LT_SHORT /
-    _LT_SIZE for a first sighting; raises _Verdict (judged: condemned or kept)
-    or OSError with ``kvt_op`` (kept)."""
+    _LT_SIZE for a first sighting (``size_out[0]``: the file's size); raises
+    _Verdict (judged: condemned or kept) or OSError with ``kvt_op`` (kept)."""
     # O_NOFOLLOW: a block is never a symlink (ELOOP, kept). O_NONBLOCK: a FIFO or
     # device at a block path must not block the batch; a regular file ignores it.
     fd = _op("open", _os.open, src, _os.O_RDONLY | _os.O_CLOEXEC | _os.O_NOFOLLOW | _os.O_NONBLOCK)
@@ -723,14 +731,17 @@ def _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retr
             e = _errno.EISDIR if _stat.S_ISDIR(st.st_mode) else _errno.EINVAL
             raise _Verdict(e, "stat")
         if st.st_size != n:  # truncated, empty or longer: corrupt once seen on two opens,
+            size_out[0] = st.st_size
             if seen != _LT_SIZE:
                 return _LT_SIZE
             # unless its own record proves its bytes intact (the caller asked for another
             # block size: kept); an error while finding out keeps it too
-            remove = not checksum or _whole_file_verifies(fd, st.st_size, crc_fn) is False
+            v = _whole_file_verifies(fd, st.st_size, crc_fn) if checksum else False
+            remove = v is False
             if remove:
                 _count_into(counts, "condemned_size")
-            raise _Verdict(_errno.EIO, "verify", "size" if remove else None, st.st_size)
+            raise _Verdict(_errno.EIO, "verify", "size" if remove else None, st.st_size,
+                           None if remove else "intact" if v else "unsure")
         for attempt in range(2):
             mismatch, short, unverified = _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts,
                                                        attempt > 0)
@@ -764,9 +775,10 @@ def _load_one(src, mv, use_o_direct, checksum, crc_fn, counts, retried_out):
     Returns None, or raises _Verdict / OSError (with ``kvt_op``)."""
     ident = _policy.block_identity(src, len(mv)) if checksum else None
     seen, sightings, transient = _LT_OK, 0, 0
+    size_out = [0]
     while True:
         try:
-            kind = _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retried_out)
+            kind = _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retried_out, size_out)
         except OSError as e:
             if _policy.retry_transient(e.errno, transient, counts):
                 transient += 1
@@ -779,7 +791,9 @@ def _load_one(src, mv, use_o_direct, checksum, crc_fn, counts, retried_out):
             _count_into(counts, "reread_short" if kind == _LT_SHORT else "restat_size")
             seen = kind
             continue
-        raise _Verdict(_errno.EIO, "verify")  # short, then wrong size, ...: unconfirmed, a miss
+        # short, then wrong size, ...: unconfirmed, a miss
+        raise _Verdict(_errno.EIO, "verify", size=size_out[0],
+                       size_kept="unsure" if kind == _LT_SIZE else None)
 
 
 def _close_quiet(fd):
@@ -1007,7 +1021,8 @@ def _load_batch(source_paths, srcs, views, use_o_direct, checksum, crc_fn, word,
                 _load_one(src, dst, bool(use_o_direct), checksum, crc_fn, mine, retried_out)
             except _Verdict as v:
                 raise _batch_error(v.err, source_paths[i], i, v.cause in ("checksum", "identity"),
-                                   retried_total + retried_out[0], v.op, v.cause, v.size, len(mv)) from None
+                                   retried_total + retried_out[0], v.op, v.cause, v.size, len(mv),
+                                   v.size_kept) from None
             except OSError as e:
                 raise _batch_error(e.errno or _errno.EIO, source_paths[i], i, False,
                                    retried_total + retried_out[0], getattr(e, "kvt_op", None) or "") from None

@@ -460,6 +460,10 @@ def test_intact_block_loaded_with_another_block_size_is_eio_but_kept(io_backend,
     io_backend.batch_store_block([path], view, [0], bs, checksum=True)
     err, _ = load_expect_error(io_backend, [path], asked, checksum=True)
     assert (err.errno, err.checksum_failed, err.num_succeeded) == (errno.EIO, False, 0)
+    # the reason, with both sizes and the path (was a bare "Input/output error")
+    assert str(err) == (f"[Errno {errno.EIO}] block size mismatch (kept): the file has {bs} bytes, the block "
+                        f"size asked for is {asked}; its own CRC record verifies all its bytes (a block of "
+                        f"another block size): {path!r}")
     assert os.path.exists(path)
     out = np.zeros(bs, dtype=np.uint8)
     io_backend.batch_load_block([path], out, [0], bs, checksum=True)  # the right size still loads

@@ -77,7 +77,7 @@ def result_of(fn):
         return {"ok": True, "ret": r, "counts": counts}
     except OSError as e:
         return {"ok": False, "errno": e.errno, "op": e.operation, "condemned": e.condemned,
-                "cf": e.checksum_failed, "counts": counts}
+                "cf": e.checksum_failed, "msg": e.strerror, "counts": counts}
 
 
 def get(io_backend, path, n=BS, checksum=True, **kw):
@@ -105,7 +105,8 @@ _CHILD = textwrap.dedent("""
             io.batch_store_block([spec["path"]], out, [0], spec["n"], counts=counts, **spec["kw"])
         r = {"ok": True}
     except OSError as e:
-        r = {"ok": False, "errno": e.errno, "op": e.operation, "condemned": e.condemned, "cf": e.checksum_failed}
+        r = {"ok": False, "errno": e.errno, "op": e.operation, "condemned": e.condemned, "cf": e.checksum_failed,
+             "msg": e.strerror}
     r.update(counts=counts, sha=hashlib.sha256(out.tobytes()).hexdigest(), secs=time.monotonic() - t0)
     print(json.dumps(r))
 """)
@@ -245,6 +246,8 @@ def check_P8(io_backend, shim, d):
     put(io_backend, p, data)
     r = get(io_backend, p, n=BS // 3)  # the caller's layout has another block size
     assert (r["ok"], r["errno"], r["condemned"]) == (False, EIO, None), r
+    assert r["msg"] == (f"block size mismatch (kept): the file has {BS} bytes, the block size asked for is "
+                        f"{BS // 3}; its own CRC record verifies all its bytes (a block of another block size)")
     only(r["counts"], restat_size=1)
     assert Path(p).read_bytes() == data
 
@@ -257,6 +260,12 @@ def check_P9(io_backend, shim, d):
     for faults in (f"fgetxattr:{EIO}:-1", f"pread:{EIO}:1", f"fgetxattr:{EINTR}:-1"):
         r = child(io_backend, shim, d, "load", p, faults)
         assert (r["ok"], r["errno"], r["condemned"]) == (False, EIO, None), (faults, r)
+        # the message names both sizes (the path is the OSError's filename); the C core's
+        # first read fails before it ever looks at the size: a plain read error there
+        unsure = (f"block size mismatch (kept): the file has {BS + 1} bytes, the block size asked for is {BS}; "
+                  "not confirmed (its size changed between opens, or its record could not be read)")
+        plain_read_error = faults.startswith("pread") and io_backend.backend == "c"
+        assert r["msg"] == (os.strerror(EIO) if plain_read_error else unsure), (faults, r)
         assert os.path.getsize(p) == BS + 1, faults  # a transient error never removes
     r = get(io_backend, p)  # without the fault: proven not its record's bytes
     assert (r["ok"], r["errno"], r["condemned"]) == (False, EIO, "size"), r
