@@ -616,7 +616,7 @@ def _whole_file_verifies(fd, size, crc_fn):
 _MISMATCH_CRC, _MISMATCH_ID = "checksum", "identity"
 
 
-def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=False):
+def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=False, data_out=None):
     """Records then data. Returns (mismatch, short, unverified): mismatch "checksum"
     for a CRC mismatch or malformed record, "identity" for an identity record other
     than ``ident``, else None; short for a short read; unverified when read without
@@ -625,7 +625,8 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=F
     strict mode too (a miss). ``reread`` (after a mismatch): buffered, each
     chunk checksummed in a private bounce buffer and then copied, so the block
     is judged on bytes no other thread of the caller can write (as the C core
-    does)."""
+    does). ``data_out[0]`` is set True once every byte of the block was read
+    into ``mv`` (a mismatch of the data, not of a record)."""
     want = None
     unverified = False
     if checksum:
@@ -693,6 +694,8 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=F
                 crc = copy_fn(mv[off : off + n], b, crc)
         finally:
             _bounce_give(bounce)
+        if data_out is not None:
+            data_out[0] = True
         return (_MISMATCH_CRC if want is not None and crc != want else None), False, unverified
     for off in range(0, len(mv), IO_CHUNK):
         chunk = mv[off : off + IO_CHUNK]
@@ -701,6 +704,8 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=F
             return None, True, unverified
         if want is not None:
             crc = crc_fn(chunk, crc)
+    if data_out is not None:
+        data_out[0] = True
     return (_MISMATCH_CRC if want is not None and crc != want else None), False, unverified
 
 
@@ -710,8 +715,9 @@ _LT_OK, _LT_ERR, _LT_SHORT, _LT_SIZE = range(4)
 class _Verdict(Exception):
     """A judged block: errno, operation, cause (None: kept)."""
 
-    def __init__(self, err, op, cause=None, size=0, size_kept=None):
+    def __init__(self, err, op, cause=None, size=0, size_kept=None, data_read=False):
         super().__init__(err)
+        self.data_read = data_read  # a data mismatch: the block's bytes (as re-read) are in its buffer
         self.err, self.op, self.cause, self.size = err, op, cause, size  # size: the file's, when not the block's
         self.size_kept = size_kept  # a file of another size kept: "intact" (P8) or "unsure" (P9, unconfirmed)
 
@@ -742,9 +748,11 @@ def _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retr
                 _count_into(counts, "condemned_size")
             raise _Verdict(_errno.EIO, "verify", "size" if remove else None, st.st_size,
                            None if remove else "intact" if v else "unsure")
+        data_read = [False]
         for attempt in range(2):
+            data_read[0] = False
             mismatch, short, unverified = _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts,
-                                                       attempt > 0)
+                                                       attempt > 0, data_read)
             if short:
                 if seen != _LT_SHORT:
                     return _LT_SHORT
@@ -761,7 +769,7 @@ def _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retr
                 _os.posix_fadvise(fd, 0, n, _os.POSIX_FADV_DONTNEED)  # re-read from the device
         _count_into(counts, "condemned_" + mismatch)
         remove = True
-        raise _Verdict(_errno.EBADMSG, "verify", mismatch)
+        raise _Verdict(_errno.EBADMSG, "verify", mismatch, data_read=data_read[0])
     finally:
         try:
             if remove:
@@ -985,8 +993,11 @@ def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False
     page-aligned memory and copied into its buffer in a commit section (LIVE
     -> COMMITTING, copy, -> LIVE with the word's block count + 1); an expired
     job stops with OSError ETIMEDOUT (num_succeeded = blocks counted) and
-    writes nothing more. With ``offsets`` and ``block_size``, ``buffers`` is
-    one buffer and block i its slice at ``offsets[i]``."""
+    writes nothing more. A block condemned on its data leaves the bytes its
+    re-read got in its buffer, with a job state too (copied in a commit
+    section, not counted), as the C core does. With ``offsets`` and
+    ``block_size``, ``buffers`` is one buffer and block i its slice at
+    ``offsets[i]``."""
     _check_list(source_paths, "source_paths")
     if offsets is None:
         _check_list(buffers, "buffers")
@@ -1020,6 +1031,19 @@ def _load_batch(source_paths, srcs, views, use_o_direct, checksum, crc_fn, word,
             try:
                 _load_one(src, dst, bool(use_o_direct), checksum, crc_fn, mine, retried_out)
             except _Verdict as v:
+                if v.data_read and word is not None:
+                    # A block condemned on its data leaves the bytes read (its re-read) in its
+                    # buffer, as the C core's copy + CRC does (it writes the buffer before the
+                    # CRC is known): copied in a commit section, not counted; once the job is
+                    # no longer live, nothing is written and it is the deadline's error.
+                    if not _job_step(word, _LIVE, _COMMITTING):
+                        raise _expired(source_paths[i], i, retried_total + retried_out[0]) from None
+                    try:
+                        mv[:] = dst
+                    finally:
+                        late = not _job_step(word, _COMMITTING, _LIVE)
+                    if late:
+                        raise _expired(source_paths[i], i, retried_total + retried_out[0]) from None
                 raise _batch_error(v.err, source_paths[i], i, v.cause in ("checksum", "identity"),
                                    retried_total + retried_out[0], v.op, v.cause, v.size, len(mv),
                                    v.size_kept) from None

@@ -428,8 +428,16 @@ class BlockIO:
         counts the blocks re-read before it stopped, the failing block
         included (a condemned block was re-read once). After a failure the
         blocks before the failing one hold their data, the blocks after it are
-        untouched, and the failing block's slice holds whatever was read
-        (possibly the corrupt bytes, or part of them): do not use it. Errors
+        untouched, and the failing block's slice is not to be used: a block
+        condemned on its data (EBADMSG, ``condemned="checksum"`` after the data
+        was read: a CRC mismatch) leaves the bytes its re-read got, the
+        file's, corrupt; one refused on its records (identity of another
+        block, a malformed CRC record: nothing read) leaves it untouched; any
+        other failure (wrong size, short read, I/O error, deadline) may leave
+        part of what was read. The same bytes from both backends, with and
+        without ``job_state``, O_DIRECT or buffered (the C core's copy + CRC
+        writes the slice before the CRC is known; nothing is spent on the
+        success path to undo it). Errors
         and which files are removed: module docstring. ``checksum="strict"``:
         a block without CRC record is ENODATA (a miss, kept) instead of an
         unverified load. ``counts``: a dict the call's policy counters are

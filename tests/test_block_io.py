@@ -339,6 +339,64 @@ def test_corruption_detected_and_removed(io_backend, tmp_path, where):
     assert not np.array_equal(out2, view[:bs])
 
 
+@pytest.mark.parametrize("bs", [8192, 3 * 1024 * 1024 + 4096])
+@pytest.mark.parametrize("use_o_direct", [True, False], ids=["direct", "buffered"])
+@pytest.mark.parametrize("with_job", [False, True], ids=["plain", "job_state"])
+def test_what_a_failed_verified_load_leaves_in_its_row(io_backend, tmp_path, with_job, use_o_direct, bs):
+    """What a miss leaves in its row, the same bytes from both backends in every mode (with
+    and without a job state, O_DIRECT and buffered, a row 16 bytes past a page and one
+    aligned): a block condemned on its data (CRC mismatch on two reads) leaves the bytes
+    its re-read got, the file's (the C core's copy + CRC writes the row before the CRC is
+    known; the fallback under a job state copies its private buffer in too, in a commit
+    section); a block refused on its records (identity of another block, a malformed CRC
+    record) is refused before its data is read: the row is untouched. The blocks before
+    it are loaded, the neighbours of the rows untouched. (The fallback under a job state
+    left the row untouched on a CRC mismatch: backends disagreed.)"""
+    if use_o_direct and not kio.probe_o_direct(str(tmp_path)):
+        pytest.skip(f"{tmp_path} does not accept O_DIRECT")
+    cases = ["crc_data", "crc_vllm_record", "identity", "malformed_record"]
+    view = rand_blocks(2, bs, seed=31)
+    for case in cases:
+        for skew in (0, 16):
+            d = tmp_path / f"{case}{skew}"
+            paths = block_paths(d, 2)
+            io_backend.batch_store_block(paths, view, [0, bs], bs, checksum=True)
+            p = paths[1]
+            if case == "crc_data":  # the identity record's CRC no longer matches the data
+                flip_bit(p, bs // 2 + 5)
+            elif case == "crc_vllm_record":  # a block vLLM stored: its record wrong
+                os.removexattr(p, ID_XATTR)
+                os.setxattr(p, XATTR, bytes(4))
+            elif case == "identity":  # another block's identity (its CRC right)
+                os.setxattr(p, ID_XATTR, b"\x01" * 8 + os.getxattr(p, ID_XATTR)[8:])
+            else:
+                os.removexattr(p, ID_XATTR)
+                os.setxattr(p, XATTR, b"\x01\x02\x03")
+            on_disk = np.fromfile(p, np.uint8)
+            raw = aligned_buffer(2 * bs + 2 * 4096)
+            buf = np.frombuffer(raw, np.uint8)
+            buf[:] = 0xA5
+            offs = [4096 + skew, 4096 + skew + bs]
+            job = kio.JobState() if with_job else None
+            with pytest.raises(OSError) as ei:
+                io_backend.batch_load_block(paths, buf, offs, bs, use_o_direct=use_o_direct, checksum=True,
+                                            job_state=job)
+            e = ei.value
+            assert (e.errno, e.num_succeeded, e.checksum_failed) == (errno.EBADMSG, 1, True), case
+            assert e.condemned == ("identity" if case == "identity" else "checksum")
+            assert not os.path.exists(p)
+            assert np.array_equal(buf[offs[0]:offs[0] + bs], view[:bs])  # the block before it: loaded
+            row = buf[offs[1]:offs[1] + bs]
+            if case.startswith("crc"):
+                assert np.array_equal(row, on_disk), (case, skew)  # the file's bytes, as re-read
+                assert np.array_equal(row, view[bs:]) == (case == "crc_vllm_record")  # (the record was wrong)
+            else:
+                assert (row == 0xA5).all(), (case, skew)  # refused on its records: untouched
+            assert (buf[:offs[0]] == 0xA5).all() and (buf[offs[1] + bs:] == 0xA5).all()
+            if with_job:
+                assert job.blocks_done == 1  # the condemned block is not counted
+
+
 @pytest.mark.parametrize("record", [b"", b"\x01\x02\x03", b"\x00" * 5, b"\x11" * 8, b"\x22" * 40, "swapped", "wrong"])
 def test_malformed_or_wrong_record_is_mismatch(io_backend, tmp_path, record):
     """A block with only vLLM's record (no identity record: stored by vLLM with
