@@ -19,6 +19,25 @@ every round, so drift and the page/CPU cache state hit all alike):
   floor  a minimal C loop of the same syscalls (built with gcc, called through
          ctypes): load = open, pread, close; store = open(O_CREAT|O_EXCL),
          pwrite, close, rename. No checks, no checksum.
+  vfloor the verified floor: a minimal C loop of the calls and the one CRC
+         pass (ISA-L crc32_iscsi) that a verified block in kvtier's format
+         needs, nothing else: load = open, fgetxattr(user.kvtier.id, 12
+         bytes), pread into the caller's buffer, close, compare the record
+         with the block's identity and CRC; store = open(O_CREAT|O_EXCL) the
+         temp, pwrite, fsetxattr user.vllm.kv_crc32c (4 bytes) and
+         user.kvtier.id (12 bytes), close, rename. The CRC is taken where it
+         is cheapest: buffered, 256 KiB per pread/pwrite, each piece
+         checksummed right after the kernel's copy left it in the CPU cache
+         (64 KiB-4 MiB pieces and the whole block were measured: 128-256 KiB
+         were fastest); O_DIRECT, one pread/pwrite of the block and a pass over
+         the caller's buffer (no overlap with the device: one thread, one
+         call). The identity (an FNV-1a hash of the path's last four
+         components) is computed in the loop as kvtier's C core does. Built
+         with gcc and -lisal (libisal-dev); before timing it passes a
+         self-check (kvtier loads what it stores, checksum strict, with the
+         same bytes and records; it loads what kvtier stores and refuses a
+         flipped byte). Without gcc or ISA-L, or if the check fails, the
+         column is skipped and the header says why.
 
 Cells:
   1. one block per call, 256 KiB - 16 MiB, O_DIRECT on disk (--dir), store and load;
@@ -44,13 +63,16 @@ over the next (cold) block of the pool, timed call by call in the same
 rotation. The CPU line divides (kvtier on - vLLM) CPU per block by it (the
 pool cell by the pass of the load cell nearest its 2 MiB blocks): a pass
 measured once at start, apart from the contenders, is a denominator the
-contenders' noise never touches. The machine may be shared: the header
-prints the load average at start and end.
+contenders' noise never touches. The targets section gives, per target, kvtier
+checksum on / vLLM (the target), vfloor / vLLM and kvtier / vfloor: a target
+the vfloor misses too is below the floor of a verified block on this machine.
+The machine may be shared: the header prints the load average at start and end.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
 import importlib.util
 import os
 import platform
@@ -71,10 +93,13 @@ from kvtier import io as kio
 from kvtier.peer import load_vllm_io
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
+VFLOOR_PIECE = 256 * KiB  # vfloor's buffered pread/pwrite size, each piece checksummed right after it
 
 FLOOR_C = r"""
 #define _GNU_SOURCE
 #include <fcntl.h>
+#include <limits.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <unistd.h>
 #include <errno.h>
@@ -104,12 +129,136 @@ static int wr(const char *tmp, const char *dest, const char *buf, size_t len, in
     if (rename(tmp, dest) != 0) { int e = errno; unlink(tmp); return -e; }
     return 0;
 }
-int floor_load(const char **p, char **bufs, size_t len, size_t n, int direct) {
-    for (size_t i = 0; i < n; i++) { int r = rd(p[i], bufs[i], len, direct); if (r) return r; }
+/* Block i is at base + off[i]; a store's temp is "<dest>.ftmp". piece: unused (vfloor's). */
+int floor_load(const char **p, char *base, const uint64_t *off, size_t len, size_t n, int direct, size_t piece) {
+    (void)piece;
+    for (size_t i = 0; i < n; i++) { int r = rd(p[i], base + off[i], len, direct); if (r) return r; }
     return 0;
 }
-int floor_store(const char **tmp, const char **dest, char **bufs, size_t len, size_t n, int direct) {
-    for (size_t i = 0; i < n; i++) { int r = wr(tmp[i], dest[i], bufs[i], len, direct); if (r) return r; }
+int floor_store(const char **dest, char *base, const uint64_t *off, size_t len, size_t n, int direct, size_t piece) {
+    char tmp[PATH_MAX];
+    (void)piece;
+    for (size_t i = 0; i < n; i++) {
+        if (snprintf(tmp, sizeof tmp, "%s.ftmp", dest[i]) >= (int)sizeof tmp) return -ENAMETOOLONG;
+        int r = wr(tmp, dest[i], base + off[i], len, direct);
+        if (r) return r;
+    }
+    return 0;
+}
+"""
+
+VFLOOR_C = r"""
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/xattr.h>
+#include <unistd.h>
+#include <isa-l/crc.h>
+/* The verified floor: the calls and the one CRC pass a verified block in
+ * kvtier's on-disk format needs, nothing else. CRC32C standard presentation
+ * with ISA-L (~crc32_iscsi(buf, len, ~crc)); records as csrc/policy.h. */
+static uint32_t crc(const char *b, size_t len, uint32_t c)
+{
+    c = ~c;
+    while (len) {
+        int k = len > (1u << 30) ? (1 << 30) : (int)len;
+        c = crc32_iscsi((unsigned char *)b, k, c);
+        b += k;
+        len -= (size_t)k;
+    }
+    return ~c;
+}
+/* kvtier's identity (csrc/policy.c kvt_block_identity): FNV-1a 64 of
+ * "kvtier.id.v1", NUL, the path's last four components, NUL, len in decimal. */
+void vfloor_identity(const char *path, uint64_t len, uint8_t out[8])
+{
+    const char *start = path;
+    int seen = 0;
+    for (const char *p = path + strlen(path); p > path; p--)
+        if (p[-1] == '/' && ++seen == 4) { start = p; break; }
+    uint64_t h = 1469598103934665603ull;
+    static const char tag[] = "kvtier.id.v1";
+    for (size_t i = 0; i < sizeof tag; i++) h = (h ^ (uint8_t)tag[i]) * 1099511628211ull;
+    for (const char *s = start; *s; s++) h = (h ^ (uint8_t)*s) * 1099511628211ull;
+    h = h * 1099511628211ull;
+    char num[24];
+    int k = (int)sizeof num;
+    do { num[--k] = (char)('0' + len % 10); len /= 10; } while (len);
+    for (; k < (int)sizeof num; k++) h = (h ^ (uint8_t)num[k]) * 1099511628211ull;
+    for (int i = 0; i < 8; i++) out[i] = (uint8_t)(h >> (56 - 8 * i));
+}
+static void be32(uint8_t *o, uint32_t v) { o[0] = v >> 24; o[1] = v >> 16; o[2] = v >> 8; o[3] = v; }
+/* load: open, fgetxattr(user.kvtier.id), pread into the caller's buffer,
+ * close, one CRC pass, compare. Buffered: `piece` bytes per pread, each
+ * checksummed right after the kernel's copy left it in the CPU cache. */
+static int rd(const char *p, char *buf, size_t len, int direct, size_t piece)
+{
+    uint8_t rec[12], want[12];
+    int fd = open(p, O_RDONLY | O_CLOEXEC | (direct ? O_DIRECT : 0));
+    if (fd < 0) return -errno;
+    ssize_t x = fgetxattr(fd, "user.kvtier.id", rec, sizeof rec);
+    if (x != 12) { int e = x < 0 ? errno : EBADMSG; close(fd); return -e; }
+    if (direct || !piece) piece = len;
+    uint32_t c = 0;
+    size_t got = 0;
+    while (got < len) {
+        size_t want_n = len - got < piece ? len - got : piece;
+        ssize_t r = pread(fd, buf + got, want_n, (off_t)got);
+        if (r <= 0) { int e = r < 0 ? errno : EIO; close(fd); return -e; }
+        if (!direct) c = crc(buf + got, (size_t)r, c);
+        got += (size_t)r;
+    }
+    close(fd);
+    if (direct) c = crc(buf, len, 0);
+    vfloor_identity(p, len, want);
+    be32(want + 8, c);
+    return memcmp(rec, want, 12) ? -EBADMSG : 0;
+}
+/* store: open(O_CREAT|O_EXCL) the temp, pwrite (buffered: `piece` bytes at a
+ * time, each checksummed right after the kernel copied it, from the cache),
+ * the two records on the fd, close, rename. */
+static int wr(const char *tmp, const char *dest, const char *buf, size_t len, int direct, size_t piece)
+{
+    uint8_t id[12], crcbe[4];
+    int fd = open(tmp, O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC | (direct ? O_DIRECT : 0), 0644);
+    if (fd < 0) return -errno;
+    if (direct || !piece) piece = len;
+    uint32_t c = 0;
+    size_t done = 0;
+    while (done < len) {
+        size_t n = len - done < piece ? len - done : piece;
+        ssize_t w = pwrite(fd, buf + done, n, (off_t)done);
+        if (w <= 0) { int e = w < 0 ? errno : EIO; close(fd); unlink(tmp); return -e; }
+        c = crc(buf + done, (size_t)w, c);
+        done += (size_t)w;
+    }
+    be32(crcbe, c);
+    vfloor_identity(dest, len, id);
+    be32(id + 8, c);
+    if (fsetxattr(fd, "user.vllm.kv_crc32c", crcbe, 4, 0) || fsetxattr(fd, "user.kvtier.id", id, 12, 0)) {
+        int e = errno; close(fd); unlink(tmp); return -e;
+    }
+    if (close(fd)) { int e = errno; unlink(tmp); return -e; }
+    if (rename(tmp, dest) != 0) { int e = errno; unlink(tmp); return -e; }
+    return 0;
+}
+/* Block i is at base + off[i]; a store's temp is "<dest>.ftmp". */
+int vfloor_load(const char **p, char *base, const uint64_t *off, size_t len, size_t n, int direct, size_t piece) {
+    for (size_t i = 0; i < n; i++) { int r = rd(p[i], base + off[i], len, direct, piece); if (r) return r; }
+    return 0;
+}
+int vfloor_store(const char **dest, char *base, const uint64_t *off, size_t len, size_t n, int direct, size_t piece) {
+    char tmp[PATH_MAX];
+    for (size_t i = 0; i < n; i++) {
+        if (snprintf(tmp, sizeof tmp, "%s.ftmp", dest[i]) >= (int)sizeof tmp) return -ENAMETOOLONG;
+        int r = wr(tmp, dest[i], base + off[i], len, direct, piece);
+        if (r) return r;
+    }
     return 0;
 }
 """
@@ -118,50 +267,51 @@ def fmt_size(n: int) -> str:
     return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
 
 
-def gcc_shared(src: str, out: str, soname: "str | None" = None) -> None:
-    cmd = ["gcc", "-O2", "-shared", "-fPIC", "-o", out, "-x", "c", "-"]
-    if soname:
-        cmd.insert(-3, f"-Wl,-soname,{soname}")
+def gcc_shared(src: str, out: str, libs=()) -> None:
+    """Build `src` into the shared library `out`; CalledProcessError (with gcc's
+    stderr) or FileNotFoundError (no gcc) when it cannot be built."""
+    cmd = ["gcc", "-O2", "-shared", "-fPIC", "-o", out, "-x", "c", "-", *libs]
     subprocess.run(cmd, input=src.encode(), check=True, capture_output=True)
 
 
-class Floor:
-    def __init__(self, workdir: str, pool):
-        self.base = pool.a.ctypes.data
-        so = os.path.join(workdir, "floor.so")
-        gcc_shared(FLOOR_C, so)
+class CLoop:
+    """A gcc-built C loop called through ctypes (ctypes releases the GIL):
+    `floor` (FLOOR_C) or `vfloor` (VFLOOR_C, linked with ISA-L), with the
+    contenders' load/store signature; blocks in the pool only (self.base).
+    piece: the bytes per buffered pread/pwrite (vfloor's CRC follows each)."""
+
+    def __init__(self, name: str, src: str, workdir: str, pool, libs=(), piece: int = 0):
+        self.base, self.piece = pool.a.ctypes.data, piece
+        so = os.path.join(workdir, f"{name}.so")
+        gcc_shared(src, so, libs=libs)
         self.lib = ctypes.CDLL(so)
-        P = ctypes.POINTER(ctypes.c_char_p)
-        self.lib.floor_load.argtypes = [P, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t,
-                                        ctypes.c_int]
-        self.lib.floor_store.argtypes = [P, P, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t,
-                                         ctypes.c_int]
+        P, Z = ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t
+        for fn in (getattr(self.lib, f"{name}_load"), getattr(self.lib, f"{name}_store")):
+            fn.argtypes = [P, ctypes.c_void_p, ctypes.c_void_p, Z, Z, ctypes.c_int, Z]
+        self._load, self._store = getattr(self.lib, f"{name}_load"), getattr(self.lib, f"{name}_store")
+        self._paths_cache: dict = {}
 
-    _paths_cache: dict = {}
-
-    def _args(self, paths, view, offsets):
-        """ctypes arrays of the paths (cached per path list: the marshalling is not the
-        syscalls this column stands for) and of the buffer addresses."""
-        base = self.base  # view is the pool's memoryview
+    def _args(self, paths, offsets):
+        """ctypes array of the paths (cached per path list: the marshalling is not the
+        syscalls this column stands for) and the offsets as uint64 (numpy: a ctypes array
+        of 10,000 addresses cost 0.45 us per block, as much as a tenth of a 4 KiB load)."""
         key = (id(paths), len(paths), paths[0] if paths else None)
         ps = self._paths_cache.get(key)
         if ps is None:
             ps = (ctypes.c_char_p * len(paths))(*[os.fsencode(p) for p in paths])
             if len(self._paths_cache) < 64:
                 self._paths_cache[key] = ps
-        bs = (ctypes.c_void_p * len(offsets))(*[base + o for o in offsets])
-        return ps, bs
+        return ps, np.array(offsets, dtype=np.uint64)
 
     def load(self, paths, view, offsets, bs, direct):
-        ps, bufs = self._args(paths, view, offsets)
-        r = self.lib.floor_load(ps, bufs, bs, len(paths), int(direct))
+        ps, offs = self._args(paths, offsets)
+        r = self._load(ps, self.base, offs.ctypes.data, bs, len(paths), int(direct), self.piece)
         if r:
             raise OSError(-r, os.strerror(-r), paths[0])
 
     def store(self, paths, view, offsets, bs, direct):
-        ps, bufs = self._args(paths, view, offsets)
-        tmps = (ctypes.c_char_p * len(paths))(*[os.fsencode(p) + b".ftmp" for p in paths])
-        r = self.lib.floor_store(tmps, ps, bufs, bs, len(paths), int(direct))
+        ps, offs = self._args(paths, offsets)
+        r = self._store(ps, self.base, offs.ctypes.data, bs, len(paths), int(direct), self.piece)
         if r:
             raise OSError(-r, os.strerror(-r), paths[0])
 
@@ -193,7 +343,7 @@ class Pool:
         return out
 
 
-def make_contenders(vio, floor):
+def make_contenders(vio, floor, vfloor=None):
     """name -> (load(paths, view, offsets, bs, direct), store(...))."""
     c = {}
     if vio is not None:
@@ -208,7 +358,69 @@ def make_contenders(vio, floor):
 
         c[name] = (ld, st)
     c["floor"] = (floor.load, floor.store)
+    if vfloor is not None:
+        c["vfloor"] = (vfloor.load, vfloor.store)
     return c
+
+
+def build_vfloor(workdir: str, checkdir: str, pool) -> "tuple[CLoop | None, str]":
+    """(the vfloor contender, a note) once it is built and has passed
+    check_vfloor() in checkdir (the disk dir: O_DIRECT too); (None, why) when
+    gcc or ISA-L (libisal-dev) is missing or the check fails."""
+    try:
+        vf = CLoop("vfloor", VFLOOR_C, workdir, pool, libs=("-lisal",), piece=VFLOOR_PIECE)
+    except FileNotFoundError:
+        return None, "no gcc"
+    except subprocess.CalledProcessError as e:
+        return None, "gcc could not build it with ISA-L (libisal-dev): " + \
+            (e.stderr.decode(errors="replace").strip().splitlines() or ["?"])[-1]
+    try:
+        check_vfloor(vf, checkdir, pool)
+    except (OSError, AssertionError) as e:
+        return None, f"its self-check failed: {e!r}"
+    return vf, (f"vfloor: buffered pieces of {fmt_size(VFLOOR_PIECE)}, each checksummed after its "
+                "pread/pwrite; self-check passed (kvtier loads what it stores, its records are kvtier's, "
+                "it loads what kvtier stores and refuses a flipped byte)")
+
+
+def check_vfloor(vf: CLoop, d: str, pool, bs: int = 64 * KiB) -> None:
+    """What vfloor stores, kvtier loads (checksum strict: records required) with
+    the same bytes, and its two records are those kvtier writes; what kvtier
+    stores, vfloor loads with the same bytes, and a flipped byte is EBADMSG.
+    AssertionError or OSError otherwise."""
+    from kvtier import policy
+
+    top = os.path.join(d, "vfloor-check")
+    d = os.path.join(top, "m_0123456789ab_r0", "abc", "de_g0")  # a FileMapper-shaped path
+    os.makedirs(d)
+    mine, theirs = os.path.join(d, "abcdef01.bin"), os.path.join(d, "abcdef02.bin")
+    src, dst = pool.mv[0:bs], pool.mv[bs:2 * bs]
+    crc = _C.crc32c(src)
+    for direct in (False, True):
+        vf.store([mine], pool.mv, [0], bs, direct)
+        got = bytearray(bs)
+        kio.batch_load_block([mine], memoryview(got), [0], bs, False, "strict")
+        assert got == src, "kvtier loaded other bytes than vfloor stored"
+        assert os.getxattr(mine, "user.vllm.kv_crc32c") == crc.to_bytes(4, "big"), "vfloor's user.vllm.kv_crc32c"
+        assert os.getxattr(mine, policy.ID_XATTR_NAME) == policy.identity_record(mine, bs, crc), \
+            "vfloor's user.kvtier.id"
+        os.unlink(mine)
+    kio.batch_store_block([theirs], pool.mv, [0], bs, False, True)
+    pool.a[bs:2 * bs] = 0
+    vf.load([theirs], pool.mv, [bs], bs, False)
+    assert dst == src, "vfloor loaded other bytes than kvtier stored"
+    with open(theirs, "r+b") as f:
+        f.seek(bs // 2)
+        b = f.read(1)
+        f.seek(bs // 2)
+        f.write(bytes([b[0] ^ 1]))
+    try:
+        vf.load([theirs], pool.mv, [bs], bs, False)
+    except OSError as e:
+        assert e.errno == errno.EBADMSG, e
+    else:
+        raise AssertionError("vfloor loaded a block with a flipped byte")
+    shutil.rmtree(top)
 
 
 def interleaved(names, rounds, call, warm=3):
@@ -512,13 +724,15 @@ def main(argv=None) -> int:
     if vio is None:
         vnote = f"{vnote}: vLLM column skipped"
     pool = Pool(args.pool_mib * MiB)
-    floor = Floor(work, pool)
-    contenders = make_contenders(vio, floor)
+    floor = CLoop("floor", FLOOR_C, work, pool)
+    vfloor, vfnote = build_vfloor(work, disk, pool)
+    contenders = make_contenders(vio, floor, vfloor)
     print("# kvtier vs vLLM fs_io_C: benchmarks/vs_vllm.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     print(f"machine: {machine()}")
     print(f"kvtier {kvtier.__version__}: io backend {kio.backend}, CRC32C {_C.active_backend()}, "
           f"fused copy {_C.crc_copy_status()['kernel']}, engine: {engine_info()}; kvtier with a job state")
     print(f"peer: {vnote}")
+    print(f"verified floor: {vfnote}" if vfloor else f"verified floor: vfloor column skipped: {vfnote}")
     print(f"disk dir: {disk} ({fs_type(disk)}); load average at start: {os.getloadavg()}")
     results = {}
     tmpfs = None
@@ -558,55 +772,96 @@ def main(argv=None) -> int:
     return 0
 
 
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}" if a is not None and b else "-"
+
+
+def _verdict(on_x, vf_x, limit, higher_is_better=False) -> str:
+    """met / NOT met, and whether the verified floor misses the limit too."""
+    ok = (lambda x: x >= limit) if higher_is_better else (lambda x: x <= limit)
+    if ok(on_x):
+        return "met"
+    if vf_x is None:
+        return "NOT met"
+    return "NOT met (vfloor misses it too)" if not ok(vf_x) else f"NOT met (vfloor meets it: {vf_x:.2f}x)"
+
+
 def print_targets(results):
     print("\n## targets (kvtier checksum on, with a job state, against vLLM fs_io_C)")
+    print("on/vLLM: the target's ratio; vfloor/vLLM: the verified floor's (the calls and the one CRC pass a "
+          "verified block in this format needs, nothing else); on/vfloor: kvtier against that floor")
+
+    def wall(v, n):
+        return v[n]["wall"] if n in v else None
 
     def worst(cells, limit, what):
         if not cells:
             return
-        ratios = {k: v["on"]["wall"] / v["vllm"]["wall"] for k, v in cells.items() if "vllm" in v}
-        if not ratios:
+        rows = {k: v for k, v in cells.items() if "vllm" in v}
+        if not rows:
             print(f"- {what}: no vLLM column")
             return
-        k, r = max(ratios.items(), key=lambda kv: kv[1])
-        ok = "met" if r <= limit else "NOT met"
-        print(f"- {what}: worst {r:.2f}x ({k[0]} {fmt_size(k[1])}) <= {limit:.2f}x: {ok}; all: "
-              + ", ".join(f"{a} {fmt_size(b)} {x:.2f}" for (a, b), x in ratios.items()))
+        k, v = max(rows.items(), key=lambda kv: kv[1]["on"]["wall"] / kv[1]["vllm"]["wall"])
+        on_x, vf = v["on"]["wall"] / v["vllm"]["wall"], wall(v, "vfloor")
+        vf_x = vf / v["vllm"]["wall"] if vf else None
+        print(f"- {what} <= {limit:.2f}x: worst {on_x:.2f}x ({k[0]} {fmt_size(k[1])}): "
+              f"{_verdict(on_x, vf_x, limit)}")
+        print(f"  | {'cell':<13} | on/vLLM | vfloor/vLLM | on/vfloor | {'':<32} |")
+        print(f"  |{'-' * 15}|---------|-------------|-----------|{'-' * 34}|")
+        for (op, bs), v in rows.items():
+            on, vl, vf = v["on"]["wall"], v["vllm"]["wall"], wall(v, "vfloor")
+            verdict = _verdict(on / vl, vf / vl if vf else None, limit)
+            print(f"  | {op + ' ' + fmt_size(bs):<13} | {on / vl:7.2f} | {_ratio(vf, vl):>11} | "
+                  f"{_ratio(on, vf):>9} | {verdict:<32} |")
 
     worst(results.get("direct"), 1.00, "O_DIRECT 256 KiB-16 MiB wall")
     worst(results.get("tmpfs"), 1.05, "buffered (tmpfs) wall")
     sm = results.get("small")
     if sm and "vllm" in sm["load"]:
         for op in ("load", "store"):
-            r = sm[op]["on"]["wall"] / sm[op]["vllm"]["wall"]
-            print(f"- 4 KiB batch {op}: {r:.2f}x <= 1.10x: {'met' if r <= 1.10 else 'NOT met'}")
+            on, vl, vf = sm[op]["on"]["wall"], sm[op]["vllm"]["wall"], wall(sm[op], "vfloor")
+            print(f"- 4 KiB batch {op} <= 1.10x: {on / vl:.2f}x: {_verdict(on / vl, vf / vl if vf else None, 1.10)}"
+                  f"; vfloor/vLLM {_ratio(vf, vl)}, on/vfloor {_ratio(on, vf)}")
     d = results.get("direct")
     crc_gib = None  # the crc contender's CPU s per GiB (the pool cell's unit)
     if d and any("vllm" in v for v in d.values()):
-        worst_cpu = []
+        rows = []
         for (op, bs), v in d.items():
-            mean = (v["on"]["cpu"] - v["vllm"]["cpu"]) / v["crc"]["cpu"]
-            med = (v["on"]["cpu_med"] - v["vllm"]["cpu_med"]) / v["crc"]["cpu_med"]
-            worst_cpu.append((mean, med, op, bs))
+            def extra(n, v=v):
+                if n not in v:
+                    return None
+                return ((v[n]["cpu"] - v["vllm"]["cpu"]) / v["crc"]["cpu"],
+                        (v[n]["cpu_med"] - v["vllm"]["cpu_med"]) / v["crc"]["cpu_med"])
+            rows.append((extra("on"), extra("vfloor"), op, bs))
         # the pool's unit: the CRC pass of the load cell nearest its 2 MiB blocks
         bs = min((b for o, b in d if o == "load"), key=lambda b: abs(b - 2 * MiB))
         crc_gib = d[("load", bs)]["crc"]["cpu"] * 1e-6 / (bs / GiB)
-        x, _, op, bs = max(worst_cpu)
-        print(f"- CPU (on - vLLM) per block / a CRC pass over it (same rotation; mean, median), O_DIRECT: worst "
-              f"{x:.2f} ({op} {fmt_size(bs)}) <= 1.2: {'met' if x <= 1.2 else 'NOT met'}; all: "
-              + ", ".join(f"{o} {fmt_size(b)} {y:.2f} ({z:.2f})" for y, z, o, b in worst_cpu))
+        (x, _), _, op, bs = max(rows, key=lambda r: r[0][0])
+        print(f"- CPU (on - vLLM) per block / a CRC pass over it (same rotation), O_DIRECT <= 1.2: worst {x:.2f} "
+              f"({op} {fmt_size(bs)}): {'met' if x <= 1.2 else 'NOT met'}")
+        print(f"  | {'cell':<13} | (on - vLLM)/crc mean (median) | (vfloor - vLLM)/crc mean (median) |")
+        print(f"  |{'-' * 15}|-------------------------------|-----------------------------------|")
+        for on, vf, op, bs in rows:
+            vfs = f"{vf[0]:.2f} ({vf[1]:.2f})" if vf else "-"
+            print(f"  | {op + ' ' + fmt_size(bs):<13} | {f'{on[0]:.2f} ({on[1]:.2f})':>29} | {vfs:>33} |")
     p = results.get("pool")
     if p and "vllm" in p["load"]:
         for op in ("load", "store"):
-            r = p[op]["on"]["gbs"] / p[op]["vllm"]["gbs"]
-            line = f"- pool {op}: throughput {r:.2f}x >= 1.00x: {'met' if r >= 1.0 else 'NOT met'}; "
+            on, vl = p[op]["on"]["gbs"], p[op]["vllm"]["gbs"]
+            vf = p[op]["vfloor"]["gbs"] if "vfloor" in p[op] else None
+            line = (f"- pool {op}: throughput >= 1.00x: {on / vl:.2f}x: "
+                    f"{_verdict(on / vl, vf / vl if vf else None, 1.0, higher_is_better=True)}; "
+                    f"vfloor/vLLM {_ratio(vf, vl)}, on/vfloor {_ratio(on, vf)}; ")
             if crc_gib is None:
                 line += "CPU: no CRC pass measured (run the direct cells too)"
             else:
                 extra = (p[op]["on"]["cpu_gib"] - p[op]["vllm"]["cpu_gib"]) / crc_gib
-                line += (f"CPU (on - vLLM)/GiB / a CRC pass per GiB {extra:.2f} <= 1.2: "
+                line += (f"CPU (on - vLLM)/GiB / a CRC pass per GiB <= 1.2: {extra:.2f}: "
                          f"{'met' if extra <= 1.2 else 'NOT met'}")
+                if vf:
+                    line += f" (vfloor {(p[op]['vfloor']['cpu_gib'] - p[op]['vllm']['cpu_gib']) / crc_gib:.2f})"
             print(line)
+
 
 if __name__ == "__main__":
     sys.exit(main())
