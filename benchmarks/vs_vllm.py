@@ -392,8 +392,9 @@ def build_vfloor(workdir: str, checkdir: str, pool) -> "tuple[CLoop | None, str]
     except FileNotFoundError:
         return None, "no gcc"
     except subprocess.CalledProcessError as e:
-        return None, "gcc could not build it with ISA-L (libisal-dev): " + \
-            (e.stderr.decode(errors="replace").strip().splitlines() or ["?"])[-1]
+        lines = e.stderr.decode(errors="replace").strip().splitlines() or ["?"]
+        why = next((ln for ln in lines if "error" in ln), lines[-1])
+        return None, f"gcc could not build it with ISA-L (libisal-dev): {why}"
     try:
         check_vfloor(vf, checkdir, pool)
     except (OSError, AssertionError) as e:
@@ -413,34 +414,36 @@ def check_vfloor(vf: CLoop, d: str, pool, bs: int = 64 * KiB) -> None:
     top = os.path.join(d, "vfloor-check")
     d = os.path.join(top, "m_0123456789ab_r0", "abc", "de_g0")  # a FileMapper-shaped path
     os.makedirs(d)
-    mine, theirs = os.path.join(d, "abcdef01.bin"), os.path.join(d, "abcdef02.bin")
-    src, dst = pool.mv[0:bs], pool.mv[bs:2 * bs]
-    crc = _C.crc32c(src)
-    for direct in (False, True):
-        vf.store([mine], pool.mv, [0], bs, direct)
-        got = bytearray(bs)
-        kio.batch_load_block([mine], memoryview(got), [0], bs, False, "strict")
-        assert got == src, "kvtier loaded other bytes than vfloor stored"
-        assert os.getxattr(mine, "user.vllm.kv_crc32c") == crc.to_bytes(4, "big"), "vfloor's user.vllm.kv_crc32c"
-        assert os.getxattr(mine, policy.ID_XATTR_NAME) == policy.identity_record(mine, bs, crc), \
-            "vfloor's user.kvtier.id"
-        os.unlink(mine)
-    kio.batch_store_block([theirs], pool.mv, [0], bs, False, True)
-    pool.a[bs:2 * bs] = 0
-    vf.load([theirs], pool.mv, [bs], bs, False)
-    assert dst == src, "vfloor loaded other bytes than kvtier stored"
-    with open(theirs, "r+b") as f:
-        f.seek(bs // 2)
-        b = f.read(1)
-        f.seek(bs // 2)
-        f.write(bytes([b[0] ^ 1]))
     try:
+        mine, theirs = os.path.join(d, "abcdef01.bin"), os.path.join(d, "abcdef02.bin")
+        src, dst = pool.mv[0:bs], pool.mv[bs:2 * bs]
+        crc = _C.crc32c(src)
+        for direct in (False, True):
+            vf.store([mine], pool.mv, [0], bs, direct)
+            got = bytearray(bs)
+            kio.batch_load_block([mine], memoryview(got), [0], bs, False, "strict")
+            assert got == src, "kvtier loaded other bytes than vfloor stored"
+            assert os.getxattr(mine, "user.vllm.kv_crc32c") == crc.to_bytes(4, "big"), "vfloor's user.vllm.kv_crc32c"
+            assert os.getxattr(mine, policy.ID_XATTR_NAME) == policy.identity_record(mine, bs, crc), \
+                "vfloor's user.kvtier.id"
+            os.unlink(mine)
+        kio.batch_store_block([theirs], pool.mv, [0], bs, False, True)
+        pool.a[bs:2 * bs] = 0
         vf.load([theirs], pool.mv, [bs], bs, False)
-    except OSError as e:
-        assert e.errno == errno.EBADMSG, e
-    else:
-        raise AssertionError("vfloor loaded a block with a flipped byte")
-    shutil.rmtree(top)
+        assert dst == src, "vfloor loaded other bytes than kvtier stored"
+        with open(theirs, "r+b") as f:
+            f.seek(bs // 2)
+            b = f.read(1)
+            f.seek(bs // 2)
+            f.write(bytes([b[0] ^ 1]))
+        try:
+            vf.load([theirs], pool.mv, [bs], bs, False)
+        except OSError as e:
+            assert e.errno == errno.EBADMSG, e
+        else:
+            raise AssertionError("vfloor loaded a block with a flipped byte")
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def interleaved(names, rounds, call, warm=3, seed=0):

@@ -153,3 +153,20 @@ def test_vs_vllm_quick_run_has_vfloor(tmp_path):
         assert re.search(rf"- 4 KiB batch {op} <= 1\.10x: {num}x: .*; vfloor/vLLM {num}, on/vfloor {num}$", out,
                          re.M), out
     assert os.listdir(tmp_path) == []
+
+
+def test_build_vfloor_skips_with_a_reason(vs, vfloor, tmp_path, monkeypatch):
+    """A vfloor that does not build, or that builds but writes another identity than
+    kvtier's, is left out with the reason, not timed."""
+    _, pool = vfloor
+    for n, (old, new, why) in enumerate((
+            ("#include <isa-l/crc.h>", "#include <isa-l/no_such_header.h>", "no_such_header.h"),
+            ('"kvtier.id.v1"', '"kvtier.id.v0"', "self-check failed"))):
+        so_dir, disk = tmp_path / f"so{n}", tmp_path / f"disk{n}"
+        so_dir.mkdir()
+        disk.mkdir()
+        monkeypatch.setattr(vs, "VFLOOR_C", vs.VFLOOR_C.replace(old, new))
+        vf, note = vs.build_vfloor(str(so_dir), str(disk), pool)
+        monkeypatch.undo()
+        assert vf is None and why in note, note
+        assert os.listdir(disk) == []  # a failed check's files removed too
