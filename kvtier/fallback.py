@@ -52,14 +52,12 @@ if _c_core_importable() and not _imported_by_kvtier():
 # bytes (design.md "On-disk contract"). Used when the C core is missing or
 # KVTIER_IO_BACKEND=python. Signatures match kvtier._C.
 
-import ctypes as _ctypes
 import errno as _errno
 import fcntl as _fcntl
 import mmap as _mmap
 import os as _os
 import mmap as _mmap
 import stat as _stat
-import struct as _struct
 import threading as _threading
 import time as _time
 
@@ -73,20 +71,12 @@ XATTR_LEN = 4
 IO_CHUNK = 256 * 1024
 """Bytes per read/write call; each chunk is checksummed next to its I/O (as the C engine's
 buffered pieces, io_engine.h KVT_ENGINE_CHUNK)."""
-DIO_FALLBACK_ALIGN = 4096
-"""O_DIRECT alignment assumed when statx STATX_DIOALIGN is not reported (fs_io.h)."""
-
-_STATX_SIZE = 0x200  # linux/stat.h
-_STATX_DIOALIGN = 0x2000  # linux/stat.h, Linux >= 6.1
-_AT_EMPTY_PATH = 0x1000  # linux/fcntl.h
-
-try:
-    _libc = _ctypes.CDLL(None, use_errno=True)
-    _statx = _libc.statx
-    _statx.argtypes = [_ctypes.c_int, _ctypes.c_char_p, _ctypes.c_int, _ctypes.c_uint, _ctypes.c_void_p]
-    _statx.restype = _ctypes.c_int
-except (OSError, AttributeError):  # pragma: no cover - glibc < 2.28
-    _statx = None
+DIO_ALIGN = 4096
+"""The C core's O_DIRECT rule (fs_io.c store_try / load_try): O_DIRECT for a block whose
+length is a multiple of this (what every filesystem's O_DIRECT accepts) and, where the I/O
+moves the caller's memory itself, whose address is too; not the filesystem's reported
+minimum (statx STATX_DIOALIGN, often 512), so both backends pick the same mode and count
+the same ``buffered_unaligned``. A filesystem refusing O_DIRECT (EINVAL) is buffered."""
 
 
 def _block_crc_fn():
@@ -158,30 +148,15 @@ def _bounce_give(b):
     _tls.free.append(b)
 
 
-def _dio_align(fd):
-    """(mem_align, offset_align) for O_DIRECT on fd; (0, 0) when the filesystem
-    reports no O_DIRECT support (statx STATX_DIOALIGN with zero alignment)."""
-    if _statx is not None:
-        buf = _ctypes.create_string_buffer(256)  # struct statx is 256 bytes
-        if _statx(fd, b"", _AT_EMPTY_PATH, _STATX_SIZE | _STATX_DIOALIGN, buf) == 0:
-            mask = _struct.unpack_from("<I", buf, 0)[0]
-            if mask & _STATX_DIOALIGN:
-                mem, off = _struct.unpack_from("<II", buf, 152)  # stx_dio_mem_align, stx_dio_offset_align
-                return (mem, off) if mem and off else (0, 0)
-    return DIO_FALLBACK_ALIGN, DIO_FALLBACK_ALIGN
-
-
 def _buffer_address(mv):
     return _np.frombuffer(mv, dtype=_np.uint8).__array_interface__["data"][0] if len(mv) else 0
 
 
-def _dio_usable(fd, mv, bounce=False):
-    """Whether O_DIRECT can move mv's bytes on fd: its length and (unless ``bounce``: the
-    I/O goes through this module's page-aligned bounce buffers) its address aligned."""
-    mem, off = _dio_align(fd)
-    if not mem or IO_CHUNK % max(mem, off):
-        return False
-    return len(mv) > 0 and (bounce or _buffer_address(mv) % mem == 0) and len(mv) % off == 0
+def _dio_usable(mv, bounce=False):
+    """Whether the C core would move mv's bytes O_DIRECT (DIO_ALIGN): its length and
+    (unless ``bounce``: the I/O goes through this module's page-aligned bounce buffers,
+    as the C core's through its private slots) its address aligned."""
+    return len(mv) > 0 and len(mv) % DIO_ALIGN == 0 and (bounce or _buffer_address(mv) % DIO_ALIGN == 0)
 
 
 def _set_direct(fd, on):
@@ -190,7 +165,7 @@ def _set_direct(fd, on):
 
 
 def _try_direct(fd, mv, bounce=False):
-    if not _dio_usable(fd, mv, bounce):
+    if not _dio_usable(mv, bounce):
         return False
     try:
         _set_direct(fd, True)  # EINVAL: the filesystem refuses O_DIRECT
@@ -482,8 +457,8 @@ def _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, w
             # (as io_engine.c's private slots: the bytes written are the bytes checksummed),
             # whatever mv's address; without, one write straight from mv, only if it is aligned
             direct = use_o_direct and _try_direct(fd, mv, bounce=bool(checksum))
-            if use_o_direct and not checksum and not direct and _dio_usable(fd, mv, bounce=True):
-                _count_into(counts, "buffered_unaligned")  # only the buffer's address kept O_DIRECT off
+            if use_o_direct and not checksum and _dio_usable(mv, bounce=True) and not _dio_usable(mv):
+                _count_into(counts, "buffered_unaligned")  # the buffer's address keeps O_DIRECT off (as fs_io.c)
             crc = 0
             if not checksum:  # one write of the whole block (as io_engine.c)
                 direct = _op("write", _write_full, fd, mv, 0, direct)
