@@ -38,7 +38,7 @@ void kvt_uring_note_plain(void)
 struct kvt_uring {
     struct io_uring ring;
     unsigned queued;
-    pid_t pid;
+    unsigned gen; /* fork_gen when it was made: another one means a forked child */
 };
 
 static pthread_key_t ring_key;
@@ -46,17 +46,36 @@ static int ring_key_ok;
 static pthread_once_t key_once = PTHREAD_ONCE_INIT;
 static __thread kvt_uring *my_ring;
 
+/* The fork generation: +1 in the child of every fork() (a pthread_atfork
+ * handler, registered before the first ring exists; os.fork and
+ * multiprocessing's fork call fork()). A ring made in another generation is
+ * the parent's: not ours to use or tear down. One relaxed load per block where
+ * a getpid() was one syscall per block (glibc no longer caches the pid). A
+ * child made by a raw clone(2), which runs no atfork handlers, must not do
+ * block I/O. */
+static _Atomic unsigned fork_gen;
+
+static void fork_child(void)
+{
+    atomic_fetch_add_explicit(&fork_gen, 1, memory_order_relaxed);
+}
+
+static unsigned gen_now(void)
+{
+    return atomic_load_explicit(&fork_gen, memory_order_relaxed);
+}
+
 static void ring_free(void *p)
 {
     kvt_uring *r = p;
-    if (r->pid == getpid())
+    if (r->gen == gen_now())
         io_uring_queue_exit(&r->ring);
     free(r);
 }
 
 static void make_key(void)
 {
-    ring_key_ok = pthread_key_create(&ring_key, ring_free) == 0;
+    ring_key_ok = pthread_key_create(&ring_key, ring_free) == 0 && pthread_atfork(NULL, NULL, fork_child) == 0;
 }
 
 static kvt_uring *ring_new(void)
@@ -74,7 +93,7 @@ static kvt_uring *ring_new(void)
         }
         return NULL;
     }
-    r->pid = getpid();
+    r->gen = gen_now();
     int undecided = -1;
     atomic_compare_exchange_strong(&mode, &undecided, 1);
     return r;
@@ -86,7 +105,7 @@ kvt_uring *kvt_uring_get(void)
     if (setting == 0 || atomic_load_explicit(&mode, memory_order_relaxed) == 0)
         return NULL;
     kvt_uring *r = my_ring;
-    if (r != NULL && r->pid == getpid())
+    if (r != NULL && r->gen == gen_now())
         return r;
     if (r != NULL) { /* a forked child: the parent's ring is not ours to use */
         my_ring = NULL;

@@ -230,3 +230,96 @@ def test_store_records_and_fallocate_faults(tmp_path, io_fault, setting, fault):
         assert eng["uring_ops"] >= 2 * 4 and eng["plain_blocks"] == 0
     else:
         assert eng["uring_ops"] == 0 and eng["plain_blocks"] >= 2
+
+
+FORK_SCRIPT = r"""
+import json, mmap, os, sys
+import numpy as np
+from kvtier import io, _C
+d, n = sys.argv[1], int(sys.argv[2])
+bs = 1 << 20  # > 256 KiB: several pieces, through the ring
+src = mmap.mmap(-1, bs)
+v = np.frombuffer(src, dtype=np.uint8)
+v[:] = np.random.default_rng(3).integers(0, 256, bs, dtype=np.uint8)
+paths = [os.path.join(d, f"b{i}.bin") for i in range(n)]
+io.batch_store_block(paths, v, [0] * n, bs, use_o_direct=True, checksum=True)
+
+def rings():
+    fds = os.listdir("/proc/self/fd")
+    out = 0
+    for f in fds:
+        try:
+            out += os.readlink(f"/proc/self/fd/{f}") == "anon_inode:[io_uring]"
+        except OSError:
+            pass
+    return out
+
+def load_all():
+    dst = mmap.mmap(-1, n * bs)
+    out = np.frombuffer(dst, dtype=np.uint8)
+    io.batch_load_block(paths, out, [i * bs for i in range(n)], bs, use_o_direct=True, checksum=True)
+    return all(np.array_equal(out[i * bs:(i + 1) * bs], v) for i in range(n))
+
+res = {"parent_ok": load_all(), "parent_rings": rings(), "ops": _C.io_engine_status()["uring_ops"]}
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.close(r)
+    before = rings()
+    ops0 = _C.io_engine_status()["uring_ops"]
+    ok = load_all()
+    child = {"ok": ok, "rings_before": before, "rings_after": rings(),
+             "ops": _C.io_engine_status()["uring_ops"] - ops0}
+    os.write(w, json.dumps(child).encode())
+    os._exit(0)
+os.close(w)
+res["child"] = json.loads(os.read(r, 4096))
+os.waitpid(pid, 0)
+res["parent_ok_after"] = load_all()
+res["engine"] = _C.io_engine_status()["engine"]
+print("RESULT " + json.dumps(res))
+"""
+
+
+def test_forked_child_makes_its_own_ring_without_a_getpid_per_block(tmp_path):
+    """The ring is the calling thread's and a forked child's thread gets a new one: the
+    child's loads go through a ring of its own (one more io_uring descriptor than it
+    inherited, ring ops counted) and verify, and the parent's ring still works after.
+    Fork is detected by a generation a pthread_atfork handler bumps, not by a getpid()
+    per block (one syscall per block; glibc does not cache the pid): strace counts the
+    getpid calls of 32 ring loads and stores, far fewer than the blocks."""
+    _need_liburing()
+    d = tmp_path / "blocks"
+    d.mkdir()
+    e = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    e.update(KVTIER_IO_BACKEND="c", KVTIER_IO_URING="1")
+    n = 32
+    r = subprocess.run([sys.executable, "-c", FORK_SCRIPT, str(d), str(n)], capture_output=True, text=True,
+                       env=e, cwd=str(ROOT), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+    if res["engine"] != "io_uring":
+        unavailable("the kernel refuses io_uring here")
+    assert res["parent_ok"] and res["parent_ok_after"] and res["parent_rings"] == 1
+    c = res["child"]
+    assert c["ok"] and c["rings_before"] == 1 and c["rings_after"] == 2, c  # a ring of its own
+    assert c["ops"] >= n * 3  # its loads went through it (>= 3 pieces per 1 MiB block)
+    strace = shutil.which("strace")
+    if strace is None:
+        unavailable("no strace to count getpid calls")
+    d2 = tmp_path / "blocks2"
+    d2.mkdir()
+    out = tmp_path / "strace.txt"
+    r = subprocess.run([strace, "-f", "-qq", "-c", "-U", "name,calls", "-e", "trace=getpid", "-o", str(out),
+                        sys.executable, "-c", FORK_SCRIPT, str(d2), str(n)], capture_output=True, text=True,
+                       env=e, cwd=str(ROOT), timeout=300)
+    if r.returncode != 0 and "PTRACE" in r.stderr.upper():
+        unavailable(f"strace cannot trace here: {r.stderr.strip()[:200]}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = 0
+    for ln in out.read_text().splitlines():
+        f = ln.split()
+        if f and f[0] == "getpid":
+            calls = int(f[1])
+    # 32 stores and 3 x 32 loads on the ring (128 blocks): one getpid per block before
+    assert calls < n, out.read_text()
