@@ -471,6 +471,9 @@ int kvt_batch_store(const char *const *tmp_paths, const char *const *dest_paths,
             res->op = op;
             break;
         }
+        /* counted in the word (a store's JobState.blocks_done): the watchdog names
+         * the block in flight, paths[count]; expired meanwhile, the next block stops */
+        kvt_job_block_done(js);
     }
     return batch_end(res);
 }

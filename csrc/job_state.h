@@ -9,7 +9,9 @@
  *                        a store about to rename its temp onto the block path
  *   COMMITTING -> LIVE   that copy / rename is done
  *   LIVE -> LIVE, blocks + 1   a load's block is whole in the caller's view and
- *                        verified (kvt_job_block_done): it counts as loaded
+ *                        verified (kvt_job_block_done): it counts as loaded; a
+ *                        store's block is stored (published or found there):
+ *                        counted too, so the count names the block in flight
  *   LIVE -> EXPIRED      the caller gave up (deadline): spins while COMMITTING,
  *                        so once it succeeds no byte enters the view and no
  *                        block is published by this job any more, and the
@@ -71,8 +73,9 @@ static inline int kvt_job_commit_end(kvt_job_state *js)
     return js == NULL || kvt_job_step(js, KVT_JOB_COMMITTING, KVT_JOB_LIVE, 0);
 }
 
-/* A load's block is whole in the caller's view and verified: count it, if the
- * job is still LIVE (1); 0 if it expired (the block does not count). */
+/* A load's block is whole in the caller's view and verified, or a store's block
+ * is stored: count it, if the job is still LIVE (1); 0 if it expired (the block
+ * does not count). */
 static inline int kvt_job_block_done(kvt_job_state *js)
 {
     return js == NULL || kvt_job_step(js, KVT_JOB_LIVE, KVT_JOB_LIVE, KVT_JOB_BLOCK);

@@ -593,15 +593,18 @@ class TierEngine:
         shutdown); its thread, if still in the I/O call, is stuck (lock held)."""
         now = time.monotonic()
         op = "load" if job.is_promotion else "store"
-        what = f"{op} job {job.job_id!r} ({len(job.keys)} blocks, the first named here) {why}"
+        # the block in flight: the job state counts the blocks a load loaded / a store stored
+        # (final now), and a batch goes block after block
+        at = max(0, min(job.state.blocks_done, len(job.keys) - 1))
+        what = f"{op} job {job.job_id!r} (at block {at} of {len(job.keys)}, named here) {why}"
         if err_no == errno.ETIMEDOUT:
-            err = timed_out(what, self.io_timeout_s, job.paths[0])
+            err = timed_out(what, self.io_timeout_s, job.paths[at])
             self.counters.add(f"{op}_timeouts")
         else:
-            err = OSError(err_no, f"{what} ({os.strerror(err_no)})", job.paths[0])
+            err = OSError(err_no, f"{what} ({os.strerror(err_no)})", job.paths[at])
         logger.warning("%s", err)
         # the partial keep: the blocks whole and verified while the job was live (final
-        # now that expire() succeeded; a store counts none)
+        # now that expire() succeeded; a store keeps none: its count only names the block)
         n_ok = min(job.state.blocks_done, len(job.keys)) if job.is_promotion else 0
         result = Finished(job.job_id, job.is_promotion, job.keys, n_ok, now - job.started_at,
                           now - job.submitted_at, err)

@@ -950,6 +950,8 @@ def batch_store_block(tmp_paths, dest_paths, buffers, /, use_o_direct=True, chec
             except OSError as e:
                 raise _batch_error(e.errno or _errno.EIO, dest_paths[i], i, False, 0,
                                    getattr(e, "kvt_op", None) or "") from None
+            if word is not None:  # counted (JobState.blocks_done): names the block in flight
+                _job_step(word, _LIVE, _LIVE, _BLOCK)
     finally:
         _merge_counts(counts, mine)
 

@@ -269,8 +269,9 @@ class JobState:
     @property
     def blocks_done(self) -> int:
         """Blocks of a load whole in the caller's view and verified while the job was
-        live (0 for a store). Final once :meth:`expire` returned True: the partial keep
-        of a job reported at its deadline."""
+        live; of a store, the blocks stored (published, or found there) while live. Final
+        once :meth:`expire` returned True: a load's partial keep at its deadline, and
+        for either the index of the block in flight (the one the deadline error names)."""
         return self.buffer[0] >> 2
 
     def _step(self, frm: int, to: int) -> bool:

@@ -1374,6 +1374,34 @@ def test_buffer_aligned_to_512_not_4096_takes_the_c_cores_mode(io_backend, tmp_p
     assert cached == {"off512": [bs // 4096] * n, "aligned": [0] * n}
 
 
+def test_job_state_counts_the_blocks_stored_and_loaded(io_backend, tmp_path):
+    """Under a job state a store counts each block stored (published or found there), as a
+    load counts each block loaded: the count is the index of the block in flight, which a
+    deadline error names (tests/test_deadlines.py)."""
+    bs, n = 8192, 3
+    view = rand_blocks(n, bs, seed=41)
+    paths = block_paths(tmp_path, n)
+    io_backend.batch_store_block(paths[:1], view, [0], bs, checksum=True)
+    for checksum in (True, False):
+        js = kio.JobState()
+        io_backend.batch_store_block(paths, view, offsets_of(n, bs), bs, checksum=checksum, job_state=js)
+        assert (js.state, js.blocks_done) == (kio.LIVE, n)
+    out = np.zeros_like(view)
+    js = kio.JobState()
+    io_backend.batch_load_block(paths, out, offsets_of(n, bs), bs, checksum=True, job_state=js)
+    assert (js.state, js.blocks_done) == (kio.LIVE, n) and np.array_equal(out, view)
+    os.unlink(paths[1])
+    js = kio.JobState()
+    with pytest.raises(FileNotFoundError) as ei:  # a load stops at block 1: counted 1
+        io_backend.batch_load_block(paths, out, offsets_of(n, bs), bs, checksum=True, job_state=js)
+    assert ei.value.num_succeeded == js.blocks_done == 1
+    js = kio.JobState()
+    os.makedirs(paths[1])  # a directory at block 1's path: the store fails there
+    with pytest.raises(IsADirectoryError) as ei:
+        io_backend.batch_store_block(paths, view, offsets_of(n, bs), bs, checksum=True, job_state=js)
+    assert ei.value.num_succeeded == js.blocks_done == 1
+
+
 EINTR_FUNCS = ["open", "pwrite", "pread", "fsetxattr", "fgetxattr", "rename", "fsync", "close"]
 
 

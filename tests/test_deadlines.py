@@ -117,6 +117,9 @@ def test_late_load_is_reported_once_and_never_writes_the_reused_row(backend, ff,
         (r,) = tier.get_finished_jobs()
         assert (r.job_id, r.success, r.successful_keys, r.transfer_bytes) == ("L", False, (key(0),), BS)
         assert isinstance(r.error, TimeoutError) and r.error.errno == errno.ETIMEDOUT
+        # the error names the block that hung, not the job's first
+        assert r.error.filename == tier.file_mapper._file_name(*key(1))
+        assert "at block 1 of 3, named here" in str(r.error)
         assert np.array_equal(buf[4], data[0]) and (buf[5:7] == 0).all()  # the kept block is whole
         c = counters(tier)
         assert (c["load_timeouts"], c["load_failures"], c["stuck_threads"]) == (1, 1, 1)
@@ -207,15 +210,19 @@ def test_at_the_cap_of_stuck_threads_new_jobs_fail_fast(backend, ff, area):
 
 @pytest.mark.parametrize("op", ["write", "open"])
 def test_late_store_never_publishes(backend, ff, area, op):
+    """Block 2 of 3 (key 7) stalls writing its temp: the job is reported at its deadline
+    naming that block, and the late store never publishes it."""
     buf = filled(4)
     with tier_on(area, buf) as tier:
         path = tier.file_mapper._file_name(*key(7))
+        store_all(tier, [5])  # found there: counted as stored too
         ff.stall(op, glob_of(tier, ff, key(7)) + "_*.tmp")
-        tier.submit_store(TransferJob("S", [key(7)], [7]))
+        tier.submit_store(TransferJob("S", [key(5), key(6), key(7)], [5, 6, 7]))
         ff.wait_hits(f"stall_{op}", 1)
         assert tier.drain_jobs(T + SLACK)
         (r,) = tier.get_finished_jobs()
         assert (r.success, r.error.errno, r.successful_keys) == (False, errno.ETIMEDOUT, ())
+        assert r.error.filename == path and "at block 2 of 3, named here" in str(r.error)
         assert counters(tier)["store_timeouts"] == 1
         ff.clear()
         wait_until(lambda: counters(tier)["stuck_threads"] == 0)

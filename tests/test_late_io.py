@@ -117,7 +117,8 @@ def test_job_state_argument_is_checked(io_backend, tmp_path):
     assert not os.listdir(tmp_path)
     word = bytearray(8)  # a bare word: the first 4 bytes
     io_backend.batch_store_block(p, view, [0], BS, job_state=word)
-    assert word == bytearray(8) and os.listdir(tmp_path) == ["x.bin"]
+    # LIVE still, the block stored counted (blocks << 2 | phase), the other 4 bytes untouched
+    assert word == bytearray(b"\x04") + bytearray(7) and os.listdir(tmp_path) == ["x.bin"]
 
 
 # ------------------------------------------------------------ without stalls
@@ -132,7 +133,7 @@ def test_live_job_loads_and_stores_the_same_bytes(io_backend, tmp_path, checksum
     assert js.state == kio.LIVE and js.finish()
     assert sorted(os.listdir(tmp_path)) == ["b0.bin", "b1.bin", "b2.bin"]
     out = np.zeros_like(view)
-    assert js.blocks_done == 0  # a store counts no loaded block
+    assert js.blocks_done == 3  # a store counts the blocks it stored (the block in flight, at a deadline)
     js = kio.JobState()
     assert io_backend.batch_load_block(paths, out, offsets(3), BS, checksum=checksum, job_state=js) == 0
     assert (js.state, js.blocks_done) == (kio.LIVE, 3)
