@@ -83,7 +83,7 @@ def info_dict() -> dict:
         d["dsa"] = dsa.describe()
         d["dsa_counters"] = dsa.counters()
     else:
-        d["dsa"] = "not available: the C core is not built"
+        d["dsa"] = "not available: the C core is not importable"
         d["dsa_counters"] = {}
     return d
 
@@ -93,7 +93,7 @@ def _print_info(d: dict) -> None:
     if d["c_core"]:
         print("C core:         built (kvtier._C)")
     else:
-        print(f"C core:         NOT built, using the pure-Python fallback ({d['c_core_error']})")
+        print(f"C core:         NOT importable, using the pure-Python fallback ({d['c_core_error']})")
     print(f"Block I/O:      {d['io_backend']}")
     print(f"CRC32C active:  {d['crc32c_backend']}")
     for b in d["crc32c_backends"]:
@@ -105,6 +105,8 @@ def _print_info(d: dict) -> None:
             state = "not available on this host"
         print(f"  {b['name']:<10} {state:<28} {b['uses']}")
     isal = d["isal_version"]
+    if not d["c_core"]:  # nothing is known of how the missing C core was built
+        isal = f"unknown: the C core is not importable ({d['c_core_error']})"
     print(f"ISA-L:          {isal if isal else 'not built in (libisal not found at build time, or KVTIER_NO_ISAL=1)'}")
     print(f"CPU features:   {' '.join(d['cpu_features']) or 'none of interest'}")
     eng, cp = d["io_engine"], d["crc_copy"]
@@ -113,7 +115,7 @@ def _print_info(d: dict) -> None:
     if d.get("io_engine_error"):
         print(f"I/O engine:     error: {d['io_engine_error']}")
     elif eng is None:
-        print("I/O engine:     not available: the C core is not built")
+        print("I/O engine:     not available: the C core is not importable")
     else:
         if eng["engine"] == "io_uring":
             how = ("io_uring (liburing): O_DIRECT loads in pieces, the next read in flight while one is moved; "
@@ -136,7 +138,7 @@ def _print_info(d: dict) -> None:
     if d.get("crc_copy_error"):
         print(f"CRC copy:       error: {d['crc_copy_error']}")
     elif cp is None:
-        print("CRC copy:       not available: the C core is not built")
+        print("CRC copy:       not available: the C core is not importable")
     elif cp["enabled"]:
         print(f"CRC copy:       on ({cp['kernel']}); C-core checksummed loads: private memory, then one pass "
               f"of copy (non-temporal stores) + CRC32C: {cp['blocks']} blocks, {cp['bytes']} bytes"

@@ -31,15 +31,17 @@ def _imported_by_kvtier() -> bool:
     return name == "kvtier" or name.startswith("kvtier.")
 
 
-def _c_core_importable() -> bool:
+def _c_core():
+    """The C core module, or None when it is not importable: kvtier/__init__.py then
+    sets ``kvtier._C = None``, so ``from kvtier import _C`` gives None, not ImportError."""
     try:
-        from kvtier import _C  # noqa: F401
+        from kvtier import _C
     except ImportError:
-        return False
-    return True
+        return None
+    return _C
 
 
-if _c_core_importable() and not _imported_by_kvtier():
+if _c_core() is not None and not _imported_by_kvtier():
     _warnings.warn(
         "kvtier.fallback imported although the C core (kvtier._C) is available: "
         "the pure-Python CRC32C and block I/O are much slower; use kvtier.crc32c / kvtier.io",
@@ -82,12 +84,8 @@ the same ``buffered_unaligned``. A filesystem refusing O_DIRECT (EINVAL) is buff
 def _block_crc_fn():
     """The fastest CRC32C available: the C core's dispatched backend, else the
     numpy fallback of this module (CRC section above)."""
-    try:
-        from kvtier import _C
-
-        return _C.crc32c
-    except ImportError:
-        return globals()["crc32c"]
+    c = _c_core()
+    return c.crc32c if c is not None else globals()["crc32c"]
 
 
 _copy_fn_cache = []
@@ -103,13 +101,9 @@ def _block_copy_fn():
     "Fused copy")."""
     if not _copy_fn_cache:
         fn = None
-        try:
-            from kvtier import _C
-
-            if _C.crc_copy_status()["enabled"]:
-                fn = _C.crc32c_copy
-        except ImportError:
-            pass
+        c = _c_core()
+        if c is not None and c.crc_copy_status()["enabled"]:
+            fn = c.crc32c_copy
         _copy_fn_cache.append(fn)
     return _copy_fn_cache[0]
 
@@ -848,11 +842,8 @@ def _job_step(word, frm, to, add=0):
 
 
 def _job_state_cas_fn():
-    try:
-        from kvtier import _C
-    except ImportError:
-        return _py_job_state_cas
-    return getattr(_C, "job_state_cas", _py_job_state_cas)
+    c = _c_core()
+    return _py_job_state_cas if c is None else getattr(c, "job_state_cas", _py_job_state_cas)
 
 
 job_state_cas = _job_state_cas_fn()
