@@ -30,7 +30,7 @@ longer is worse than recomputing its KV."""
 
 DEFAULT_LOOKUP_TIMEOUT_S = 2.0
 """Default deadline of one lookup (a batch of stat calls), in seconds, when
-``io_timeout_s`` is not shorter (docs/tier.md, "Deadlines"). A lookup runs where
+``io_timeout_s`` is not shorter or is 0 (docs/tier.md, "Deadlines"). A lookup runs where
 waiting is dearest: on the standalone tier it is the caller's (the scheduler's)
 thread, and in vLLM the one lookup thread every request's lookups queue behind.
 It is one metadata round trip per key, microseconds on a local filesystem and a few

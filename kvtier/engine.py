@@ -273,7 +273,8 @@ class TierEngine:
             > 0), or 0 for none (docs/tier.md, "Deadlines").
         lookup_timeout_s: deadline of a :meth:`lookup` (seconds, > 0, or 0 for none);
             None: :data:`kvtier.deadline.DEFAULT_LOOKUP_TIMEOUT_S` (2 s), or
-            ``io_timeout_s`` when that is shorter (so 0 turns both off).
+            ``io_timeout_s`` when that is shorter and not 0 (``io_timeout_s=0`` leaves the
+            lookup's 2 s).
         root: the tier root, named by the errors of lookups and refused jobs.
         before_job: called on the job's thread before each job's I/O (the shell's check
             that its tier root is still there, :meth:`kvtier.manager.FileSystemTierManager`);
@@ -293,8 +294,12 @@ class TierEngine:
                  before_job: Optional[Callable[[], None]] = None,
                  lookup_timeout_s: Optional[float] = None) -> None:
         self.io_timeout_s = check_timeout(io_timeout_s)
-        self.lookup_timeout_s = (min(self.io_timeout_s, DEFAULT_LOOKUP_TIMEOUT_S) if lookup_timeout_s is None
-                                 else check_timeout(lookup_timeout_s, "lookup_timeout_s"))
+        if lookup_timeout_s is not None:
+            self.lookup_timeout_s = check_timeout(lookup_timeout_s, "lookup_timeout_s")
+        elif self.io_timeout_s > 0:  # a shorter job deadline shortens the lookup's
+            self.lookup_timeout_s = min(self.io_timeout_s, DEFAULT_LOOKUP_TIMEOUT_S)
+        else:  # io_timeout_s=0: no job deadline, but a lookup's caller still waits at most 2 s
+            self.lookup_timeout_s = DEFAULT_LOOKUP_TIMEOUT_S
         self._warned_lookup = -UNVERIFIED_WARN_INTERVAL
         self.root = root
         self.before_job = before_job

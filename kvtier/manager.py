@@ -227,7 +227,7 @@ class FileSystemTierManager:
             startup probes, 0 = none (docs/tier.md, "Deadlines"; why 120 s there).
         lookup_timeout_s: deadline in seconds of :meth:`lookup`, 0 = none; None (default):
             2 s (:data:`kvtier.deadline.DEFAULT_LOOKUP_TIMEOUT_S`), or ``io_timeout_s`` when
-            that is shorter.
+            that is shorter and not 0.
 
     Raises, before any I/O: TypeError / ValueError for bad arguments (wrong types,
     thread counts < 1, block size not matching the buffer, bad FileMapper fields),

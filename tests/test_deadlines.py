@@ -316,10 +316,28 @@ def test_a_stuck_lookup_makes_later_lookups_misses_at_once(backend, ff, area):
         assert counters(tier)["lookup_timeouts"] == 6
 
 
+def test_no_io_deadline_keeps_the_lookup_deadline(backend, ff, area):
+    """io_timeout_s=0 (no job deadline) does not turn off the lookup's: a lookup of a
+    stalled path answers misses after the default 2 s instead of hanging."""
+    buf = filled(13)
+    with FileSystemTierManager(buf, area, "m", checksum_blocks=True, io_timeout_s=0) as tier:
+        assert (tier._engine.io_timeout_s, tier._engine.lookup_timeout_s) == (0, 2.0)
+        store_all(tier, [0, 1])
+        ff.stall("getattr", glob_of(tier, ff, key(1)))
+        t0 = time.monotonic()
+        assert tier.lookup([key(0), key(1)]) == [False, False]
+        assert 2.0 <= time.monotonic() - t0 < 2.0 + SLACK
+        assert counters(tier)["lookup_timeouts"] == 1
+        ff.clear()
+        wait_until(lambda: counters(tier)["stuck_threads"] == 0)
+        assert tier.lookup([key(0), key(1)]) == [True, True]
+
+
 def test_lookup_timeout_s_default_bounds_and_checks(tmp_path):
     buf = filled(12)
-    for io, lk, want in ((120, None, 2.0), (0.5, None, 0.5), (0, None, 0), (120, 0.25, 0.25), (1, 5, 5.0),
+    for io, lk, want in ((120, None, 2.0), (0.5, None, 0.5), (0, None, 2.0), (0, 0.5, 0.5), (0, 0, 0), (120, 0.25, 0.25), (1, 5, 5.0),
                          (120, 0, 0)):
+        # io_timeout_s=0 (no job deadline) leaves the lookup's 2 s default
         with FileSystemTierManager(buf, tmp_path / f"t{io}_{lk}", "m", io_timeout_s=io,
                                    lookup_timeout_s=lk) as tier:
             assert tier._engine.lookup_timeout_s == want
