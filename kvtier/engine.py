@@ -258,6 +258,20 @@ class Finished:
         return self.keys[: self.n_ok]
 
 
+_forks = 0
+"""fork() calls that made this process (a child counts its parent's plus one): a tier
+compares it with the value at its creation (:meth:`TierEngine._check_process`)."""
+
+
+def _after_fork_in_child() -> None:
+    global _forks
+    _forks += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class TierEngine:
     """Runs store and load jobs between ``view`` and files, on a pool of threads.
 
@@ -294,6 +308,7 @@ class TierEngine:
                  before_job: Optional[Callable[[], None]] = None,
                  lookup_timeout_s: Optional[float] = None) -> None:
         self.io_timeout_s = check_timeout(io_timeout_s)
+        self._forks, self._pid = _forks, os.getpid()
         if lookup_timeout_s is not None:
             self.lookup_timeout_s = check_timeout(lookup_timeout_s, "lookup_timeout_s")
         elif self.io_timeout_s > 0:  # a shorter job deadline shortens the lookup's
@@ -364,6 +379,15 @@ class TierEngine:
         """Threads still in a filesystem call that outlived its deadline (jobs and lookups)."""
         return self._stuck + self._lookups.stuck
     # ------------------------------------------------------------------ submit / collect
+    def _check_process(self) -> None:
+        """RuntimeError in a process forked after this tier was created: its pool,
+        watchdog and lookup threads exist only in the parent, so a job queued here would
+        never run and a drain would wait for nothing (docs/tier.md, "fork()")."""
+        if self._forks != _forks:
+            raise RuntimeError(f"this kvtier tier was created in process {self._pid}; a tier does not survive "
+                               f"fork() (its threads stay in the parent): create it in the child "
+                               f"(process {os.getpid()})")
+
     def submit(self, job_id: Hashable, keys: Sequence[Any], offsets: Sequence[int],
                is_promotion: bool) -> None:
         """Queue a job (non-blocking).  ``offsets``: byte offsets into the view, already
@@ -373,6 +397,7 @@ class TierEngine:
         duplicate (:func:`check_no_duplicates`); RuntimeError after :meth:`shutdown`, and
         whatever ``path_of`` raises.  An error leaves nothing queued, no byte moved and the
         job id free."""
+        self._check_process()
         keys = tuple(keys)
         paths = [self.path_of(k) for k in keys]
         offsets = list(offsets)
@@ -416,6 +441,7 @@ class TierEngine:
         :meth:`take_finished`).  False if ``timeout`` (seconds) expired first.
         TypeError for a ``timeout`` that is not None or a number, ValueError for a
         negative or NaN one."""
+        self._check_process()
         if timeout is not None:
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
                 raise TypeError(f"timeout must be None or a number of seconds, got {type(timeout).__name__}")
@@ -651,6 +677,7 @@ class TierEngine:
         answered as a miss (False) and the thread left stuck in the filesystem; while it
         is stuck, later lookups answer misses at once without asking the filesystem.
         Each such answer counts one ``lookup_timeouts``."""
+        self._check_process()
         kio = _io()
         try:
             found = self._lookups.call(kio.batch_lookup, list(paths), block_size, timeout=self.lookup_timeout_s,

@@ -869,3 +869,38 @@ def test_shutdown_nowait_keeps_buffer_while_io_runs(tmp_path, monkeypatch):
         assert all(p.lookup(keys))
     finally:
         p.shutdown()
+
+
+def test_a_tier_used_in_a_forked_child_fails_fast(tmp_path):
+    """A tier's threads stay in the parent across fork(): in the child, submit_store /
+    submit_load / drain_jobs / lookup raise RuntimeError naming the parent's process at
+    once (a queued job would never run, a drain would wait for nothing); the parent's tier
+    is unaffected. The child reports what it saw in its exit status (a bit per call)."""
+    buf = rand_buf(4)
+    m = mk(buf, tmp_path / "cache")
+    keys = keys_for(2)
+    assert run(m, TransferJob("s", keys, [0, 1]), load=False).success
+    want = f"created in process {os.getpid()}; a tier does not survive fork()"
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest machinery, only os._exit
+        code = 0
+        try:
+            calls = (lambda: m.submit_load(TransferJob("l", keys, [2, 3])),
+                     lambda: m.submit_store(TransferJob("t", keys_for(1, salt=5), [0])),
+                     lambda: m.drain_jobs(timeout=5), lambda: m.lookup(keys))
+            for bit, call in enumerate(calls):
+                t0 = time.monotonic()
+                try:
+                    call()
+                except RuntimeError as e:
+                    if want in str(e) and time.monotonic() - t0 < 1:
+                        code |= 1 << bit
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0b1111
+    # the parent's tier still works
+    assert m.lookup(keys) == [True, True]
+    r = run(m, TransferJob("l", keys, [2, 3]), load=True)
+    assert r.success and np.array_equal(buf[2:4], buf[0:2])
+    m.shutdown()
