@@ -15,8 +15,9 @@ corrupt       judged as a load judges it (docs/design.md P10, P11, P22): CRC32C 
               that xattr is not 4 bytes, or the identity record is present and not this
               block's (a block stored under another key's name): a load would fail with
               EBADMSG and remove it.  With a good identity record, a malformed or
-              disagreeing ``user.vllm.kv_crc32c`` is a note on an ``ok`` block (vLLM's own
-              reader would reject it; kvtier's load does not read it)
+              disagreeing ``user.vllm.kv_crc32c`` is a note on an ``ok`` block (a reader
+              checking that record, as the open upstream vLLM checksum PR's would, rejects
+              it; vLLM 0.33 checks no CRC; kvtier's load does not read it)
 no_checksum   no CRC recorded (stored with checksums off, by vLLM, or copied without
               xattrs): loads unverified (checksum_blocks=True) or is a miss ("strict")
 wrong_size    size differs from a known block size (a load would fail with EIO)
@@ -257,7 +258,7 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
         size_note = f"{size} bytes, expected {expected} ({source})" if odd and known else ""
         # The CRC32C is checked whatever the size: a block whose bytes verify is never removed
         # for its size alone (a hybrid cache or a wrong --block-size is not corruption).
-        # Both records: user.vllm.kv_crc32c (vLLM's reader checks it) and the identity record
+        # Both records: user.vllm.kv_crc32c (the upstream vLLM checksum PR's record; vLLM 0.33 checks none) and the identity record
         # user.kvtier.id, which carries the CRC32C too when 12 bytes long (a load of a block
         # kvtier stored checks that one). Scrub checks every CRC recorded.
         rec = ident = None
@@ -279,15 +280,16 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
         if ident is not None and len(ident) == policy.ID_REC_LEN:
             wants[policy.ID_XATTR_NAME] = int.from_bytes(ident[policy.ID_LEN:], "big")
         # The load's rule (design.md P10/P11): a 12-byte identity record of this block carries
-        # the CRC a load checks, and then only that one (user.vllm.kv_crc32c, which vLLM's
-        # reader checks, is not read by a load: noted when it disagrees, never condemning).
+        # the CRC a load checks, and then only that one (user.vllm.kv_crc32c, which the open
+        # upstream vLLM checksum PR's reader would check -- vLLM 0.33 checks none -- is not read by a load: noted when it disagrees, never condemning).
         vllm_note = ""
         if wants.get(policy.ID_XATTR_NAME) is not None and ident[:policy.ID_LEN] == policy.block_identity(path, size):
             if rec is not None and (len(rec) != 4 or wants.get(XATTR_NAME) != wants[policy.ID_XATTR_NAME]):
                 vllm_note = (f"user.vllm.kv_crc32c is {len(rec)} bytes, not 4" if len(rec) != 4 else
                              f"user.vllm.kv_crc32c 0x{wants[XATTR_NAME]:08x} differs from the identity record's")
-                vllm_note += (": kvtier loads it by its identity record's CRC32C, vLLM's own reader would "
-                              "reject it; kept")
+                vllm_note += (": kvtier loads it by its identity record's CRC32C; a reader checking "
+                              "user.vllm.kv_crc32c (the open upstream vLLM checksum PR's; vLLM 0.33 "
+                              "checks no CRC) would reject it; kept")
             wants = {policy.ID_XATTR_NAME: wants[policy.ID_XATTR_NAME]}
             rec = None if rec is not None and len(rec) != 4 else rec
         if rec is None and not wants:

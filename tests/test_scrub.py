@@ -235,11 +235,12 @@ def test_text_report_names_sources_and_retried(tmp_path, capsys):
 
 
 def test_scrub_checks_both_crc_records(tmp_path):
-    """A store records the CRC32C twice: user.vllm.kv_crc32c (vLLM's reader) and in the
+    """A store records the CRC32C twice: user.vllm.kv_crc32c (the upstream vLLM PR's name) and in the
     12-byte identity record (kvtier's load, which reads only that one). Scrub judges a block
     as a load does (design.md P22): by the identity record's CRC when it has one of this
     block, else by user.vllm.kv_crc32c. Without vLLM's record the block is ok; a vLLM record
-    that is malformed or disagrees is noted (vLLM's reader would reject the block) but the
+    that is malformed or disagrees is noted (a reader checking it would reject the block;
+    vLLM 0.33 checks none: the note says so) but the
     block is ok and never removed (a load serves it, verified); bytes that match vLLM's
     record but not the identity record's CRC are corrupt (a load condemns them); --adopt
     records both."""
@@ -271,6 +272,9 @@ def test_scrub_checks_both_crc_records(tmp_path):
     assert rc == 1 and sorted(by) == [paths[1], paths[2], paths[3], paths[4]] and d["counts"]["ok"] == 3
     assert [by[p]["status"] for p in paths[1:]] == ["ok", "no_checksum", "ok", "corrupt"]
     assert f"user.vllm.kv_crc32c 0x{int.from_bytes(bad, 'big'):08x} differs" in by[paths[1]]["detail"]
+    assert ("a reader checking user.vllm.kv_crc32c (the open upstream vLLM checksum PR's; vLLM 0.33 checks no "
+            "CRC) would reject it; kept") in by[paths[1]]["detail"]
+    assert "vLLM's own reader" not in by[paths[1]]["detail"]
     assert "user.vllm.kv_crc32c is 3 bytes, not 4" in by[paths[3]]["detail"]
     assert f"recorded 0x{crc4 ^ 1:08x}" in by[paths[4]]["detail"]
     rc, d = run(tmp_path, "--adopt", "--remove")
