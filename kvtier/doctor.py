@@ -204,6 +204,18 @@ def _write(path: str, data: bytes, sync: bool = True) -> None:
         os.close(fd)
 
 
+def _writable_fix(err: Optional[int]) -> str:
+    """The fix of a failed ``writable`` probe, by its errno."""
+    if err in (errno.ENOSPC, errno.EDQUOT):
+        return ("free space or inodes on ROOT's filesystem (df -h ROOT; df -i ROOT), or raise the servers' user's "
+                "quota (EDQUOT)")
+    if err == errno.EROFS:
+        return "ROOT's filesystem is mounted read-only: mount it read-write"
+    if err in (errno.EACCES, errno.EPERM):
+        return "give the servers' user write access to ROOT (ownership, mode or ACL of the directory)"
+    return "fix the filesystem error above (see the client's log), then run kvtier doctor again"
+
+
 def _err(e: OSError) -> str:
     return f"{errno.errorcode.get(e.errno, e.errno)} ({e.strerror})"
 
@@ -555,8 +567,7 @@ def run_doctor(root: str, peer: Optional[str] = None, wait: float = 5.0) -> dict
         fd = os.open(os.path.join(work, "w"), os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644)
         os.close(fd)
     except OSError as e:
-        checks.append(Check("writable", FAIL, f"cannot create a file in {root}: {_err(e)}",
-                            "give the servers' user write access to ROOT (or mount it read-write)"))
+        checks.append(Check("writable", FAIL, f"cannot create a file in {root}: {_err(e)}", _writable_fix(e.errno)))
         if os.path.isdir(work):
             shutil.rmtree(work, ignore_errors=True)
         return _finish(root, peer, m, checks, kv)

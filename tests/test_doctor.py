@@ -83,6 +83,34 @@ def test_read_only_mount_fails():
         s = statuses(d)
         assert s["filesystem"] == "fail" and s["writable"] == "fail"
         assert "EROFS" in check(d, "writable")["detail"]
+        assert check(d, "writable")["fix"] == "ROOT's filesystem is mounted read-only: mount it read-write"
+
+
+def test_a_full_filesystem_is_not_a_permission_problem():
+    """No free inode left (ENOSPC on the probe's mkdir): the fix says free space or
+    inodes, not "give write access"."""
+    with mount_tmpfs(size="1m", options=["nr_inodes=16"]) as root:
+        n = 0
+        with pytest.raises(OSError) as ei:
+            while True:
+                open(os.path.join(root, f"f{n}"), "wb").close()
+                n += 1
+        assert ei.value.errno == errno.ENOSPC and 0 < n < 16
+        code, d, _ = doctor(root)
+        assert code == 2
+        w = check(d, "writable")
+        assert w["status"] == "fail" and "ENOSPC" in w["detail"]
+        assert w["fix"].startswith("free space or inodes on ROOT's filesystem (df -h ROOT; df -i ROOT)")
+        assert "write access" not in w["fix"]
+        assert sorted(os.listdir(root)) == sorted(f"f{i}" for i in range(n))  # left nothing behind
+
+
+def test_writable_fix_by_errno():
+    from kvtier.doctor import _writable_fix
+
+    assert "free space or inodes" in _writable_fix(errno.EDQUOT)
+    assert "write access" in _writable_fix(errno.EACCES) and "write access" in _writable_fix(errno.EPERM)
+    assert "write access" not in _writable_fix(errno.EIO) and "client's log" in _writable_fix(errno.EIO)
 
 
 def test_sizes_print_in_a_unit_that_never_rounds_to_zero():
