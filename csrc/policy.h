@@ -125,8 +125,12 @@ int kvt_policy_retry(int err, int attempt);
 /* The identity record of a block at `path` of `len` bytes: FNV-1a 64 of
  * "kvtier.id.v1", NUL, the last four components of the path
  * ("<model>_<digest>_r<rank>/<h[:3]>/<h[3:5]>_g<group>/<h>.bin": layout,
- * rank, key; the whole path if shorter), NUL, len in decimal; as 8 bytes
- * big-endian in out. */
+ * rank, key) after lexical normalisation ("//" and "." dropped, ".." pops, a
+ * relative path against getcwd() when it has fewer than four components;
+ * fewer than four in all: '/' and all of them), joined by '/', NUL, len in
+ * decimal; as 8 bytes big-endian in out. A clean absolute path hashes its
+ * bytes after its fourth-last '/' (the whole path if shorter), as before
+ * normalisation: no syscall, no allocation. Symlinks are not resolved. */
 void kvt_block_identity(const char *path, uint64_t len, uint8_t out[KVT_ID_LEN]);
 
 /* Process-wide sums of every batch's counters since load. */

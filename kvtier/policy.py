@@ -95,15 +95,49 @@ def retry_transient(err: int, attempt: int, counts: dict) -> bool:
 _FNV_OFFSET, _FNV_PRIME, _MASK = 1469598103934665603, 1099511628211, (1 << 64) - 1
 
 
+def _id_scan(parts: "list[bytes]", got: "list[bytes]", skip: int) -> int:
+    # Components from the end, lexically: empty and "." skipped, each ".." cancels the
+    # nearest real component before it (``skip`` pending); up to four real ones into
+    # ``got``, last first (csrc/policy.c id_scan).
+    for c in reversed(parts):
+        if len(got) == 4:
+            break
+        if c in (b"", b"."):
+            continue
+        if c == b"..":
+            skip += 1
+        elif skip:
+            skip -= 1
+        else:
+            got.append(c)
+    return skip
+
+
 def block_identity(path: Union[str, bytes, "os.PathLike"], block_size: int) -> bytes:
     """The identity record of a block stored at ``path`` with ``block_size`` bytes:
     FNV-1a 64 of ``b"kvtier.id.v1\\0" + <last 4 path components> + b"\\0" +
-    str(block_size)``, 8 bytes big-endian (csrc/policy.c kvt_block_identity). The last
-    four components of a FileMapper path are ``<model>_<digest>_r<rank>/<h[:3]>/
-    <h[3:5]>_g<group>/<h>.bin``: layout digest, rank and key."""
+    str(block_size)``, 8 bytes big-endian (csrc/policy.c kvt_block_identity). The
+    components are those of the path normalised lexically, as :func:`os.path.normpath`
+    (empty components and "." dropped, ".." pops the one before it), a relative path
+    taken against the working directory (read only when the relative path has fewer
+    than four components after normalisation), joined by "/"; fewer than four in all:
+    "/" and all of them. So "x.bin", "./x.bin", "d//x.bin", "d/./x.bin" and the
+    absolute spelling of one file have one identity; a clean absolute path hashes its
+    own bytes after its fourth-last "/" (as before normalisation existed). Symbolic
+    links and bind mounts are not resolved: load a block through the directory names it
+    was stored under (FileMapper does). The last four components of a FileMapper path
+    are ``<model>_<digest>_r<rank>/<h[:3]>/<h[3:5]>_g<group>/<h>.bin``: layout digest,
+    rank and key."""
     p = os.fsencode(path)
-    parts = p.split(b"/")
-    tail = b"/".join(parts[-4:]) if len(parts) > 4 else p
+    got: "list[bytes]" = []
+    skip = _id_scan(p.split(b"/"), got, 0)
+    if len(got) < 4 and not p.startswith(b"/"):
+        try:
+            _id_scan(os.getcwdb().split(b"/"), got, skip)
+        except OSError:  # the working directory removed: as if at "/"
+            pass
+    got.reverse()
+    tail = b"/".join(got) if len(got) == 4 else b"/" + b"/".join(got)
     h = _FNV_OFFSET
     for b in b"kvtier.id.v1\0" + tail + b"\0" + str(int(block_size)).encode():
         h = ((h ^ b) * _FNV_PRIME) & _MASK

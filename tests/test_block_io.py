@@ -449,6 +449,68 @@ def test_malformed_or_wrong_identity_record_is_mismatch(io_backend, tmp_path, cr
     assert not os.path.exists(p[0])
 
 
+def test_identity_binds_the_lexically_normalised_path(io_backend, tmp_path, monkeypatch):
+    """The identity record binds the last four components of the path normalised
+    lexically (a relative path against the working directory): a block stored under one
+    spelling loads under every other spelling of the same path, verified, kept, nothing
+    re-read or condemned; stored under a messy spelling, it loads under the clean one."""
+    bs = 8192
+    d = tmp_path / "m_0123_r0" / "abc" / "de_g0"
+    d.mkdir(parents=True)
+    clean = str(d / "x.bin")
+    t = str(tmp_path)
+    spellings = [
+        (t, "m_0123_r0/abc/de_g0/x.bin"), (t, "./m_0123_r0/abc/de_g0/x.bin"),
+        (t, "m_0123_r0//abc/./de_g0/x.bin"), (t, "m_0123_r0/abc/../abc/de_g0//x.bin"),
+        (str(d), "x.bin"), (str(d), "./x.bin"), (str(d), "../de_g0/x.bin"),
+        (str(d / ".." / ".."), "../m_0123_r0/./abc/de_g0/x.bin"),
+        (t, t + "//m_0123_r0/abc/./de_g0/x.bin"), (t, t + "/m_0123_r0/abc/de_g0/../de_g0/x.bin"),
+    ]
+    for i, (cwd, spelling) in enumerate(spellings):
+        view = rand_blocks(1, bs, seed=40 + i)
+        monkeypatch.chdir(cwd)
+        stored, loaded = (clean, spelling) if i % 2 == 0 else (spelling, clean)
+        io_backend.batch_store_block([stored], view, [0], bs, checksum=True)
+        assert os.getxattr(clean, ID_XATTR)[:8] == policy.block_identity(clean, bs)
+        out = np.zeros(bs, dtype=np.uint8)
+        counts = {}
+        assert io_backend.batch_load_block([loaded], out, [0], bs, checksum="strict", counts=counts) == 0, spelling
+        assert np.array_equal(out, view) and counts == {} and os.path.exists(clean), spelling
+        os.unlink(clean)
+
+
+def test_identity_refuses_another_block_name_under_any_spelling(io_backend, tmp_path, monkeypatch):
+    """A block renamed to another key (its identity record moves with it) is still an
+    identity mismatch when loaded through a relative, "./" spelling: EBADMSG, condemned."""
+    bs = 8192
+    view = rand_blocks(1, bs, seed=51)
+    monkeypatch.chdir(tmp_path)
+    io_backend.batch_store_block(["./x.bin"], view, [0], bs, checksum=True)
+    os.rename("x.bin", "y.bin")
+    err, _ = load_expect_error(io_backend, ["./y.bin"], bs)
+    assert (err.errno, err.checksum_failed, err.num_succeeded, err.condemned) == (errno.EBADMSG, True, 0, "identity")
+    assert not os.path.exists(tmp_path / "y.bin")
+
+
+def test_c_identity_equals_python_identity_on_messy_spellings(tmp_path, monkeypatch):
+    """The identity the C core's store sets equals policy.block_identity for messy
+    spellings of one file and that of its clean absolute path (the fallback stores
+    policy.block_identity itself)."""
+    c = kio.for_backend("c")
+    bs = 4096
+    d = tmp_path / "p" / "q" / "r" / "s"
+    d.mkdir(parents=True)
+    clean = str(d / "z.bin")
+    monkeypatch.chdir(d)
+    view = rand_blocks(1, bs, seed=52)
+    for sp in ["z.bin", "./z.bin", ".//z.bin", "../s/z.bin", "../../r/s/z.bin", "../../../../p/q/r/s/z.bin",
+               str(tmp_path) + "//p/q/r/s/./z.bin", str(tmp_path) + "/p/q/r/s/../s/z.bin",
+               str(tmp_path) + "/p/../p/q/r/s/z.bin"]:
+        c.batch_store_block([sp], view, [0], bs, checksum=True)
+        assert os.getxattr(clean, ID_XATTR)[:8] == policy.block_identity(sp, bs) == policy.block_identity(clean, bs), sp
+        os.unlink(clean)
+
+
 def test_load_checks_the_crc_of_the_identity_record(io_backend, tmp_path):
     """A block kvtier stored is verified by the CRC its identity record carries: one
     xattr per load. user.vllm.kv_crc32c (vLLM's reader's) is not read: a block whose

@@ -265,3 +265,57 @@ def test_hypothesis_identity_record(backend, stored_block, tail, own):
     cause = "checksum" if own and len(tail) == 4 else "identity"
     assert (ei.value.errno, ei.value.checksum_failed, ei.value.condemned) == (errno.EBADMSG, True, cause)
     assert not os.path.exists(p)
+
+
+# ---------------------------------------------------------------- hypothesis: identity
+
+@pytest.fixture(scope="module")
+def id_tree(tmp_path_factory):
+    """Directories a and b nested three deep (a, a/a, a/b, ..., b/b/b) under a fresh dir."""
+    d = str(tmp_path_factory.mktemp("idtree"))
+    for x in "ab":
+        for y in "ab":
+            for z in "ab":
+                os.makedirs(os.path.join(d, x, y, z), exist_ok=True)
+    return d
+
+
+@pytest.mark.parametrize("backend", ["c", "python"])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.sampled_from(["a", "b", ".", "", ".."]), max_size=12), absolute=st.booleans())
+def test_hypothesis_identity_is_lexical_normalisation(backend, id_tree, ops, absolute):
+    """The identity a store sets (csrc/policy.c kvt_block_identity, its own component
+    scanner; the fallback's policy.block_identity) is that of the file's clean absolute
+    path, whatever the spelling: random component lists of a, b, ".", "" (a "//") and ".."
+    from <tree>/a/b (absolute) or relative to it as the working directory, ".." popping
+    past the relative path's start into it; the C core's record equals
+    policy.block_identity of the spelling and of the clean path."""
+    from kvtier import io as kio
+    from kvtier import policy
+
+    io = kio.for_backend(backend)
+    stack, kept = ["a", "b"], []
+    for op in ops:  # keep the path inside the tree (depth 0..3), as the kernel resolves it
+        if op == ".." and not stack or op in ("a", "b") and len(stack) == 3:
+            continue
+        if op == "..":
+            stack.pop()
+        elif op in ("a", "b"):
+            stack.append(op)
+        kept.append(op)
+    while not absolute and kept[:1] == [""]:  # a leading "/" would make it absolute
+        kept.pop(0)
+    rel = "/".join(kept + ["f.bin"])
+    clean = os.path.join(id_tree, *stack, "f.bin")
+    path = os.path.join(id_tree, "a", "b") + "/" + rel if absolute else rel
+    data = np.arange(4096, dtype=np.uint32).astype(np.uint8)
+    cwd = os.getcwd()
+    os.chdir(os.path.join(id_tree, "a", "b"))
+    try:
+        io.batch_store_block([path], data, [0], 4096, checksum=True)
+        rec = os.getxattr(clean, "user.kvtier.id")[:8]
+        assert rec == policy.block_identity(path, 4096) == policy.block_identity(clean, 4096), (path, clean)
+    finally:
+        os.chdir(cwd)
+        if os.path.exists(clean):
+            os.unlink(clean)

@@ -600,3 +600,15 @@ def test_condemned_error_says_why(io_backend, tmp_path):
         e2 = e2_
     assert e2 is not None and (e2.errno, e2.strerror, e2.condemned) == (
         errno.ENOENT, os.strerror(errno.ENOENT), None)
+
+
+def test_identity_of_a_clean_absolute_path_is_unchanged():
+    """Lexical normalisation keeps the identity of a clean absolute path (FileMapper's):
+    blocks stored before it still load. Expected values from the formula before it:
+    FNV-1a 64 of "kvtier.id.v1\\0", the bytes after the path's fourth-last "/" (the whole
+    path if it has fewer), "\\0", the size in decimal."""
+    assert policy.block_identity("/tmp/kv/m_0123456789abcdef_r0/abc/de_g0/abcdef0123.bin",
+                                 65536).hex() == "62a1bb24f74a16a8"
+    assert policy.block_identity("/a/b/c", 4096) == policy.block_identity("/a//b/./c", 4096)
+    assert policy.block_identity("/a/b/c/d", 4096) == policy.block_identity("/x/../a/b/c/d", 4096)
+    assert policy.block_identity("/a/b/c/d", 4096) != policy.block_identity("/a/b/c/e", 4096)
