@@ -46,7 +46,10 @@ def check_timeout(value: Any, name: str = "io_timeout_s") -> float:
     ``threading.TIMEOUT_MAX`` (~292 years: the longest wait Python's locks take)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number of seconds (0 = no deadline), got {type(value).__name__}")
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # an int beyond float's range (10**400): as too large as 1e10
+        v = float("inf")
     if not 0 <= v <= threading.TIMEOUT_MAX:
         raise ValueError(f"{name} must be >= 0 and at most {threading.TIMEOUT_MAX:.0f} s (threading.TIMEOUT_MAX; "
                          f"0 = no deadline), got {value!r}")

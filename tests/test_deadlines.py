@@ -342,7 +342,8 @@ def test_lookup_timeout_s_default_bounds_and_checks(tmp_path):
                                    lookup_timeout_s=lk) as tier:
             assert tier._engine.lookup_timeout_s == want
     root = tmp_path / "never"
-    for bad, exc in ((-1, ValueError), (float("nan"), ValueError), (1e10, ValueError), ("1", TypeError),
+    for bad, exc in ((-1, ValueError), (float("nan"), ValueError), (1e10, ValueError), (10**400, ValueError),
+                     ("1", TypeError),
                      (False, TypeError)):
         with pytest.raises(exc, match="lookup_timeout_s"):
             FileSystemTierManager(buf, root, "m", lookup_timeout_s=bad)
@@ -390,7 +391,8 @@ def test_shutdown_without_waiting_expires_running_jobs_at_once(backend, ff, area
 def test_io_timeout_s_checked_before_any_io_and_zero_means_none(tmp_path):
     buf = filled(10)
     root = tmp_path / "never"
-    for bad, exc in ((-1, ValueError), (float("inf"), ValueError), (1e10, ValueError), ("5", TypeError),
+    for bad, exc in ((-1, ValueError), (float("inf"), ValueError), (1e10, ValueError), (10**400, ValueError),
+                     (-10**400, ValueError), ("5", TypeError),
                      (True, TypeError)):
         with pytest.raises(exc, match="io_timeout_s"):
             FileSystemTierManager(buf, root, "m", io_timeout_s=bad)
