@@ -331,7 +331,7 @@ class JobState:
 def _check_bool(v, name: str) -> None:
     """A flag is True or False: "no" or 0 would pass through bool() as something else."""
     if not isinstance(v, bool):
-        raise TypeError(f"{name} must be a bool, not {type(v).__name__} {v!r}")
+        raise TypeError(f"{name} must be a bool, got {'None' if v is None else f'{v!r} ({type(v).__name__})'}")
 
 
 def _job_state_arg(job_state) -> dict:
