@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import sys
 
 import kvtier
@@ -196,7 +197,13 @@ def main(argv=None) -> int:
     1 check failed, 2 bad arguments).  argparse raises SystemExit (code 2) for an unknown
     command or option and (code 0) for ``--help`` / ``--version``."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        rc = args.func(args)
+        sys.stdout.flush()  # inside the try: a reader gone by the exit flush is the same case
+    except BrokenPipeError:  # `kvtier scrub ROOT | head`: the reader left; stop quietly, as ls does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush finds a sink
+        return 128 + signal.SIGPIPE  # what a shell reports for a command ended by SIGPIPE
+    return rc
 
 
 if __name__ == "__main__":

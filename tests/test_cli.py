@@ -255,3 +255,19 @@ def test_bench_on_ramfs_is_not_refused_for_space(ramfs_dir, capsys):
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert "0 mismatched, 0 failed jobs: OK" in out.out
+
+
+def test_a_reader_leaving_the_pipe_ends_the_command_quietly(tmp_path):
+    """`kvtier scrub ROOT | head` (the reader gone before the output is written): no
+    BrokenPipeError traceback, exit status 141 (128 + SIGPIPE, as a shell reports ls)."""
+    os.makedirs(tmp_path / "m")
+    with open(tmp_path / "m" / "blk.bin", "wb") as f:
+        f.write(b"x" * 4096)
+    for args in (["scrub", str(tmp_path)], ["info"]):
+        r_fd, w_fd = os.pipe()
+        os.close(r_fd)  # the reader left before anything was written
+        p = subprocess.run([sys.executable, "-m", "kvtier", *args], stdout=w_fd, stderr=subprocess.PIPE,
+                           text=True, timeout=120)
+        os.close(w_fd)
+        assert p.returncode == 141, (args, p.returncode, p.stderr[-2000:])
+        assert "Traceback" not in p.stderr and "BrokenPipeError" not in p.stderr, p.stderr[-2000:]
