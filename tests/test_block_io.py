@@ -1142,14 +1142,14 @@ def test_backend_env_var():
         kio.for_backend("rust")
 
 
-# ---------------------------------------------------------------- CRC helper thread (C core)
+# ---------------------------------------------------------------- several threads at once
 
 
 @pytest.mark.timeout(120)
 def test_concurrent_checksummed_io_is_exact(io_backend, tmp_path):
-    """Several threads at once: the C core's overlapped CRC helper serves one
-    block at a time and the others go inline; the chunk split between helper
-    and caller (joined by crc32c_combine) must give the exact CRC32C."""
+    """Several threads at once, each with its own engine slots and pieces (sizes
+    that split into uneven pieces): every record is the exact CRC32C of its
+    block, every load gives the bytes back, and a flipped bit is still caught."""
     sizes = [512 * 1024, 512 * 1024 + 1, 1024 * 1024 + 4097, 3 * 1024 * 1024 - 3]
     errors = []
 

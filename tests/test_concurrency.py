@@ -24,7 +24,7 @@ import numpy as np
 import kvtier
 from kvtier import io as kio
 
-BS = 1024 * 1024 + 4096  # large enough for the C core's CRC helper thread
+BS = 1024 * 1024 + 4096  # more than one piece of the I/O engine
 NKEYS = 16
 ROUNDS = 5
 THREADS = 4
