@@ -58,7 +58,6 @@ import errno as _errno
 import fcntl as _fcntl
 import mmap as _mmap
 import os as _os
-import mmap as _mmap
 import stat as _stat
 import threading as _threading
 import time as _time
@@ -986,6 +985,20 @@ def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False
     return _load_batch(source_paths, srcs, views, use_o_direct, checksum, crc_fn, word, private, counts)
 
 
+def _commit_copy(word, mv, src, add):
+    """Copy ``src`` into the caller's ``mv`` in a commit section (LIVE -> COMMITTING,
+    copy, -> LIVE with ``add`` added to the block count): the caller's memory is
+    written only while the job is live. False when it was not live (nothing written)
+    or expired during the copy (expire(wait_commit=False): nothing counted)."""
+    if not _job_step(word, _LIVE, _COMMITTING):
+        return False
+    try:
+        mv[:] = src
+    finally:
+        done = _job_step(word, _COMMITTING, _LIVE, add)
+    return done
+
+
 def _load_batch(source_paths, srcs, views, use_o_direct, checksum, crc_fn, word, private, counts):
     retried_total = 0
     mine: dict = {}
@@ -999,19 +1012,12 @@ def _load_batch(source_paths, srcs, views, use_o_direct, checksum, crc_fn, word,
             try:
                 _load_one(src, dst, bool(use_o_direct), checksum, crc_fn, mine, retried_out)
             except _Verdict as v:
-                if v.data_read and word is not None:
-                    # A block condemned on its data leaves the bytes read (its re-read) in its
-                    # buffer, as the C core's copy + CRC does (it writes the buffer before the
-                    # CRC is known): copied in a commit section, not counted; once the job is
-                    # no longer live, nothing is written and it is the deadline's error.
-                    if not _job_step(word, _LIVE, _COMMITTING):
-                        raise _expired(source_paths[i], i, retried_total + retried_out[0]) from None
-                    try:
-                        mv[:] = dst
-                    finally:
-                        late = not _job_step(word, _COMMITTING, _LIVE)
-                    if late:
-                        raise _expired(source_paths[i], i, retried_total + retried_out[0]) from None
+                # A block condemned on its data leaves the bytes read (its re-read) in its
+                # buffer, as the C core's copy + CRC does (it writes the buffer before the CRC
+                # is known): copied in a commit section, not counted; once the job is no
+                # longer live, nothing is written and it is the deadline's error.
+                if v.data_read and word is not None and not _commit_copy(word, mv, dst, 0):
+                    raise _expired(source_paths[i], i, retried_total + retried_out[0]) from None
                 raise _batch_error(v.err, source_paths[i], i, v.cause in ("checksum", "identity"),
                                    retried_total + retried_out[0], v.op, v.cause, v.size, len(mv),
                                    v.size_kept) from None
@@ -1019,15 +1025,9 @@ def _load_batch(source_paths, srcs, views, use_o_direct, checksum, crc_fn, word,
                 raise _batch_error(e.errno or _errno.EIO, source_paths[i], i, False,
                                    retried_total + retried_out[0], getattr(e, "kvt_op", None) or "") from None
             retried_total += retried_out[0]
-            if word is not None:  # commit section: the caller's memory is written only while live
-                if not _job_step(word, _LIVE, _COMMITTING):
-                    raise _expired(source_paths[i], i, retried_total)
-                try:
-                    mv[:] = dst
-                finally:  # the section's end counts the block (verified before the copy)
-                    late = not _job_step(word, _COMMITTING, _LIVE, _BLOCK)
-                if late:  # expired during the copy (expire(wait_commit=False)): not counted
-                    raise _expired(source_paths[i], i, retried_total)
+            # the section's end counts the block (verified before the copy)
+            if word is not None and not _commit_copy(word, mv, dst, _BLOCK):
+                raise _expired(source_paths[i], i, retried_total)
     finally:
         _merge_counts(counts, mine)
     return retried_total
