@@ -258,7 +258,8 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
         size_note = f"{size} bytes, expected {expected} ({source})" if odd and known else ""
         # The CRC32C is checked whatever the size: a block whose bytes verify is never removed
         # for its size alone (a hybrid cache or a wrong --block-size is not corruption).
-        # Both records: user.vllm.kv_crc32c (the upstream vLLM checksum PR's record; vLLM 0.33 checks none) and the identity record
+        # Both records: user.vllm.kv_crc32c (the upstream vLLM checksum PR's record; vLLM 0.33
+        # checks none) and the identity record
         # user.kvtier.id, which carries the CRC32C too when 12 bytes long (a load of a block
         # kvtier stored checks that one). Scrub checks every CRC recorded.
         rec = ident = None
@@ -281,7 +282,8 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
             wants[policy.ID_XATTR_NAME] = int.from_bytes(ident[policy.ID_LEN:], "big")
         # The load's rule (design.md P10/P11): a 12-byte identity record of this block carries
         # the CRC a load checks, and then only that one (user.vllm.kv_crc32c, which the open
-        # upstream vLLM checksum PR's reader would check -- vLLM 0.33 checks none -- is not read by a load: noted when it disagrees, never condemning).
+        # upstream vLLM checksum PR's reader would check -- vLLM 0.33 checks none -- is not
+        # read by a load: noted when it disagrees, never condemning).
         vllm_note = ""
         if wants.get(policy.ID_XATTR_NAME) is not None and ident[:policy.ID_LEN] == policy.block_identity(path, size):
             if rec is not None and (len(rec) != 4 or wants.get(XATTR_NAME) != wants[policy.ID_XATTR_NAME]):
