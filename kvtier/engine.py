@@ -23,7 +23,8 @@ Pieces, each in one place:
   :class:`kvtier.io.JobState`; a watchdog thread reports a job past its deadline as failed
   (ETIMEDOUT) through ``JobState.expire()``, so the late I/O writes nothing more, and
   replaces the thread stuck in it (up to ``max_stuck`` stuck threads, twice the pool: N+1
-  stalls on N threads leave N-1 serving; at the cap new jobs fail fast with EAGAIN).  Lookups run off-thread under a deadline of their own
+  stalls on N threads leave N-1 serving; at the cap new jobs fail fast with EAGAIN).
+  Lookups run off-thread under a deadline of their own
   (``lookup_timeout_s``, short: a lookup's caller is waiting) and never pile up on a
   hung filesystem: while one is stuck, the next answer misses at once
   (:mod:`kvtier.deadline`).  docs/tier.md, "Deadlines".

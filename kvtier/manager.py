@@ -115,8 +115,8 @@ def prepare_root(root: str, rank_path: str, checksum_blocks: bool) -> None:
                 # a directory just made (here or by another node) that a shared filesystem's
                 # name cache does not show yet (GlusterFS, ~1 s): ENOENT, ESTALE (a handle of
                 # the other node's directory), or EEXIST from a mkdir whose directory the
-                # next stat does not see; again after 2, 4 ...
-                # 512 ms, as a store's temp open (error table P21)
+                # next stat does not see; again after 2, 4 ... 512 ms, as a store's temp open
+                # (error table P21)
                 if tries == policy.RETRY_ENOENT_STORE:
                     raise
                 time.sleep((policy.BACKOFF_US << (tries + 1)) / 1e6)
