@@ -32,9 +32,8 @@ leaves hit all alike):
          (64 KiB-4 MiB pieces and the whole block were measured: 128-256 KiB
          were fastest); O_DIRECT, one pread/pwrite of the block and a pass over
          the caller's buffer (no overlap with the device: one thread, one
-         call). The identity (an FNV-1a hash of the path's last four
-         components) is computed in the loop as kvtier's C core does. Built
-         with gcc and -lisal (libisal-dev); before timing it passes a
+         call). The identity is kvtier's own kvt_block_identity (csrc/policy.c,
+         built into the loop). Built with gcc and -lisal (libisal-dev); before timing it passes a
          self-check (kvtier loads what it stores, checksum strict, with the
          same bytes and records; it loads what kvtier stores and refuses a
          flipped byte). Without gcc or ISA-L, or if the check fails, the
@@ -161,6 +160,7 @@ VFLOOR_C = r"""
 #include <sys/xattr.h>
 #include <unistd.h>
 #include <isa-l/crc.h>
+#include "policy.h" /* kvt_block_identity: kvtier's own, csrc/policy.c built in */
 /* The verified floor: the calls and the one CRC pass a verified block in
  * kvtier's on-disk format needs, nothing else. CRC32C standard presentation
  * with ISA-L (~crc32_iscsi(buf, len, ~crc)); records as csrc/policy.h. */
@@ -174,25 +174,6 @@ static uint32_t crc(const char *b, size_t len, uint32_t c)
         len -= (size_t)k;
     }
     return ~c;
-}
-/* kvtier's identity (csrc/policy.c kvt_block_identity): FNV-1a 64 of
- * "kvtier.id.v1", NUL, the path's last four components, NUL, len in decimal. */
-void vfloor_identity(const char *path, uint64_t len, uint8_t out[8])
-{
-    const char *start = path;
-    int seen = 0;
-    for (const char *p = path + strlen(path); p > path; p--)
-        if (p[-1] == '/' && ++seen == 4) { start = p; break; }
-    uint64_t h = 1469598103934665603ull;
-    static const char tag[] = "kvtier.id.v1";
-    for (size_t i = 0; i < sizeof tag; i++) h = (h ^ (uint8_t)tag[i]) * 1099511628211ull;
-    for (const char *s = start; *s; s++) h = (h ^ (uint8_t)*s) * 1099511628211ull;
-    h = h * 1099511628211ull;
-    char num[24];
-    int k = (int)sizeof num;
-    do { num[--k] = (char)('0' + len % 10); len /= 10; } while (len);
-    for (; k < (int)sizeof num; k++) h = (h ^ (uint8_t)num[k]) * 1099511628211ull;
-    for (int i = 0; i < 8; i++) out[i] = (uint8_t)(h >> (56 - 8 * i));
 }
 static void be32(uint8_t *o, uint32_t v) { o[0] = v >> 24; o[1] = v >> 16; o[2] = v >> 8; o[3] = v; }
 /* load: open, fgetxattr(user.kvtier.id), pread into the caller's buffer,
@@ -217,7 +198,7 @@ static int rd(const char *p, char *buf, size_t len, int direct, size_t piece)
     }
     close(fd);
     if (direct) c = crc(buf, len, 0);
-    vfloor_identity(p, len, want);
+    kvt_block_identity(p, len, want);
     be32(want + 8, c);
     return memcmp(rec, want, 12) ? -EBADMSG : 0;
 }
@@ -240,7 +221,7 @@ static int wr(const char *tmp, const char *dest, const char *buf, size_t len, in
         done += (size_t)w;
     }
     be32(crcbe, c);
-    vfloor_identity(dest, len, id);
+    kvt_block_identity(dest, len, id);
     be32(id + 8, c);
     if (fsetxattr(fd, "user.vllm.kv_crc32c", crcbe, 4, 0) || fsetxattr(fd, "user.kvtier.id", id, 12, 0)) {
         int e = errno; close(fd); unlink(tmp); return -e;
@@ -269,10 +250,18 @@ def fmt_size(n: int) -> str:
     return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
 
 
+CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+
+
+VFLOOR_LIBS = (os.path.join(CSRC, "policy.c"), "-lisal")
+"""What vfloor is built with: kvtier's kvt_block_identity and ISA-L's CRC32C."""
+
+
 def gcc_shared(src: str, out: str, libs=()) -> None:
-    """Build `src` into the shared library `out`; CalledProcessError (with gcc's
-    stderr) or FileNotFoundError (no gcc) when it cannot be built."""
-    cmd = ["gcc", "-O2", "-shared", "-fPIC", "-o", out, "-x", "c", "-", *libs]
+    """Build `src` (with kvtier's csrc/ on the include path, and `libs`: more
+    sources or -l flags) into the shared library `out`; CalledProcessError (with
+    gcc's stderr) or FileNotFoundError (no gcc) when it cannot be built."""
+    cmd = ["gcc", "-O2", "-shared", "-fPIC", f"-I{CSRC}", "-o", out, "-x", "c", "-", *libs]
     subprocess.run(cmd, input=src.encode(), check=True, capture_output=True)
 
 
@@ -388,7 +377,7 @@ def build_vfloor(workdir: str, checkdir: str, pool) -> "tuple[CLoop | None, str]
     check_vfloor() in checkdir (the disk dir: O_DIRECT too); (None, why) when
     gcc or ISA-L (libisal-dev) is missing or the check fails."""
     try:
-        vf = CLoop("vfloor", VFLOOR_C, workdir, pool, libs=("-lisal",), piece=VFLOOR_PIECE)
+        vf = CLoop("vfloor", VFLOOR_C, workdir, pool, libs=VFLOOR_LIBS, piece=VFLOOR_PIECE)
     except FileNotFoundError:
         return None, "no gcc"
     except subprocess.CalledProcessError as e:
