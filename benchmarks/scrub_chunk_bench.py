@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Read-and-CRC32C rate of one file by chunk size: the basis for ``kvtier.scrub._CHUNK``.
+"""Read-and-CRC32C rate of one file by chunk size: the basis for ``kvtier.cli.scrub._CHUNK``.
 
 Hashes a FILE_MIB file (default 256 MiB, on /dev/shm so the device is out of the picture)
 the way scrub does (os.preadv into one reused buffer, kvtier.crc32c per chunk), and the

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Two nodes on one distributed filesystem: kvtier (checksum off, on) and vLLM 0.33's fs tier
 I/O (fs_io_C, no checksum) side by side in the two-client mode of ``kvtier bench``
-(kvtier/bench_nodes.py): two processes, one per client mount, store and load the same key
+(kvtier/cli/bench_nodes.py): two processes, one per client mount, store and load the same key
 set at the same time; GB/s per node and total; every loaded byte verified.
 
 This script adds one thing to ``kvtier bench --root A --node-b B``: ``--start`` brings up
@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # tests/dfs.py
 
-from kvtier.bench_nodes import engines_for, format_table, run_two_clients  # noqa: E402
+from kvtier.cli.bench_nodes import engines_for, format_table, run_two_clients  # noqa: E402
 
 
 def main(argv=None) -> int:

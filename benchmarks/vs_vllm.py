@@ -13,7 +13,7 @@ leaves hit all alike):
          vllm.fs_io_C; no checksum). Its .so names libtorch_cuda, libc10_cuda
          and libnvrtc.so.13: three empty stub libraries are built with the C
          compiler at run time and preloaded with torch CPU's libraries
-         (kvtier/peer.py). Without torch or vLLM the column is skipped (the
+         (kvtier/cli/peer.py). Without torch or vLLM the column is skipped (the
          header says so).
   off    kvtier.io, checksum off          } both with a job state (the engine's
   on     kvtier.io, checksum on           } deadline, default on: io_timeout_s)
@@ -91,7 +91,7 @@ import numpy as np
 import kvtier
 from kvtier import _C
 from kvtier import io as kio
-from kvtier.peer import load_vllm_io
+from kvtier.cli.peer import load_vllm_io
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 VFLOOR_PIECE = 256 * KiB  # vfloor's buffered pread/pwrite size, each piece checksummed right after it
@@ -398,7 +398,7 @@ def check_vfloor(vf: CLoop, d: str, pool, bs: int = 64 * KiB) -> None:
     the same bytes, and its two records are those kvtier writes; what kvtier
     stores, vfloor loads with the same bytes, and a flipped byte is EBADMSG.
     AssertionError or OSError otherwise."""
-    from kvtier import policy
+    from kvtier._blockio import policy
 
     top = os.path.join(d, "vfloor-check")
     d = os.path.join(top, "m_0123456789ab_r0", "abc", "de_g0")  # a FileMapper-shaped path
@@ -700,7 +700,7 @@ def mount_tmpfs(path) -> "str | None":
 def fs_type(path: str) -> str:
     """The mount's type; ext4 says whether it has a journal (without one, a
     file created soon after mass deletes scans past the freed inodes)."""
-    from kvtier.mountinfo import mount_of
+    from kvtier._tier.mountinfo import mount_of
 
     m = mount_of(path)
     if m is None:

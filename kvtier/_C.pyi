@@ -53,7 +53,7 @@ def batch_store_block(
     """Raises OSError(errno, strerror, dest) with num_succeeded: int,
     checksum_failed: bool, num_retried: int (0), operation: str and
     condemned: None attributes at the first failing block. counts: policy
-    counters of the call are added to it (kvtier.policy.COUNT_NAMES)."""
+    counters of the call are added to it (kvtier._blockio.policy.COUNT_NAMES)."""
 
 def batch_load_block(
     source_paths: _PathList,
@@ -71,9 +71,9 @@ def batch_load_block(
     mismatch. Raises OSError with num_succeeded: int, checksum_failed: bool,
     num_retried: int (blocks re-read before the batch stopped, the
     failing block included: 1 for a block condemned on its re-read),
-    operation: str (kvtier.policy.OPERATIONS) and condemned: Optional[str]
-    (kvtier.policy.CAUSES when the file was removed). counts: policy
-    counters of the call are added to it (kvtier.policy.COUNT_NAMES)."""
+    operation: str (kvtier._blockio.policy.OPERATIONS) and condemned: Optional[str]
+    (kvtier._blockio.policy.CAUSES when the file was removed). counts: policy
+    counters of the call are added to it (kvtier._blockio.policy.COUNT_NAMES)."""
 
 JOB_LIVE: int  # 0: phases (low 2 bits) of job state words, blocks << 2 | phase (job_state_cas, batch_*(job_state=...))
 JOB_COMMITTING: int  # 1

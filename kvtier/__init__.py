@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 import importlib as _importlib
 
-from kvtier._env import check_dsa_env as _check_dsa_env
+from kvtier._blockio.env import check_dsa_env as _check_dsa_env
 
 _check_dsa_env()  # a KVTIER_DSA* value the C core would silently ignore: ValueError
 
@@ -63,7 +63,7 @@ def crc32c_using(backend: str, data, value: int = 0) -> int:
     or not available here; BufferError for non-contiguous data.
     """
     if backend == "numpy":
-        from kvtier import _fallback_crc  # private: no kvtier.fallback import warning
+        from kvtier._blockio import numpy_crc as _fallback_crc  # private: no kvtier.fallback import warning
 
         return _fallback_crc.crc32c(data, value)
     if _C is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 # --- CRC32C ---
 # crc32c(data, value=0) and crc32c_combine(crc1, crc2, len2): the numpy
-# implementation lives in the private kvtier._fallback_crc (see its docstring
+# implementation lives in the private kvtier._blockio.numpy_crc (see its docstring
 # for the method); kvtier itself uses that module for the "numpy" backend.
 #
 # Warning policy: importing this public module while the C core is importable
@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys as _sys
 import warnings as _warnings
 
-from kvtier._fallback_crc import POLY, crc32c, crc32c_combine  # noqa: F401
+from kvtier._blockio.numpy_crc import POLY, crc32c, crc32c_combine  # noqa: F401
 
 
 def _imported_by_kvtier() -> bool:
@@ -62,9 +62,9 @@ import stat as _stat
 import threading as _threading
 import time as _time
 
-import numpy as _np  # already loaded by kvtier._fallback_crc
+import numpy as _np  # already loaded by kvtier._blockio.numpy_crc
 
-from kvtier import policy as _policy
+from kvtier._blockio import policy as _policy
 
 XATTR_NAME = "user.vllm.kv_crc32c"
 """xattr holding a block's CRC32C (4 bytes big-endian); vLLM FS tier name."""
@@ -192,8 +192,8 @@ def _batch_error(err, path, index, checksum_failed, num_retried=0, operation="",
                  size_seen=0, size_expected=0, size_kept=None):
     # the errno's subclass, e.g. FileNotFoundError
     exc = OSError(err, _condemned_message(err, condemned, size_seen, size_expected, size_kept), path)
-    exc.operation = operation  # the failing call (kvtier.policy.OPERATIONS)
-    exc.condemned = condemned  # kvtier.policy.CAUSES when the file was removed, else None
+    exc.operation = operation  # the failing call (kvtier._blockio.policy.OPERATIONS)
+    exc.condemned = condemned  # kvtier._blockio.policy.CAUSES when the file was removed, else None
     exc.num_succeeded = index
     exc.checksum_failed = checksum_failed
     exc.num_retried = num_retried  # loads: blocks re-read after a first mismatch, failing one included
@@ -306,7 +306,7 @@ def _read_full(fd, mv, off, direct):
 
 
 def _retry_eintr(fn, *args):
-    """fn(*args), retried on InterruptedError up to kvtier.policy.RETRY_EINTR_MAX
+    """fn(*args), retried on InterruptedError up to kvtier._blockio.policy.RETRY_EINTR_MAX
     times in a row (then raised). CPython retries EINTR itself
     (PEP 475) for os.open, os.pwrite, os.preadv, os.fsync, os.fdatasync, but
     not for os.setxattr, os.getxattr or os.rename, which raise it."""

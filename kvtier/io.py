@@ -9,7 +9,7 @@ bytes. Each block becomes one file (on-disk contract: design.md):
   (O_CREAT|O_EXCL, parents created, O_DIRECT when usable); with ``checksum``
   set xattr ``user.vllm.kv_crc32c`` = CRC32C (RFC 3720) as 4 bytes big-endian
   on the open temp, and the identity record ``user.kvtier.id`` (identity + the
-  same CRC, :func:`kvtier.policy.identity_record`); close; rename onto the
+  same CRC, :func:`kvtier._blockio.policy.identity_record`); close; rename onto the
   destination.
 - load: open, read, with ``checksum`` verify the CRC through the same fd: the
   one the identity record carries, else (a block stored by vLLM) the one of
@@ -36,7 +36,7 @@ open/read/getxattr error (ENOENT, ELOOP,   that errno (EAGAIN/ESTALE  kept
 EACCES, EOPNOTSUPP, EBADMSG from the FS)   retried 3 times first)
 =========================================  =========================  ========
 Every batch OSError also has ``operation`` (the failing call, one of
-:data:`kvtier.policy.OPERATIONS`) and ``condemned`` (the cause when the file
+:data:`kvtier._blockio.policy.OPERATIONS`) and ``condemned`` (the cause when the file
 was removed, else None).
 Each call reports its own re-reads (the load's return value, or the OSError's
 ``num_retried``; a condemned block is the OSError with ``checksum_failed``),
@@ -73,8 +73,8 @@ from typing import Sequence, Union
 
 # torch CPU tensors are taken as their bytes, the same conversion as the C core
 # (module.c torch_bytes_view) and the numpy CRC fallback: one helper, imported.
-from kvtier import policy as _policy
-from kvtier._fallback_crc import _is_torch_tensor, torch_bytes_view
+from kvtier._blockio import policy as _policy
+from kvtier._blockio.numpy_crc import _is_torch_tensor, torch_bytes_view
 
 PathT = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
 
@@ -387,9 +387,9 @@ class BlockIO:
         fails the block (EISDIR); anything else (symlink, FIFO, file of another
         size) is replaced. With ``checksum`` (True or "strict") the identity
         record ``user.kvtier.id`` is set too (identity + CRC32C,
-        :func:`kvtier.policy.identity_record`).
+        :func:`kvtier._blockio.policy.identity_record`).
         ``counts``: a dict the call's policy counters are added to
-        (:data:`kvtier.policy.COUNT_NAMES`). With ``job_state`` (a
+        (:data:`kvtier._blockio.policy.COUNT_NAMES`). With ``job_state`` (a
         :class:`JobState`, or a bare state word: a writable buffer of >= 4
         bytes, 4-byte aligned) each rename runs in a commit section; an expired
         job stops with OSError ETIMEDOUT and unlinks the temp it did not rename
@@ -442,7 +442,7 @@ class BlockIO:
         and which files are removed: module docstring. ``checksum="strict"``:
         a block without CRC record is ENODATA (a miss, kept) instead of an
         unverified load. ``counts``: a dict the call's policy counters are
-        added to (:data:`kvtier.policy.COUNT_NAMES`: unverified loads,
+        added to (:data:`kvtier._blockio.policy.COUNT_NAMES`: unverified loads,
         re-reads, condemned blocks by cause, retries by errno). With
         ``job_state`` (see batch_store_block) bytes are read into private
         memory and enter ``view`` only in commit sections; an expired job
@@ -504,7 +504,7 @@ def _choose_backend() -> str:
     return "c" if _c_module() is not None else "python"
 
 
-from kvtier._env import check_io_env as _check_io_env  # noqa: E402
+from kvtier._blockio.env import check_io_env as _check_io_env  # noqa: E402
 
 _check_io_env()  # a KVTIER_CRC_COPY / KVTIER_IO_URING the C core would read leniently: ValueError
 _default = for_backend(_choose_backend())

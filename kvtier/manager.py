@@ -5,7 +5,7 @@ connector submits store ("cascade") jobs that copy blocks of the primary buffer 
 files, and load ("promotion") jobs that copy files back into the buffer, then polls
 :meth:`FileSystemTierManager.get_finished_jobs`.
 
-The pool, jobs, results and counters are the tier engine's (:mod:`kvtier.engine`), the
+The pool, jobs, results and counters are the tier engine's (:mod:`kvtier._tier.engine`), the
 same engine under kvtier's vLLM tier (:mod:`kvtier.vllm`); this module adds the standalone
 API: tuple keys and :class:`FileMapper` paths, :class:`TransferJob` / :class:`JobResult`,
 the startup checks, and a Prometheus tracker (:mod:`kvtier.metrics`) over the engine's
@@ -31,9 +31,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Hashable, List, Mapping, Optional, Sequence, Tuple
 
-from kvtier._fallback_crc import _is_torch_tensor, torch_bytes_view
-from kvtier.deadline import DEFAULT_IO_TIMEOUT_S, check_timeout, run_with_deadline
-from kvtier.engine import TierEngine
+from kvtier._blockio.numpy_crc import _is_torch_tensor, torch_bytes_view
+from kvtier._tier.deadline import DEFAULT_IO_TIMEOUT_S, check_timeout, run_with_deadline
+from kvtier._tier.engine import TierEngine
 from kvtier.file_mapper import FileMapper, Key
 from kvtier.metrics import TieringMetricsTracker, tier_label
 from kvtier.metrics import CHECKSUM_CONDEMNED, CHECKSUM_RETRIES  # noqa: F401  (re-exported)
@@ -84,9 +84,9 @@ class JobResult:
 
 
 def filesystem_type(path: "str | os.PathLike") -> Tuple[str, str]:
-    """``(fstype, mount_point)`` of the mount holding ``path`` (:func:`kvtier.mountinfo.mount_of`),
+    """``(fstype, mount_point)`` of the mount holding ``path`` (:func:`kvtier._tier.mountinfo.mount_of`),
     ``("unknown", "")`` if mountinfo is unreadable."""
-    from kvtier.mountinfo import mount_of
+    from kvtier._tier.mountinfo import mount_of
 
     m = mount_of(path)
     return ("unknown", "") if m is None else (m.fstype, m.mount_point)
@@ -100,7 +100,7 @@ def prepare_root(root: str, rank_path: str, checksum_blocks: bool) -> None:
     ValueError naming the filesystem type when it has no user xattrs."""
     if os.path.exists(root) and not os.path.isdir(root):
         raise NotADirectoryError(errno.ENOTDIR, f"tier root is not a directory: {os.strerror(errno.ENOTDIR)}", root)
-    from kvtier import policy
+    from kvtier._blockio import policy
 
     try:
         for tries in range(policy.RETRY_ENOENT_STORE + 1):
@@ -216,9 +216,9 @@ class FileSystemTierManager:
         sweep_stale_temps_after: seconds, or None (default: off). At startup remove this
             tier's store temps (``<hash>.bin_<hex>.tmp`` under its ``_r<rank>`` directory)
             last modified more than this long ago, left by a killed process; never
-            ``.bin`` blocks, recent temps or other files (:mod:`kvtier.sweep`). The
+            ``.bin`` blocks, recent temps or other files (:mod:`kvtier._tier.sweep`). The
             result is ``self.last_sweep``. TypeError / ValueError (before any I/O) for
-            a non-number, a value below 60 s (``kvtier.sweep.MIN_SWEEP_AFTER_S``: a
+            a non-number, a value below 60 s (``kvtier._tier.sweep.MIN_SWEEP_AFTER_S``: a
             shorter one deletes live writers' temps) or an infinite one.
         durable: on store, fdatasync each temp before its rename and fsync its directory
             after, so a stored block survives power loss (default False: a crash can lose
@@ -226,7 +226,7 @@ class FileSystemTierManager:
         io_timeout_s: deadline in seconds of a job (from the start of its I/O) and of the
             startup probes, 0 = none (docs/tier.md, "Deadlines"; why 120 s there).
         lookup_timeout_s: deadline in seconds of :meth:`lookup`, 0 = none; None (default):
-            2 s (:data:`kvtier.deadline.DEFAULT_LOOKUP_TIMEOUT_S`), or ``io_timeout_s`` when
+            2 s (:data:`kvtier._tier.deadline.DEFAULT_LOOKUP_TIMEOUT_S`), or ``io_timeout_s`` when
             that is shorter and not 0.
 
     Raises, before any I/O: TypeError / ValueError for bad arguments (wrong types,
@@ -267,7 +267,7 @@ class FileSystemTierManager:
         tier_type: str = "kvtier",
         metrics: Optional[TieringMetricsTracker] = None,
         registry: Any = None,
-        sweep_stale_temps_after: Optional[float] = None,  # stale-temp sweep (kvtier/sweep.py)
+        sweep_stale_temps_after: Optional[float] = None,  # stale-temp sweep (kvtier/_tier/sweep.py)
         durable: bool = False,  # fdatasync temp + fsync dir on store
         io_timeout_s: float = DEFAULT_IO_TIMEOUT_S,  # deadline of a job, startup probe
         lookup_timeout_s: Optional[float] = None,  # deadline of a lookup (default 2 s)
@@ -284,11 +284,11 @@ class FileSystemTierManager:
         io_timeout_s = check_timeout(io_timeout_s)
         if lookup_timeout_s is not None:
             check_timeout(lookup_timeout_s, "lookup_timeout_s")
-        from kvtier.policy import check_mode
+        from kvtier._blockio.policy import check_mode
 
         check_mode(checksum_blocks, "checksum_blocks")
         if sweep_stale_temps_after is not None:  # validate before any I/O
-            from kvtier.sweep import check_sweep_after
+            from kvtier._tier.sweep import check_sweep_after
             check_sweep_after(sweep_stale_temps_after)
         label = tier_label(tier_idx, tier_type)
         if metrics is not None:
@@ -323,9 +323,9 @@ class FileSystemTierManager:
 
         def startup() -> None:
             prepare_root(self.root_dir, self.file_mapper.rank_path, bool(checksum_blocks))
-            self.last_sweep = None  # kvtier.sweep.SweepResult of the startup sweep, if any
+            self.last_sweep = None  # kvtier._tier.sweep.SweepResult of the startup sweep, if any
             if sweep_stale_temps_after is not None:
-                from kvtier.sweep import sweep_stale_temps
+                from kvtier._tier.sweep import sweep_stale_temps
                 self.last_sweep = sweep_stale_temps(self.file_mapper.rank_path, sweep_stale_temps_after)
             self.file_mapper.write_run_config()
             self.file_mapper.write_block_info(self.block_size)

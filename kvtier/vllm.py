@@ -14,8 +14,8 @@ Keys: every key of ``"fs"`` (``root_dir``, ``n_read_threads=16``, ``n_write_thre
 ``enable_kv_events=False``, ``locality=None``; ``backpressure`` is taken by vLLM's factory)
 and kvtier's own (``checksum_blocks=True``, ``durable=False``, ``use_o_direct=True``,
 ``sweep_stale_temps_after=None``, ``io_timeout_s`` (the engine's job deadline, default
-:data:`kvtier.deadline.DEFAULT_IO_TIMEOUT_S`), ``lookup_timeout_s`` (the lookup deadline,
-default :data:`kvtier.deadline.DEFAULT_LOOKUP_TIMEOUT_S`); meanings as
+:data:`kvtier._tier.deadline.DEFAULT_IO_TIMEOUT_S`), ``lookup_timeout_s`` (the lookup deadline,
+default :data:`kvtier._tier.deadline.DEFAULT_LOOKUP_TIMEOUT_S`); meanings as
 :class:`kvtier.manager.FileSystemTierManager`).
 An unknown key is a TypeError listing the valid ones.
 
@@ -23,7 +23,7 @@ Files: the paths and ``config.json`` are vLLM's own (``FileMapper.from_offloadin
 parallel_agnostic=True)``, as the fs tier), so ``"fs"`` and ``"kvtier"`` on one root share
 one cache.  A block stored by ``"fs"`` has no checksum: kvtier loads it unverified.
 
-The jobs run on kvtier's tier engine (:mod:`kvtier.engine`), each one C call with the GIL
+The jobs run on kvtier's tier engine (:mod:`kvtier._tier.engine`), each one C call with the GIL
 released; lookups run on vLLM's ``AsyncLookupManager`` thread through kvtier's C
 ``batch_lookup``.  A failed load keeps the blocks before the failing one
 (``JobResult.successful_keys``) and marks the rest a miss, so the next lookup of a
@@ -58,7 +58,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import TIER_LABEL, JobResult, SecondaryTierManager
 
-from kvtier.engine import TierEngine
+from kvtier._tier.engine import TierEngine
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ KVTIER_KEYS: Dict[str, Any] = {"checksum_blocks": True, "durable": False, "use_o
                                "sweep_stale_temps_after": None, "io_timeout_s": None,
                                "lookup_timeout_s": None}
 
-#: Engine counters (:data:`kvtier.engine.COUNTERS`) that vLLM derives itself from the
+#: Engine counters (:data:`kvtier._tier.engine.COUNTERS`) that vLLM derives itself from the
 #: JobResults (read/write bytes and time, job failures): never emitted again by this tier.
 VLLM_DERIVED = frozenset({"store_jobs", "load_jobs", "store_failures", "load_failures", "bytes_written",
                           "bytes_read", "write_time", "read_time"})
@@ -100,7 +100,7 @@ def metrics(checksum_blocks: bool) -> Dict[str, tuple]:
     tracker exports them; the others as ``kvtier:kv_offload_tiering_<counter>`` with no extra
     label (the three checksum counters keep their established names and exist only with
     checksums on).  Those whose help starts with ``gauge:`` are gauges (:func:`is_gauge`)."""
-    from kvtier.engine import COUNTERS
+    from kvtier._tier.engine import COUNTERS
     from kvtier.metrics import FAMILIES
 
     out: Dict[str, tuple] = {}
@@ -193,14 +193,14 @@ class KvtierTier(SecondaryTierManager):
         for k in ("enable_kv_events", "durable", "use_o_direct"):
             if not isinstance(cfg[k], bool):
                 raise TypeError(f"{k} must be a bool, got {type(cfg[k]).__name__}")
-        from kvtier.policy import check_mode
+        from kvtier._blockio.policy import check_mode
 
         check_mode(cfg["checksum_blocks"], "checksum_blocks")  # False, True or "strict"
         if cfg["sweep_stale_temps_after"] is not None:
-            from kvtier.sweep import check_sweep_after
+            from kvtier._tier.sweep import check_sweep_after
 
             check_sweep_after(cfg["sweep_stale_temps_after"])
-        from kvtier.deadline import check_timeout
+        from kvtier._tier.deadline import check_timeout
 
         if cfg["io_timeout_s"] is not None:
             check_timeout(cfg["io_timeout_s"])
@@ -243,7 +243,7 @@ class KvtierTier(SecondaryTierManager):
             prepare_root(root_dir, rank_path, self.checksum_blocks)
             self.last_sweep = None
             if cfg["sweep_stale_temps_after"] is not None:
-                from kvtier.sweep import sweep_stale_temps
+                from kvtier._tier.sweep import sweep_stale_temps
 
                 self.last_sweep = sweep_stale_temps(rank_path, cfg["sweep_stale_temps_after"])
             config_path = self.file_mapper.get_config_file_path()
@@ -256,7 +256,7 @@ class KvtierTier(SecondaryTierManager):
 
         refused_on: List[str] = []  # the filesystem type where O_DIRECT was refused
 
-        from kvtier.deadline import DEFAULT_IO_TIMEOUT_S, run_with_deadline
+        from kvtier._tier.deadline import DEFAULT_IO_TIMEOUT_S, run_with_deadline
 
         run_with_deadline(startup, path=root_dir,
                           timeout=DEFAULT_IO_TIMEOUT_S if cfg["io_timeout_s"] is None else cfg["io_timeout_s"],
@@ -318,13 +318,13 @@ class KvtierTier(SecondaryTierManager):
         return defs
 
     def counters(self) -> Dict[str, float]:
-        """The engine's counters (:data:`kvtier.engine.COUNTERS`), a snapshot."""
+        """The engine's counters (:data:`kvtier._tier.engine.COUNTERS`), a snapshot."""
         return self._engine.counters.snapshot()
 
     def get_stats(self):
         """The increase of kvtier's counters (:func:`metrics`) since the last call, as
         ``OffloadingConnectorStats`` (None when nothing changed)."""
-        from kvtier.engine import IO_ERROR_PREFIX
+        from kvtier._tier.engine import IO_ERROR_PREFIX
         from kvtier.metrics import IO_ERRORS
 
         snap = self._engine.counters.snapshot()
@@ -386,7 +386,7 @@ class KvtierTier(SecondaryTierManager):
         """Queue the store.  vLLM's manager passes a key offered twice in one
         ``complete_store`` on as it is (the same key and row twice; vLLM's fs tier writes the
         file twice): such an exact repeat is stored once.  One key from two different rows
-        is a ValueError (:func:`kvtier.engine.check_no_duplicates`), as in the standalone tier."""
+        is a ValueError (:func:`kvtier._tier.engine.check_no_duplicates`), as in the standalone tier."""
         keys, offsets = list(job_metadata.keys), self._offsets(job_metadata)
         if len(set(keys)) != len(keys):
             pairs = dict.fromkeys(zip(keys, offsets))  # first occurrences, in order
@@ -433,7 +433,7 @@ class KvtierTier(SecondaryTierManager):
 
     def shutdown(self) -> None:
         """Stop and free the tier, as the standalone tier's ``shutdown()`` does
-        (:meth:`kvtier.engine.TierEngine.shutdown`): the lookup thread stops (its batch
+        (:meth:`kvtier._tier.engine.TierEngine.shutdown`): the lookup thread stops (its batch
         returns within ``lookup_timeout_s``); queued jobs never run (each reported once
         as failed, should anyone still poll); running ones finish or are reported failed
         at their deadline (``io_timeout_s``: it never waits longer); the threads not

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from ci import unavailable
-from kvtier import bench
+from kvtier.cli import bench
 from kvtier.cli import main
 from mounts import mount_tmpfs
 
@@ -120,7 +120,7 @@ def test_bench_modes_load_the_same_files_over_long_passes(tmp_path, monkeypatch)
 def test_bench_vllm_column(tmp_path, monkeypatch):
     """With vLLM installed the table gets vLLM's own fs tier I/O (fs_io_C) for the same
     jobs: stores and loads succeed, its loads are verified byte for byte like ours."""
-    from kvtier.peer import load_vllm_io
+    from kvtier.cli.peer import load_vllm_io
 
     vio, note = load_vllm_io()
     if vio is None:
@@ -183,7 +183,7 @@ def test_two_client_mode_vllm_column(tmp_path):
     import subprocess
     import sys
 
-    from kvtier.peer import load_vllm_io
+    from kvtier.cli.peer import load_vllm_io
 
     vio, note = load_vllm_io()
     if vio is None:
@@ -202,7 +202,7 @@ def test_two_client_mode_vllm_column(tmp_path):
 
 
 def test_two_client_mode_refuses_another_directory(tmp_path):
-    from kvtier.bench_nodes import run_two_clients
+    from kvtier.cli.bench_nodes import run_two_clients
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

@@ -23,7 +23,7 @@ import pytest
 
 import kvtier
 from kvtier import io as kio
-from kvtier import policy
+from kvtier._blockio import policy
 from corrupt import flip_bit
 from mounts import mount_tmpfs
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvtier.io as kio
-from kvtier import bench
+from kvtier.cli import bench
 from kvtier.cli import main
 from kvtier.manager import FileSystemTierManager, TransferJob
 from corrupt import flip_bit as flip
@@ -218,7 +218,7 @@ def test_subcommand_help_is_plain_text(cmd, capsys):
 
 
 def test_plain_text():
-    from kvtier._clitext import plain_text
+    from kvtier.cli._text import plain_text
 
     assert plain_text("see :class:`~kvtier.x.Y` and ``--root`` or :func:`f`") == "see kvtier.x.Y and --root or f"
 

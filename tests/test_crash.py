@@ -9,7 +9,7 @@ torn or half-written block is ever visible under its final name), and every
 other file left is a store temp (``<hash>.bin_<hex>.tmp``). The temps left by
 the kills are then removed by the stale-temp sweep, which touches nothing else.
 
-Plus the sweep's own contract (kvtier/sweep.py, FileSystemTierManager
+Plus the sweep's own contract (kvtier/_tier/sweep.py, FileSystemTierManager
 ``sweep_stale_temps_after``): only this tier's temps older than the threshold.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from kvtier import io as kio
-from kvtier.sweep import TEMP_NAME_RE, sweep_stale_temps
+from kvtier._tier.sweep import TEMP_NAME_RE, sweep_stale_temps
 
 BS = 512 * 1024 + 4096  # >= the C core's CRC helper-thread size, odd number of chunks
 KILLS = 120

@@ -1,4 +1,4 @@
-"""kvtier.deadline: calls with a deadline on threads that may be abandoned."""
+"""kvtier._tier.deadline: calls with a deadline on threads that may be abandoned."""
 from __future__ import annotations
 
 import errno
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvtier.deadline import DEFAULT_IO_TIMEOUT_S, OffThread, check_timeout
+from kvtier._tier.deadline import DEFAULT_IO_TIMEOUT_S, OffThread, check_timeout
 
 
 def test_check_timeout():

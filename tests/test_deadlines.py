@@ -365,7 +365,7 @@ def test_shutdown_without_waiting_expires_running_jobs_at_once(backend, ff, area
     """shutdown(wait=False) returns at once and the stalled load is expired
     by it (reported ECANCELED): the caller may reuse its rows right away. Its
     late outcome is logged at debug, not as a second failure."""
-    caplog.set_level("DEBUG", logger="kvtier.engine")
+    caplog.set_level("DEBUG", logger="kvtier._tier.engine")
     buf = filled(9)
     tier = tier_on(area, buf, io_timeout_s=60)  # the deadline plays no part here
     store_all(tier, [0])
@@ -382,9 +382,9 @@ def test_shutdown_without_waiting_expires_running_jobs_at_once(backend, ff, area
     wait_until(lambda: counters(tier)["stuck_threads"] == 0)
     assert (buf[3] == 0x22).all()
     assert counters(tier)["load_timeouts"] == 0 and counters(tier)["load_failures"] == 1
-    failures = [r for r in caplog.records if r.name == "kvtier.engine" and r.levelname == "WARNING"]
+    failures = [r for r in caplog.records if r.name == "kvtier._tier.engine" and r.levelname == "WARNING"]
     assert len(failures) == 1 and "cancelled by shutdown" in failures[0].getMessage()  # reported once
-    late = [r for r in caplog.records if r.name == "kvtier.engine" and "ended late" in r.getMessage()]
+    late = [r for r in caplog.records if r.name == "kvtier._tier.engine" and "ended late" in r.getMessage()]
     assert [r.levelname for r in late] == ["DEBUG"]
 
 

@@ -106,7 +106,7 @@ def test_a_full_filesystem_is_not_a_permission_problem():
 
 
 def test_writable_fix_by_errno():
-    from kvtier.doctor import _writable_fix
+    from kvtier.cli.doctor import _writable_fix
 
     assert "free space or inodes" in _writable_fix(errno.EDQUOT)
     assert "write access" in _writable_fix(errno.EACCES) and "write access" in _writable_fix(errno.EPERM)
@@ -115,8 +115,8 @@ def test_writable_fix_by_errno():
 
 def test_sizes_print_in_a_unit_that_never_rounds_to_zero():
     """A 4 MiB filesystem's space is printed in MiB (it printed "0.0 GiB free of 0.0 GiB")."""
-    from kvtier._clitext import human_bytes
-    from kvtier.doctor import check_space
+    from kvtier.cli._text import human_bytes
+    from kvtier.cli.doctor import check_space
 
     assert [human_bytes(n) for n in (0, 1, 1023, 1024, 1536, 4 << 20, 5 << 30, 3 << 40)] == \
         ["0 B", "1 B", "1023 B", "1.0 KiB", "1.5 KiB", "4.0 MiB", "5.0 GiB", "3.0 TiB"]

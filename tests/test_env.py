@@ -1,5 +1,5 @@
 """KVTIER_* settings the C core reads with getenv(3) are checked in Python
-(kvtier/_env.py): a value the core would silently ignore is a ValueError at
+(kvtier/_blockio/env.py): a value the core would silently ignore is a ValueError at
 import naming the variable, the value and what is valid; valid values import.
 Each case runs in a fresh interpreter (the checks run at import)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kvtier import _env
+from kvtier._blockio import env as _env
 
 
 def _import(env: dict, module: str = "kvtier") -> subprocess.CompletedProcess:

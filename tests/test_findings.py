@@ -89,7 +89,7 @@ def test_copy_without_xattrs_loads_counted_unverified_strict_refuses_scrub_repor
     flip_byte(blocks[0])
 
     t, buf = make_tier(copy)
-    with caplog.at_level(logging.WARNING, logger="kvtier.engine"):
+    with caplog.at_level(logging.WARNING, logger="kvtier._tier.engine"):
         r1 = run(t, "l1", keys(), list(range(N, 2 * N)), True)
         r2 = run(t, "l2", keys(), list(range(N, 2 * N)), True)
     assert r1.success and r2.success  # unverified: the corruption goes unnoticed ...
@@ -305,7 +305,7 @@ def test_vllm_reader_loads_a_kvtier_block_with_both_records(tmp_path):
     checksums on (CRC and identity xattrs) byte for byte; and kvtier reads a block vLLM
     stored (no xattrs) as unverified, or a miss in strict mode."""
     from kvtier import io as kio
-    from kvtier.peer import load_vllm_io
+    from kvtier.cli.peer import load_vllm_io
 
     from ci import unavailable
 

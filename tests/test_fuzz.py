@@ -243,7 +243,7 @@ def test_hypothesis_identity_record(backend, stored_block, tail, own):
     other bytes is a checksum failure; anything else an identity failure (both EBADMSG,
     checksum_failed, removed)."""
     from kvtier import io as kio
-    from kvtier import policy
+    from kvtier._blockio import policy
 
     io = kio.for_backend(backend)
     d, data = stored_block
@@ -291,7 +291,7 @@ def test_hypothesis_identity_is_lexical_normalisation(backend, id_tree, ops, abs
     past the relative path's start into it; the C core's record equals
     policy.block_identity of the spelling and of the clean path."""
     from kvtier import io as kio
-    from kvtier import policy
+    from kvtier._blockio import policy
 
     io = kio.for_backend(backend)
     stack, kept = ["a", "b"], []

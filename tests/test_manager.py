@@ -112,7 +112,7 @@ def test_unaligned_buffer_without_checksums_warns_and_counts_buffered_stores(tmp
         buf = raw[start + skew:start + skew + NB * BS].reshape(NB, BS)
         buf[:] = rand_buf()
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="kvtier.engine"):
+        with caplog.at_level(logging.WARNING, logger="kvtier._tier.engine"):
             m = mk(buf, tmp_path / f"c{skew}", checksum_blocks=False)
         try:
             if not m.use_o_direct:
@@ -593,7 +593,7 @@ def test_torch_tensor_buffer(tmp_path):
         t.zero_()
         assert run(m, TransferJob(2, k, [0, 1, 2, 3]), load=True).success
         assert torch.equal(t, orig)
-    # same conversion as kvtier.io (kvtier._fallback_crc.torch_bytes_view): row stride = block
+    # same conversion as kvtier.io (kvtier._blockio.numpy_crc.torch_bytes_view): row stride = block
     with pytest.raises(BufferError, match="C-contiguous"):
         mk(torch.zeros(1024, 4, dtype=torch.bfloat16).t(), tmp_path / "nc")
     with pytest.raises(ValueError, match="does not match"):
@@ -732,7 +732,8 @@ def test_prepare_root_retries_enoent_of_a_name_cache(tmp_path, monkeypatch):
     """A directory just made that the filesystem answers ENOENT for (GlusterFS's name cache,
     seen on a second node) is retried after 2, 4 ... ms; persistent ENOENT fails naming the root."""
     import tempfile as tf
-    from kvtier import manager, policy
+    from kvtier import manager
+    from kvtier._blockio import policy
 
     real, calls = tf.mkstemp, []
 

@@ -26,7 +26,7 @@ import pytest
 
 import kvtier
 from kvtier import io as kio
-from kvtier import policy
+from kvtier._blockio import policy
 from test_block_io import build_preload, preload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -489,7 +489,7 @@ def check_P21(io_backend, shim, d):
 
 def check_P22(io_backend, shim, d):
     """scrub judges the CRC records as a load does, and reports a directory at a block path."""
-    from kvtier import scrub
+    from kvtier.cli import scrub
 
     p, data = block_path(d), data_of(22)
     put(io_backend, p, data)

@@ -434,7 +434,7 @@ def test_metric_definitions_in_the_spec(vllm, tmp_path):
     assert "vllm:kv_offload_tiering_checksum_failures" not in off
     assert "kvtier:kv_offload_tiering_checksum_condemned" not in off
     # every engine counter vLLM does not derive itself is declared; none it derives is
-    from kvtier.engine import COUNTERS
+    from kvtier._tier.engine import COUNTERS
     from kvtier.vllm import VLLM_DERIVED, metrics
 
     declared = [c for counters, _, _ in metrics(True).values() for c in counters.values()]
@@ -491,7 +491,7 @@ def test_tier_paths_and_config_equal_fs_tier(harness, tmp_path):
 @pytest.fixture(scope="session")
 def fs_io_C(vllm):
     """vLLM's compiled fs_io_C, loaded with stub CUDA libraries built by the C compiler
-    now (kvtier/peer.py)."""
+    now (kvtier/cli/peer.py)."""
     from vllm_harness import load_fs_io_C
 
     try:
@@ -580,7 +580,7 @@ def test_import_costs_and_entry_point(vllm):
     no FileMapper); vLLM's plugin loader registers "kvtier" from the entry point."""
     code = textwrap.dedent("""
         import sys
-        import kvtier, kvtier.engine, kvtier.manager, kvtier.file_mapper, kvtier.io, kvtier.metrics
+        import kvtier, kvtier._tier.engine, kvtier.manager, kvtier.file_mapper, kvtier.io, kvtier.metrics
         assert not [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")], "kvtier imported vLLM"
         import vllm.v1.kv_offload.tiering.base
         before = set(sys.modules)

@@ -14,7 +14,7 @@ import pytest
 
 from ci import unavailable
 import kvtier
-from kvtier import policy
+from kvtier._blockio import policy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, os.pardir, "benchmarks", "vs_vllm.py")

@@ -185,8 +185,8 @@ def key(i: int, group: int = 0, salt: int = 0) -> bytes:
 
 def load_fs_io_C():
     """vLLM's compiled ``vllm.fs_io_C`` on a CPU-only machine (stub CUDA libraries built
-    at run time: :func:`kvtier.peer.load_vllm_io`), or raise ImportError with the reason."""
-    from kvtier.peer import load_vllm_io
+    at run time: :func:`kvtier.cli.peer.load_vllm_io`), or raise ImportError with the reason."""
+    from kvtier.cli.peer import load_vllm_io
 
     vio, note = load_vllm_io()
     if vio is None:

@@ -44,7 +44,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, List, Optional, Tuple
 
-from kvtier.mountinfo import MountEntry, mount_of
+from kvtier._tier.mountinfo import MountEntry, mount_of
 
 XATTR = "user.vllm.kv_crc32c"
 PASS, WARN, FAIL = "pass", "warn", "fail"
@@ -429,7 +429,7 @@ def check_space(root: str) -> Check:
     free = st.f_bavail * st.f_frsize
     d = {"free_bytes": free, "total_bytes": st.f_blocks * st.f_frsize, "free_inodes": st.f_favail,
          "total_inodes": st.f_files}
-    from kvtier._clitext import human_bytes
+    from kvtier.cli._text import human_bytes
 
     text = (f"{human_bytes(free)} free of {human_bytes(st.f_blocks * st.f_frsize)}, {st.f_favail} of "
             f"{st.f_files} inodes free")
@@ -652,7 +652,7 @@ def format_report(d: dict) -> str:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from kvtier._clitext import plain_text
+    from kvtier.cli._text import plain_text
 
     p = sub.add_parser("doctor", help="check a mount before using it as a cache root (xattrs, O_DIRECT, caches)",
                        description=plain_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)

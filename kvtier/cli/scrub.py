@@ -68,7 +68,7 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Tuple
 
 import kvtier
-from kvtier import policy
+from kvtier._blockio import policy
 from kvtier.file_mapper import BLOCK_INFO_FILENAME
 
 XATTR_NAME = "user.vllm.kv_crc32c"
@@ -480,7 +480,7 @@ def format_report(d: dict) -> str:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``scrub`` subcommand to ``sub`` (an argparse subparsers object); returns it."""
-    from kvtier._clitext import plain_text
+    from kvtier.cli._text import plain_text
 
     p = sub.add_parser("scrub", help="verify every block of a cache against its CRC32C xattr and size",
                        description=plain_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -27,7 +27,7 @@ Pieces, each in one place:
   Lookups run off-thread under a deadline of their own
   (``lookup_timeout_s``, short: a lookup's caller is waiting) and never pile up on a
   hung filesystem: while one is stuck, the next answer misses at once
-  (:mod:`kvtier.deadline`).  docs/tier.md, "Deadlines".
+  (:mod:`kvtier._tier.deadline`).  docs/tier.md, "Deadlines".
 - **Counters**: :class:`Counters`, the tier's totals; :meth:`Counters.count_job` is the
   one place where a finished job is counted, :meth:`Counters.snapshot` is what the
   standalone metrics tracker (:mod:`kvtier.metrics`) and the vLLM adapter read.
@@ -53,9 +53,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
-from kvtier import policy as _policy
+from kvtier._blockio import policy as _policy
 
-from kvtier.deadline import DEFAULT_IO_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, OffThread, check_timeout, timed_out
+from kvtier._tier.deadline import DEFAULT_IO_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, OffThread, check_timeout, timed_out
 
 logger = logging.getLogger(__name__)
 
@@ -92,10 +92,10 @@ COUNTERS: Dict[str, str] = {
     "stuck_threads": "gauge: threads still in a filesystem call that outlived its deadline",
     "root_lost": "times the tier root was found deleted or replaced while running (restored)",
 }
-COUNTERS.update(_policy.COUNT_DOCS)  # the error policy's counters (kvtier.policy)
+COUNTERS.update(_policy.COUNT_DOCS)  # the error policy's counters (kvtier._blockio.policy)
 
 #: Prefix of the snapshot keys of failed I/O calls: ``io_error:<operation>:<ERRNO>``
-#: (operation: kvtier.policy.OPERATIONS, or "none" for an error of no call, e.g. a
+#: (operation: kvtier._blockio.policy.OPERATIONS, or "none" for an error of no call, e.g. a
 #: deadline's ETIMEDOUT; ERRNO: the errno's name).
 IO_ERROR_PREFIX = "io_error:"
 
@@ -132,7 +132,7 @@ class Counters:
                   error: Optional[BaseException] = None) -> None:
         """Count one finished job of ``n_keys`` blocks of ``block_bytes`` bytes, ``n_ok``
         of them transferred; ``io_time`` seconds (None: not measured).  ``policy_counts``:
-        the batch call's ``counts=`` dict (:data:`kvtier.policy.COUNT_NAMES`); ``error``:
+        the batch call's ``counts=`` dict (:data:`kvtier._blockio.policy.COUNT_NAMES`); ``error``:
         the OSError that stopped it (counted under :func:`io_error_key`)."""
         v = self._v
         with self._lock:
@@ -287,7 +287,7 @@ class TierEngine:
         io_timeout_s: deadline of a job, counted from the start of its I/O (seconds,
             > 0), or 0 for none (docs/tier.md, "Deadlines").
         lookup_timeout_s: deadline of a :meth:`lookup` (seconds, > 0, or 0 for none);
-            None: :data:`kvtier.deadline.DEFAULT_LOOKUP_TIMEOUT_S` (2 s), or
+            None: :data:`kvtier._tier.deadline.DEFAULT_LOOKUP_TIMEOUT_S` (2 s), or
             ``io_timeout_s`` when that is shorter and not 0 (``io_timeout_s=0`` leaves the
             lookup's 2 s).
         root: the tier root, named by the errors of lookups and refused jobs.

@@ -8,7 +8,7 @@ start). Every loaded byte is compared with what was stored. Engines (checksum of
 vLLM's) take turns within each repeat, first one
 alternating, each repeat storing into fresh directories; medians over the repeats.
 The engines: kvtier checksum off and on, and vLLM 0.33's own fs tier I/O (fs_io_C, no
-checksum, :class:`VllmEngine`) where it loads (``--vllm auto|on|off``, :mod:`kvtier.peer`).
+checksum, :class:`VllmEngine`) where it loads (``--vllm auto|on|off``, :mod:`kvtier.cli.peer`).
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ class VllmEngine:
 
     def open(self, buf: np.ndarray, root: str, model: str, threads: int, o_direct: bool) -> None:
         from kvtier.file_mapper import FileMapper
-        from kvtier.peer import load_vllm_io
+        from kvtier.cli.peer import load_vllm_io
 
         self.vio, note = load_vllm_io()
         if self.vio is None:
@@ -112,7 +112,7 @@ def engines_for(checksum: str = "both", vllm: str = "auto") -> Tuple[list, str]:
     engines: list = [KvtierEngine(c) for c in {"both": (False, True), "off": (False,), "on": (True,)}[checksum]]
     if vllm == "off":
         return engines, "vLLM column: not asked for (--vllm off)"
-    from kvtier.peer import load_vllm_io
+    from kvtier.cli.peer import load_vllm_io
 
     vio, note = load_vllm_io()
     if vio is None:
@@ -125,7 +125,7 @@ def engines_for(checksum: str = "both", vllm: str = "auto") -> Tuple[list, str]:
 def _node(idx, root, engines, cfg, barrier, results):
     """One node: run the schedule, put (idx, passes) or (idx, error text) on ``results``."""
     try:
-        from kvtier.bench import PRESETS
+        from kvtier.cli.bench import PRESETS
 
         p = PRESETS[cfg["preset"]]
         bs = p.block_bytes(cfg["tokens"])
@@ -176,7 +176,7 @@ def run_two_clients(root: str, node_b: str, engines=None, preset: str = "llama-3
     if a directory made under ``root`` does not appear under ``node_b`` within
     ``visible_timeout`` s, or for bad sizes; RuntimeError if a node fails. ``settle_s``:
     pause (untimed) between the store passes and the load passes of a repeat."""
-    from kvtier.bench import PRESETS
+    from kvtier.cli.bench import PRESETS
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}")
@@ -243,7 +243,7 @@ def run_two_clients(root: str, node_b: str, engines=None, preset: str = "llama-3
 
 
 def format_table(d: dict) -> str:
-    from kvtier.bench import _fmt_bytes
+    from kvtier.cli.bench import _fmt_bytes
 
     lines = [f"kvtier bench, two clients: node A {d['root']}, node B {d['node_b']} ({d['fstype']}); "
              f"{d['preset']}, {d['blocks']} blocks of {_fmt_bytes(d['block_bytes'])} = "

@@ -181,8 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     pi = sub.add_parser("info", help="what is built and active: C core, CRC32C backends, ISA-L, CPU, DSA")
     pi.add_argument("--json", action="store_true", help="print a JSON object")
     pi.set_defaults(func=cmd_info)
-    # --- tier helper: bench, scrub, doctor (kvtier/bench.py, kvtier/scrub.py, kvtier/doctor.py) ---
-    from kvtier import bench as _bench, doctor as _doctor, scrub as _scrub
+    # --- tier helper: bench, scrub, doctor (kvtier/cli/bench.py, kvtier/cli/scrub.py, kvtier/cli/doctor.py) ---
+    from kvtier.cli import bench as _bench, doctor as _doctor, scrub as _scrub
 
     _bench.add_parser(sub)
     _scrub.add_parser(sub)

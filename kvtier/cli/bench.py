@@ -225,7 +225,7 @@ def run_bench(preset: str = DEFAULT_PRESET, tokens: int = DEFAULT_TOKENS, blocks
     """Run the benchmark; returns a dict (``rows``: list of :class:`Row` dicts, plus the setup;
     ``vllm``: the peer's description, or why it is absent).
 
-    ``vllm``: "auto" (the vLLM column when vLLM's fs tier io loads, see :mod:`kvtier.peer`),
+    ``vllm``: "auto" (the vLLM column when vLLM's fs tier io loads, see :mod:`kvtier.cli.peer`),
     "on" (ValueError if it does not), "off".  Raises ValueError for bad arguments (unknown
     preset, non-positive sizes, or 2 x ``blocks`` x block bytes more than MemAvailable in
     /proc/meminfo); OSError ENOSPC (filename = the root) before any store when the root's
@@ -256,7 +256,7 @@ def run_bench(preset: str = DEFAULT_PRESET, tokens: int = DEFAULT_TOKENS, blocks
     groups = [{"tokens_per_block": hash_bs, "layer_names": [f"model.layers.{i}.self_attn.attn" for i in range(p.layers)]}]
     vio, vnote = None, "not asked for (--vllm off)"
     if vllm != "off":
-        from kvtier.peer import load_vllm_io
+        from kvtier.cli.peer import load_vllm_io
 
         vio, vnote = load_vllm_io()
         if vio is None and vllm == "on":
@@ -562,7 +562,7 @@ def plot(d: dict, path: str) -> None:
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand (options, preset list in the epilog) to ``sub``, an
     argparse subparsers object; returns the new parser (its ``func`` is :func:`cmd_bench`)."""
-    from kvtier._clitext import plain_text
+    from kvtier.cli._text import plain_text
 
     p = sub.add_parser(
         "bench", help="store and load real-model KV blocks through the tier, checksum off vs on vs vLLM",
@@ -577,7 +577,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--root", default=None, help="directory to create the temp cache in (default: $TMPDIR or /tmp)")
     p.add_argument("--node-b", metavar="DIR", default=None,
                    help="two-client mode: the same directory as --root through another mount (node B); one "
-                        "process per mount stores and loads the same keys at once (kvtier/bench_nodes.py)")
+                        "process per mount stores and loads the same keys at once (kvtier/cli/bench_nodes.py)")
     p.add_argument("--checksum", choices=("both", "off", "on"), default="both", help="checksum modes (default both)")
     p.add_argument("--threads", type=int, default=16, help="read- and write-priority threads each (default 16)")
     p.add_argument("--no-o-direct", action="store_true", help="buffered I/O instead of O_DIRECT")
@@ -605,7 +605,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     directory) or an OSError setting up the cache (message names the errno text and path).
     """
     if args.node_b:
-        from kvtier.bench_nodes import cmd_two_clients
+        from kvtier.cli.bench_nodes import cmd_two_clients
 
         return cmd_two_clients(args)
     try:

@@ -1,0 +1,1 @@
+"""The tier engine under both shells (manager.py, vllm.py): private."""
