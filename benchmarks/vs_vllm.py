@@ -398,7 +398,7 @@ def check_vfloor(vf: CLoop, d: str, pool, bs: int = 64 * KiB) -> None:
     the same bytes, and its two records are those kvtier writes; what kvtier
     stores, vfloor loads with the same bytes, and a flipped byte is EBADMSG.
     AssertionError or OSError otherwise."""
-    from kvtier._blockio import policy
+    from kvtier._blockio import records
 
     top = os.path.join(d, "vfloor-check")
     d = os.path.join(top, "m_0123456789ab_r0", "abc", "de_g0")  # a FileMapper-shaped path
@@ -413,7 +413,7 @@ def check_vfloor(vf: CLoop, d: str, pool, bs: int = 64 * KiB) -> None:
             kio.batch_load_block([mine], memoryview(got), [0], bs, False, "strict")
             assert got == src, "kvtier loaded other bytes than vfloor stored"
             assert os.getxattr(mine, "user.vllm.kv_crc32c") == crc.to_bytes(4, "big"), "vfloor's user.vllm.kv_crc32c"
-            assert os.getxattr(mine, policy.ID_XATTR_NAME) == policy.identity_record(mine, bs, crc), \
+            assert os.getxattr(mine, records.ID_XATTR_NAME) == records.identity_record(mine, bs, crc), \
                 "vfloor's user.kvtier.id"
             os.unlink(mine)
         kio.batch_store_block([theirs], pool.mv, [0], bs, False, True)

@@ -29,7 +29,7 @@ if _C is not None:
 else:
     import warnings as _warnings
 
-    from kvtier import fallback as _fallback
+    from kvtier._blockio import numpy_crc as _numpy_crc
 
     _warnings.warn(
         f"kvtier: the C core (kvtier._C) is not importable ({_C_IMPORT_ERROR}); using the "
@@ -38,8 +38,8 @@ else:
         RuntimeWarning,
         stacklevel=2,
     )
-    crc32c = _fallback.crc32c
-    crc32c_combine = _fallback.crc32c_combine
+    crc32c = _numpy_crc.crc32c
+    crc32c_combine = _numpy_crc.crc32c_combine
     crc32c_backend = "numpy"
 
 
@@ -63,9 +63,9 @@ def crc32c_using(backend: str, data, value: int = 0) -> int:
     or not available here; BufferError for non-contiguous data.
     """
     if backend == "numpy":
-        from kvtier._blockio import numpy_crc as _fallback_crc  # private: no kvtier.fallback import warning
+        from kvtier._blockio import numpy_crc
 
-        return _fallback_crc.crc32c(data, value)
+        return numpy_crc.crc32c(data, value)
     if _C is None:
         raise ValueError(f"CRC32C backend {backend!r} needs the C core, which is not built; available: ['numpy']")
     return _C.crc32c_using(backend, data, value)

@@ -1,8 +1,12 @@
 """kvtier pure-Python fallback: the same contracts as the C core (kvtier._C).
 
 CRC32C (numpy) and batched checksummed block I/O, used when the C core is not
-built or when forced (KVTIER_IO_BACKEND=python). Two sections, each
-starting with a "# --- name ---" line: CRC32C, block I/O.
+built or when forced (KVTIER_IO_BACKEND=python). A second, independent
+implementation: it borrows nothing from the C core (its CRC is the numpy one, its
+copy and its job-state CAS its own), so its tests test it, with the C core built or
+not. What both backends share is the contract in kvtier._blockio (records and their
+judgement, policy names, argument checks, job state). Two sections, each starting
+with a "# --- name ---" line: CRC32C, block I/O.
 """
 from __future__ import annotations
 
@@ -31,17 +35,17 @@ def _imported_by_kvtier() -> bool:
     return name == "kvtier" or name.startswith("kvtier.")
 
 
-def _c_core():
-    """The C core module, or None when it is not importable: kvtier/__init__.py then
-    sets ``kvtier._C = None``, so ``from kvtier import _C`` gives None, not ImportError."""
+def _c_core_built() -> bool:
+    """Whether the C core is importable (only for the warning below: nothing of it is
+    used here). kvtier/__init__.py sets ``kvtier._C = None`` when it is not."""
     try:
         from kvtier import _C
     except ImportError:
-        return None
-    return _C
+        return False
+    return _C is not None
 
 
-if _c_core() is not None and not _imported_by_kvtier():
+if _c_core_built() and not _imported_by_kvtier():
     _warnings.warn(
         "kvtier.fallback imported although the C core (kvtier._C) is available: "
         "the pure-Python CRC32C and block I/O are much slower; use kvtier.crc32c / kvtier.io",
@@ -62,13 +66,13 @@ import stat as _stat
 import threading as _threading
 import time as _time
 
-import numpy as _np  # already loaded by kvtier._blockio.numpy_crc
-
+from kvtier._blockio import args as _args
+from kvtier._blockio import jobstate as _js
 from kvtier._blockio import policy as _policy
+from kvtier._blockio import records as _rec
+from kvtier._blockio.buffers import buffer_address as _buffer_address
+from kvtier._blockio.records import XATTR_LEN, XATTR_NAME  # noqa: F401 (XATTR_NAME: kvtier.fallback's name)
 
-XATTR_NAME = "user.vllm.kv_crc32c"
-"""xattr holding a block's CRC32C (4 bytes big-endian); vLLM FS tier name."""
-XATTR_LEN = 4
 IO_CHUNK = 256 * 1024
 """Bytes per read/write call; each chunk is checksummed next to its I/O (as the C engine's
 buffered pieces, io_engine.h KVT_ENGINE_CHUNK)."""
@@ -80,30 +84,18 @@ minimum (statx STATX_DIOALIGN, often 512), so both backends pick the same mode a
 the same ``buffered_unaligned``. A filesystem refusing O_DIRECT (EINVAL) is buffered."""
 
 
-def _block_crc_fn():
-    """The fastest CRC32C available: the C core's dispatched backend, else the
-    numpy fallback of this module (CRC section above)."""
-    c = _c_core()
-    return c.crc32c if c is not None else globals()["crc32c"]
-
-
-_copy_fn_cache = []
 _tls = _threading.local()
+_copy_fn_cache = []
 
 
 def _block_copy_fn():
-    """The C core's fused copy + CRC32C (kvtier._C.crc32c_copy) when the C
-    core is importable and its copy path is enabled (crc_copy_status(): a
-    fused kernel, KVTIER_CRC_COPY not off, the best CPU backend active), else
-    None. Checksummed buffered loads then read each chunk into a per-thread
-    bounce buffer and move it with it, as the C core does (docs/block_io.md,
-    "Fused copy")."""
+    """The copy + CRC32C of a checksummed buffered load: each chunk read into a per-thread
+    bounce buffer, its CRC32C taken there (numpy) and the chunk copied to the caller's
+    buffer, so the bytes checksummed are the bytes copied, as the C core's fused copy
+    (docs/block_io.md, "Fused copy"). In a list: tests replace it (a spy, or None for the
+    read straight into the caller's buffer)."""
     if not _copy_fn_cache:
-        fn = None
-        c = _c_core()
-        if c is not None and c.crc_copy_status()["enabled"]:
-            fn = c.crc32c_copy
-        _copy_fn_cache.append(fn)
+        _copy_fn_cache.append(_checksum_then_copy(crc32c))
     return _copy_fn_cache[0]
 
 
@@ -139,10 +131,6 @@ def _bounce_take():
 
 def _bounce_give(b):
     _tls.free.append(b)
-
-
-def _buffer_address(mv):
-    return _np.frombuffer(mv, dtype=_np.uint8).__array_interface__["data"][0] if len(mv) else 0
 
 
 def _dio_usable(mv, bounce=False):
@@ -200,61 +188,6 @@ def _batch_error(err, path, index, checksum_failed, num_retried=0, operation="",
     return exc
 
 
-def _check_list(obj, what):
-    if not isinstance(obj, (list, tuple)):
-        raise TypeError(f"{what} must be a list, not {type(obj).__name__}")
-
-
-def _encode_paths(seq, what):
-    out = []
-    for i, p in enumerate(seq):
-        if not isinstance(p, (str, bytes)) and not hasattr(p, "__fspath__"):
-            raise TypeError(f"{what}[{i}] must be str, bytes or os.PathLike, not {type(p).__name__}")
-        b = _os.fsencode(p)
-        if b"\0" in b:
-            raise ValueError(f"{what}[{i}]: embedded null byte")
-        out.append(b)
-    return out
-
-
-def _views(buffers, writable):
-    out = []
-    for i, b in enumerate(buffers):
-        mv = memoryview(b)  # TypeError for a non-buffer
-        if not mv.c_contiguous:
-            raise BufferError(f"buffers[{i}]: {type(b).__name__} object is not C-contiguous")
-        if writable and mv.readonly:
-            raise BufferError(f"buffers[{i}] must be a writable C-contiguous buffer: {type(b).__name__} is read-only")
-        out.append(mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv)
-    return out
-
-
-def _views_at(buffer, offsets, block_size, n, writable):
-    """The ``offsets=`` / ``block_size=`` form (module.c gather_at): block i is
-    ``buffer[offsets[i] : offsets[i] + block_size]``; the same checks and errors."""
-    if block_size is None or isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise TypeError("block_size must be int with offsets, not "
-                        + ("missing" if block_size is None else type(block_size).__name__))
-    if block_size <= 0:
-        raise ValueError(f"block_size must be > 0 bytes, got {block_size}")
-    _check_list(offsets, "offsets")
-    if len(offsets) != n:
-        raise ValueError(f"paths and offsets must have equal lengths ({n}, {len(offsets)})")
-    try:
-        (mv,) = _views([buffer], writable)
-    except BufferError as e:
-        if not writable:
-            raise
-        raise BufferError(f"buffers must be a writable C-contiguous buffer: {e}") from None
-    limit = len(mv) - block_size
-    for i, o in enumerate(offsets):
-        if isinstance(o, bool) or not isinstance(o, int):
-            raise TypeError(f"offsets[{i}] must be int, not {type(o).__name__}")
-        if o < 0 or o > limit:
-            raise ValueError(f"offsets[{i}] = {o}: block of {block_size} bytes is outside the view of {len(mv)} bytes")
-    return [mv[o : o + block_size] for o in offsets]
-
-
 def _retry_io(op, fd, mv, off, direct):
     """op(fd, mv, off) -> bytes moved, with the retry rule of fs_io.c retry_io:
     EINTR is retried by Python itself (PEP 475); EINVAL under O_DIRECT (the
@@ -272,11 +205,6 @@ def _retry_io(op, fd, mv, off, direct):
 
 
 def _preadv_into(fd, mv, off):
-    return _os.preadv(fd, [mv], off)
-
-
-def _preadv_bounce(fd, mv, off):
-    """preadv into this module's own bounce buffer (no thread of the caller writes it)."""
     return _os.preadv(fd, [mv], off)
 
 
@@ -400,7 +328,7 @@ def _lacks_crc_record(dest):
     record, EOPNOTSUPP, EIO) says no: the block is left as it is
     (csrc/fs_io.c lacks_crc_record)."""
     try:
-        if len(_retry_eintr(lambda: _os.getxattr(dest, _policy.ID_XATTR_NAME, follow_symlinks=False))) == _policy.ID_REC_LEN:
+        if len(_retry_eintr(lambda: _os.getxattr(dest, _rec.ID_XATTR_NAME, follow_symlinks=False))) == _rec.ID_REC_LEN:
             return False
     except OSError:
         pass
@@ -471,8 +399,8 @@ def _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, w
                 # vLLM's record, and kvtier's identity record carrying the same CRC (what a
                 # load reads: one xattr)
                 _op("setxattr", _retry_eintr, _os.setxattr, fd, XATTR_NAME, crc.to_bytes(XATTR_LEN, "big"))
-                _op("setxattr", _retry_eintr, _os.setxattr, fd, _policy.ID_XATTR_NAME,
-                    _policy.identity_record(dest, len(mv), crc))
+                _op("setxattr", _retry_eintr, _os.setxattr, fd, _rec.ID_XATTR_NAME,
+                    _rec.identity_record(dest, len(mv), crc))
             if durable:  # data before the name
                 _op("sync", _os.fdatasync, fd)
         finally:
@@ -480,12 +408,12 @@ def _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, w
         if word is None:
             _op("rename", _retry_eintr, _os.rename, tmp, dest)
         else:  # commit section: the rename only while the job is live
-            if not _job_step(word, _LIVE, _COMMITTING):
+            if not word.step(_js.LIVE, _js.COMMITTING):
                 raise OSError(_errno.ETIMEDOUT, _os.strerror(_errno.ETIMEDOUT))  # temp unlinked below
             try:
                 _op("rename", _retry_eintr, _os.rename, tmp, dest)
             finally:
-                late = not _job_step(word, _COMMITTING, _LIVE)
+                late = not word.step(_js.COMMITTING, _js.LIVE)
             if late:
                 raise _Late()
     except BaseException as e:
@@ -543,7 +471,7 @@ def policy_info():
     return {"counts": _policy.COUNT_NAMES, "operations": _policy.OPERATIONS, "causes": _policy.CAUSES,
             "totals": {k: t.get(k, 0) for k in _policy.COUNT_NAMES},
             "retry_eintr_max": _policy.RETRY_EINTR_MAX, "retry_transient": _policy.RETRY_TRANSIENT, "backoff_us": _policy.BACKOFF_US,
-            "id_xattr": _policy.ID_XATTR_NAME}
+            "id_xattr": _rec.ID_XATTR_NAME}
 
 
 def _whole_file_verifies(fd, size, crc_fn):
@@ -553,13 +481,13 @@ def _whole_file_verifies(fd, size, crc_fn):
     # The CRC its identity record carries (12 bytes; the identity is of its own size, not
     # the caller's: not compared), else its CRC record.
     try:
-        rec = _retry_eintr(_os.getxattr, fd, _policy.ID_XATTR_NAME)
+        rec = _retry_eintr(_os.getxattr, fd, _rec.ID_XATTR_NAME)
     except OSError as e:
         if e.errno not in (_errno.ENODATA, _errno.ERANGE):
             return None
         rec = b""
-    if len(rec) == _policy.ID_REC_LEN:
-        want = int.from_bytes(rec[_policy.ID_LEN:], "big")
+    if len(rec) == _rec.ID_REC_LEN:
+        want = int.from_bytes(rec[_rec.ID_LEN:], "big")
     else:
         try:
             rec = _retry_eintr(_os.getxattr, fd, XATTR_NAME)
@@ -581,7 +509,22 @@ def _whole_file_verifies(fd, size, crc_fn):
     return crc == want
 
 
-_MISMATCH_CRC, _MISMATCH_ID = "checksum", "identity"
+_MISMATCH_CRC = "checksum"
+
+
+def _get_record(fd, name):
+    """A record of the open block: its bytes, None when absent (ENODATA, except in
+    strict mode's CRC record read: the caller asks), b"" when longer than any record
+    (ERANGE: malformed). Another OSError (EOPNOTSUPP, EIO ...) propagates with
+    ``kvt_op``: not the block's fault, it is kept."""
+    try:
+        return _op("getxattr", _retry_eintr, _os.getxattr, fd, name)
+    except OSError as e:
+        if e.errno == _errno.ERANGE:
+            return b""
+        if e.errno == _errno.ENODATA and name == _rec.ID_XATTR_NAME:
+            return None
+        raise
 
 
 def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=False, data_out=None):
@@ -599,36 +542,24 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=F
     unverified = False
     if checksum:
         # The identity record first: written by kvtier it carries the CRC too (one xattr per
-        # load); user.vllm.kv_crc32c only without it (stored by vLLM) or with an 8-byte one.
-        try:
-            idrec = _op("getxattr", _retry_eintr, _os.getxattr, fd, _policy.ID_XATTR_NAME)
-        except OSError as e:
-            if e.errno == _errno.ERANGE:
-                idrec = b""  # longer than any identity record: malformed
-            elif e.errno != _errno.ENODATA:
-                raise  # EOPNOTSUPP, EIO ...: not the block's fault, keep it
-            else:
-                idrec = None  # no identity (written by vLLM)
-        kind, want = _policy.parse_identity(idrec, ident)
-        if kind == "mismatch":
-            return _MISMATCH_ID, False, unverified
-        if want is None:
+        # load); user.vllm.kv_crc32c only without it (stored by vLLM). Judged by
+        # kvtier._blockio.records.judge, as kvtier scrub judges them.
+        idrec = _get_record(fd, _rec.ID_XATTR_NAME)
+        crcrec = None
+        if _rec.needs_crc_record(idrec):
             try:
-                rec = _op("getxattr", _retry_eintr, _os.getxattr, fd, XATTR_NAME)
+                crcrec = _get_record(fd, XATTR_NAME)
             except OSError as e:
-                if e.errno == _errno.ERANGE:
-                    return _MISMATCH_CRC, False, unverified
                 if e.errno != _errno.ENODATA:
                     raise  # EOPNOTSUPP, EIO ...: not the block's fault, keep it
                 if checksum == "strict":
                     _count_into(counts, "unverified_miss")
                     raise  # a miss, kept
-                unverified = True
-                rec = None  # stored without checksum (vLLM, a copy without xattrs)
-            if rec is not None:
-                if len(rec) != XATTR_LEN:
-                    return _MISMATCH_CRC, False, unverified
-                want = int.from_bytes(rec, "big")
+        verdict = _rec.judge(idrec, crcrec, ident)
+        if verdict.cause is not None:
+            return verdict.cause, False, unverified
+        want = verdict.want
+        unverified = want is None  # stored without checksum (vLLM, a copy without xattrs)
     private = reread and want is not None
     direct = not private and use_o_direct and _try_direct(fd, mv)
     # O_DIRECT into an unaligned mv: through the page-aligned bounce buffer (as the C
@@ -639,7 +570,7 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=F
         _set_direct(fd, False)
     crc = 0
     copy_fn = _block_copy_fn() if not direct or via_bounce else None
-    # A checksummed buffered load goes through the fused copy; a re-read always goes through
+    # A checksummed buffered load goes through the copy + CRC; a re-read always goes through
     # a bounce buffer, checksummed there.
     if private or (via_bounce and want is not None and copy_fn is None):
         copy_fn = _checksum_then_copy(crc_fn)
@@ -652,7 +583,7 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=F
                 n = min(IO_CHUNK, len(mv) - off)
                 b = bounce if n == IO_CHUNK else bounce[:n]
                 # EINTR retried by os.preadv (PEP 475); EINVAL under O_DIRECT: buffered (_retry_io)
-                got, direct = _op("read", _retry_io, _preadv_bounce, fd, b, off, direct)
+                got, direct = _op("read", _retry_io, _preadv_into, fd, b, off, direct)
                 if got == 0:  # end of file: a short read (as fs_io.c read_full)
                     return None, True, unverified
                 if got < n:  # a partial read: finish it the general way
@@ -741,7 +672,7 @@ def _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retr
     finally:
         try:
             if remove:
-                _unlink_if_same(src, fd)
+                _rec.unlink_if_same(src, fd)
         finally:
             _close_quiet(fd)  # read-only: an error here (after a good read too) changes nothing
 
@@ -749,7 +680,7 @@ def _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retr
 def _load_one(src, mv, use_o_direct, checksum, crc_fn, counts, retried_out):
     """Load one block under the error policy (docs/design.md "Error policy").
     Returns None, or raises _Verdict / OSError (with ``kvt_op``)."""
-    ident = _policy.block_identity(src, len(mv)) if checksum else None
+    ident = _rec.block_identity(src, len(mv)) if checksum else None
     seen, sightings, transient = _LT_OK, 0, 0
     size_out = [0]
     while True:
@@ -779,75 +710,27 @@ def _close_quiet(fd):
         pass
 
 
-def _unlink_if_same(path, fd):
-    """Remove ``path`` only if it is still the file open as ``fd``: a peer that
-    republished a good block under the same name meanwhile keeps it."""
-    try:
-        a, b = _os.fstat(fd), _os.lstat(path)
-        if (a.st_ino, a.st_dev) == (b.st_ino, b.st_dev):
-            _os.unlink(path)
-    except OSError:
-        pass
+class _Word:
+    """A job state word as this backend changes it: its view (kvtier._blockio.jobstate
+    word_view) and the CAS every party of it uses (the caller's JobState's, else the
+    lock of kvtier._blockio.jobstate)."""
 
+    __slots__ = ("buf", "view", "cas")
 
-# Job state words (kvtier.io.JobState, csrc/job_state.h): blocks << 2 | phase,
-# phases LIVE=0, COMMITTING=1, EXPIRED=2, DONE=3.
-_LIVE, _COMMITTING, _PHASE, _BLOCK = 0, 1, 3, 4
-_job_lock = _threading.Lock()
+    def __init__(self, buf, cas):
+        self.buf, self.view, self.cas = buf, _js.word_view(buf), cas or _js.lock_cas
 
+    def live(self):
+        return self.view[0] & _js.PHASE == _js.LIVE
 
-def _word_view(buf):
-    """The job state word of ``buf`` (a writable buffer of >= 4 bytes, 4-byte
-    aligned: its first 4 bytes) as a one-item memoryview of format "I", as
-    kvtier._C checks it: TypeError (not a buffer), BufferError (read-only or
-    not contiguous), ValueError (shorter, or misaligned)."""
-    try:
-        mv = memoryview(buf)
-    except TypeError:
-        raise TypeError(f"job_state must be a writable buffer, not {type(buf).__name__}") from None
-    if mv.readonly or not mv.c_contiguous:
-        raise BufferError(f"job_state must be a writable buffer (a {type(buf).__name__} is read-only)"
-                          if mv.readonly else "job_state must be a contiguous buffer")
-    mv = mv.cast("B")
-    if mv.nbytes < 4:
-        raise ValueError(f"job_state must be a buffer of >= 4 bytes, got {mv.nbytes}")
-    if _buffer_address(mv) % 4:
-        raise ValueError("job_state must be 4-byte aligned")
-    return mv[:4].cast("I")
-
-
-def _py_job_state_cas(buf, old, new, /):
-    """kvtier._C.job_state_cas without the C core: if the word in ``buf`` is
-    ``old``, set it to ``new`` and return True, else False; under one
-    process-wide lock, which every party then uses (kvtier.io.JobState)."""
-    w = _word_view(buf)
-    with _job_lock:
-        if w[0] != old:
-            return False
-        w[0] = new
-        return True
-
-
-def _job_step(word, frm, to, add=0):
-    """Phase ``frm`` -> ``to`` of the job state word ``word`` (a _word_view), the
-    count kept (+ ``add``): True if the phase was ``frm`` (csrc/job_state.h
-    kvt_job_step)."""
-    while True:
-        w = word[0]
-        if w & _PHASE != frm:
-            return False
-        if job_state_cas(word, w, ((w & ~_PHASE) | to) + add):
-            return True
-
-
-def _job_state_cas_fn():
-    c = _c_core()
-    return _py_job_state_cas if c is None else getattr(c, "job_state_cas", _py_job_state_cas)
-
-
-job_state_cas = _job_state_cas_fn()
-"""CAS on a job state word: the C core's (C11 atomics) when built, else the
-lock-based one above. kvtier.io.JobState and this module use the same."""
+    def step(self, frm, to, add=0):
+        """Phase ``frm`` -> ``to``, the count kept (+ ``add``): True if the phase was ``frm``."""
+        while True:
+            w = self.view[0]
+            if w & _js.PHASE != frm:
+                return False
+            if self.cas(self.buf, w, ((w & ~_js.PHASE) | to) + add):
+                return True
 
 
 def _expired(path, index, num_retried=0):
@@ -859,13 +742,13 @@ def batch_lookup(paths, block_size=0, /):
     (lstat: a symlink, directory or FIFO is not) of ``block_size`` bytes (any
     size when 0). Returns list[bool]. TypeError for a non-list or a bad path
     type, ValueError for a negative block_size."""
-    _check_list(paths, "paths")
+    _args.check_list(paths, "paths")
     if isinstance(block_size, bool) or not isinstance(block_size, int):
         raise TypeError(f"block_size must be int, not {type(block_size).__name__}")
     if block_size < 0:
         raise ValueError("block_size must be >= 0")
     out = []
-    for p in _encode_paths(paths, "paths"):
+    for p in _args.encode_paths(paths, "paths"):
         try:
             st = _os.lstat(p)
         except OSError:
@@ -873,19 +756,6 @@ def batch_lookup(paths, block_size=0, /):
             continue
         out.append(_stat.S_ISREG(st.st_mode) and (block_size == 0 or st.st_size == block_size))
     return out
-
-
-def _mode(checksum):
-    if isinstance(checksum, str):
-        if checksum != "strict":
-            raise ValueError(f"checksum must be True, False or 'strict', not {checksum!r}")
-        return "strict"
-    return bool(checksum)
-
-
-def _check_counts(counts):
-    if counts is not None and not isinstance(counts, dict):
-        raise TypeError(f"counts must be a dict or None, not {type(counts).__name__}")
 
 
 def _merge_counts(counts, mine):
@@ -898,7 +768,7 @@ def _merge_counts(counts, mine):
 
 def batch_store_block(tmp_paths, dest_paths, buffers, /, use_o_direct=True, checksum=False, durable=False, *,
                       offsets=None, block_size=None,
-                      counts=None, job_state=None):
+                      counts=None, job_state=None, job_state_cas=None):
     """Pure-Python kvtier._C.batch_store_block: same arguments, protocol and
     errors (OSError with errno, filename = dest path, num_succeeded,
     checksum_failed=False, num_retried=0, operation, condemned=None; the
@@ -911,7 +781,7 @@ def batch_store_block(tmp_paths, dest_paths, buffers, /, use_o_direct=True, chec
     ``buffers`` is one buffer and block i its slice at ``offsets[i]``."""
     for obj, what in ((tmp_paths, "tmp_paths"), (dest_paths, "dest_paths")) + (
             ((buffers, "buffers"),) if offsets is None else ()):
-        _check_list(obj, what)
+        _args.check_list(obj, what)
     if offsets is None and not len(tmp_paths) == len(dest_paths) == len(buffers):
         raise ValueError(
             "tmp_paths, dest_paths and buffers must have equal lengths "
@@ -919,19 +789,19 @@ def batch_store_block(tmp_paths, dest_paths, buffers, /, use_o_direct=True, chec
         )
     if offsets is not None and len(tmp_paths) != len(dest_paths):
         raise ValueError(f"tmp_paths, dest_paths must have equal lengths ({len(tmp_paths)}, {len(dest_paths)})")
-    _check_counts(counts)
-    checksum = _mode(checksum)
-    tmps = _encode_paths(tmp_paths, "tmp_paths")
-    dests = _encode_paths(dest_paths, "dest_paths")
-    views = (_views(buffers, writable=False) if offsets is None
-             else _views_at(buffers, offsets, block_size, len(dest_paths), writable=False))
-    word = None if job_state is None else _word_view(job_state)
-    crc_fn = _block_crc_fn() if checksum else None
+    _args.check_counts(counts)
+    checksum = _args.c_mode(checksum)
+    tmps = _args.encode_paths(tmp_paths, "tmp_paths")
+    dests = _args.encode_paths(dest_paths, "dest_paths")
+    views = (_args.views(buffers, writable=False) if offsets is None
+             else _args.views_at(buffers, offsets, block_size, len(dest_paths), writable=False))
+    word = None if job_state is None else _Word(job_state, job_state_cas)
+    crc_fn = crc32c if checksum else None
     mine: dict = {}
     _tls.counts = mine  # _retry_eintr counts into it
     try:
         for i, (tmp, dest, mv) in enumerate(zip(tmps, dests, views)):
-            if word is not None and word[0] & _PHASE != _LIVE:
+            if word is not None and not word.live():
                 raise _expired(dest_paths[i], i)
             try:
                 _store_one(tmp, dest, mv, bool(use_o_direct), bool(checksum), crc_fn, bool(durable), mine, word)
@@ -941,13 +811,13 @@ def batch_store_block(tmp_paths, dest_paths, buffers, /, use_o_direct=True, chec
                 raise _batch_error(e.errno or _errno.EIO, dest_paths[i], i, False, 0,
                                    getattr(e, "kvt_op", None) or "") from None
             if word is not None:  # counted (JobState.blocks_done): names the block in flight
-                _job_step(word, _LIVE, _LIVE, _BLOCK)
+                word.step(_js.LIVE, _js.LIVE, _js.BLOCK)
     finally:
         _merge_counts(counts, mine)
 
 
 def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False, *, counts=None, job_state=None,
-                     offsets=None, block_size=None):
+                     offsets=None, block_size=None, job_state_cas=None):
     """Pure-Python kvtier._C.batch_load_block: same arguments, protocol,
     return value (blocks re-read once after a first mismatch, int) and errors
     (docs/design.md "Error policy": EBADMSG + checksum_failed and EIO with
@@ -965,18 +835,18 @@ def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False
     section, not counted), as the C core does. With ``offsets`` and
     ``block_size``, ``buffers`` is one buffer and block i its slice at
     ``offsets[i]``."""
-    _check_list(source_paths, "source_paths")
+    _args.check_list(source_paths, "source_paths")
     if offsets is None:
-        _check_list(buffers, "buffers")
+        _args.check_list(buffers, "buffers")
     if offsets is None and len(source_paths) != len(buffers):
         raise ValueError(f"source_paths and buffers must have equal lengths ({len(source_paths)}, {len(buffers)})")
-    _check_counts(counts)
-    checksum = _mode(checksum)
-    srcs = _encode_paths(source_paths, "source_paths")
-    views = (_views(buffers, writable=True) if offsets is None
-             else _views_at(buffers, offsets, block_size, len(source_paths), writable=True))
-    word = None if job_state is None else _word_view(job_state)
-    crc_fn = _block_crc_fn() if checksum else None
+    _args.check_counts(counts)
+    checksum = _args.c_mode(checksum)
+    srcs = _args.encode_paths(source_paths, "source_paths")
+    views = (_args.views(buffers, writable=True) if offsets is None
+             else _args.views_at(buffers, offsets, block_size, len(source_paths), writable=True))
+    word = None if job_state is None else _Word(job_state, job_state_cas)
+    crc_fn = crc32c if checksum else None
     private = None
     if word is not None:
         # page-aligned, so O_DIRECT stays usable; unmapped when the last view of
@@ -990,12 +860,12 @@ def _commit_copy(word, mv, src, add):
     copy, -> LIVE with ``add`` added to the block count): the caller's memory is
     written only while the job is live. False when it was not live (nothing written)
     or expired during the copy (expire(wait_commit=False): nothing counted)."""
-    if not _job_step(word, _LIVE, _COMMITTING):
+    if not word.step(_js.LIVE, _js.COMMITTING):
         return False
     try:
         mv[:] = src
     finally:
-        done = _job_step(word, _COMMITTING, _LIVE, add)
+        done = word.step(_js.COMMITTING, _js.LIVE, add)
     return done
 
 
@@ -1006,7 +876,7 @@ def _load_batch(source_paths, srcs, views, use_o_direct, checksum, crc_fn, word,
     try:
         for i, (src, mv) in enumerate(zip(srcs, views)):
             retried_out = [False]
-            if word is not None and word[0] & _PHASE != _LIVE:
+            if word is not None and not word.live():
                 raise _expired(source_paths[i], i, retried_total)
             dst = mv if word is None else private[: len(mv)]
             try:
@@ -1026,8 +896,12 @@ def _load_batch(source_paths, srcs, views, use_o_direct, checksum, crc_fn, word,
                                    retried_total + retried_out[0], getattr(e, "kvt_op", None) or "") from None
             retried_total += retried_out[0]
             # the section's end counts the block (verified before the copy)
-            if word is not None and not _commit_copy(word, mv, dst, _BLOCK):
+            if word is not None and not _commit_copy(word, mv, dst, _js.BLOCK):
                 raise _expired(source_paths[i], i, retried_total)
     finally:
         _merge_counts(counts, mine)
     return retried_total
+
+
+__all__ = ["POLY", "XATTR_NAME", "batch_load_block", "batch_lookup", "batch_store_block", "checksum_stats",
+           "crc32c", "crc32c_combine", "policy_info"]

@@ -9,7 +9,7 @@ bytes. Each block becomes one file (on-disk contract: design.md):
   (O_CREAT|O_EXCL, parents created, O_DIRECT when usable); with ``checksum``
   set xattr ``user.vllm.kv_crc32c`` = CRC32C (RFC 3720) as 4 bytes big-endian
   on the open temp, and the identity record ``user.kvtier.id`` (identity + the
-  same CRC, :func:`kvtier._blockio.policy.identity_record`); close; rename onto the
+  same CRC, :func:`kvtier._blockio.records.identity_record`); close; rename onto the
   destination.
 - load: open, read, with ``checksum`` verify the CRC through the same fd: the
   one the identity record carries, else (a block stored by vLLM) the one of
@@ -60,29 +60,22 @@ temp instead of renaming it).
 """
 from __future__ import annotations
 
-import array
-import errno
 import itertools
-import mmap
-import operator
 import os
 import secrets
-import time
-from collections import abc as _abc
 from typing import Sequence, Union
 
-# torch CPU tensors are taken as their bytes, the same conversion as the C core
-# (module.c torch_bytes_view) and the numpy CRC fallback: one helper, imported.
 from kvtier._blockio import policy as _policy
-from kvtier._blockio.numpy_crc import _is_torch_tensor, torch_bytes_view
+from kvtier._blockio.args import as_int as _as_int, check_blocks as _check_blocks, check_bool as _check_bool
+from kvtier._blockio.args import check_paths as _check_paths
+from kvtier._blockio.jobstate import COMMITTING, DONE, EXPIRED, LIVE, PHASE, JobState, lock_cas as _lock_cas
+from kvtier._blockio.probes import probe_o_direct, probe_xattr
+from kvtier._blockio.records import XATTR_NAME
 
 PathT = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
 
 BACKENDS = ("c", "python")
 """Valid values of KVTIER_IO_BACKEND and of :func:`for_backend`."""
-
-XATTR_NAME = "user.vllm.kv_crc32c"
-"""xattr holding a block's CRC32C, 4 bytes big-endian (vLLM FS tier name)."""
 
 
 def _c_module():
@@ -136,211 +129,20 @@ def _tmp_with(dest, tag: str):
     return f"{d}_{tag}.tmp"
 
 
-_STR, _INT = {str}, {int}
-
-
-def _check_paths(paths, what="paths") -> list:
-    # a list first: isinstance() against an ABC costs more than the rest of a one-block check
-    if type(paths) is not list and (isinstance(paths, (str, bytes)) or not isinstance(paths, _abc.Sequence)):
-        raise TypeError(f"{what} must be a sequence of paths, not {type(paths).__name__}")
-    paths = list(paths)
-    # fast path (the engine's str paths): one scan for NUL and empties, per-path checks only on a hit
-    if set(map(type, paths)) == _STR and "\0" not in "".join(paths) and all(paths):
-        return paths
-    for i, p in enumerate(paths):
-        if not isinstance(p, (str, bytes)) and not hasattr(p, "__fspath__"):
-            raise TypeError(f"{what}[{i}] must be str, bytes or os.PathLike, not {type(p).__name__}")
-        f = os.fspath(p)
-        if ("\0" if isinstance(f, str) else b"\0") in f:
-            raise ValueError(f"{what}[{i}]: embedded null byte")
-        if not f:
-            raise ValueError(f"{what}[{i}]: empty path")
-    return paths
-
-
-def _as_int(v, what: str) -> int:
-    """v as an int (operator.index: numpy integers too), else TypeError naming `what`."""
-    if isinstance(v, bool):
-        raise TypeError(f"{what} must be int, not bool")
-    try:
-        return operator.index(v)
-    except TypeError:
-        raise TypeError(f"{what} must be int, not {type(v).__name__}") from None
-
-
-def _check_blocks(paths, view, offsets, block_size, writable):
-    """Validate: returns (paths list, the view as a flat byte memoryview, offsets as a list
-    of int, block_size). The backend takes the view and the offsets (``offsets=``,
-    ``block_size=``): no per-block memoryview is made."""
-    paths = _check_paths(paths)
-    block_size = _as_int(block_size, "block_size")
-    if block_size <= 0:
-        raise ValueError(f"block_size must be > 0 bytes, got {block_size}")
-    # torch: BufferError if not contiguous; torch's TypeError for a non-CPU tensor
-    try:
-        mv = memoryview(torch_bytes_view(view) if _is_torch_tensor(view) else view)
-    except TypeError:
-        raise TypeError(f"view must be a buffer (bytes-like, numpy array, torch CPU tensor), "
-                        f"not {type(view).__name__}") from None
-    if not mv.c_contiguous:
-        raise BufferError(f"view must be C-contiguous ({type(view).__name__} is not)")
-    if writable and mv.readonly:
-        raise BufferError(f"view must be writable to load into it ({type(view).__name__} is read-only)")
-    if mv.ndim != 1 or mv.format != "B":
-        mv = mv.cast("B")
-    if isinstance(offsets, (str, bytes)) or not hasattr(offsets, "__len__"):
-        raise TypeError(f"offsets must be a sequence of ints, not {type(offsets).__name__}")
-    if len(offsets) != len(paths):
-        raise ValueError(f"paths and offsets must have equal lengths ({len(paths)}, {len(offsets)})")
-    limit = mv.nbytes - block_size
-    # fast path: plain ints in range (one pass each); the checks below name the first bad one
-    if type(offsets) is not list:
-        offsets = list(offsets)
-    if not offsets or (set(map(type, offsets)) == _INT and min(offsets) >= 0 and max(offsets) <= limit):
-        return paths, mv, offsets, block_size
-    ints = []
-    for i, off in enumerate(offsets):
-        off = _as_int(off, f"offsets[{i}]")
-        if off < 0 or off > limit:
-            raise ValueError(
-                f"offsets[{i}] = {off}: block [{off}, {off + block_size}) is outside the view of {mv.nbytes} bytes"
-            )
-        ints.append(off)
-    return paths, mv, ints, block_size
-
-
-LIVE, COMMITTING, EXPIRED, DONE = 0, 1, 2, 3
-"""Phases of a job state word (:class:`JobState`): its low 2 bits."""
-PHASE = 3
-"""Mask of the phase in a job state word; the blocks a load counted are ``word >> 2``."""
-_STATE_NAMES = ("LIVE", "COMMITTING", "EXPIRED", "DONE")
-
-
-_cas_cache: list = []
-
-
-def _job_state_cas():
-    """The compare-and-swap on job state words: the fallback's choice, which is
-    the C core's (C11 atomics) when built, else its own (one process-wide
-    lock). One per process, chosen at first use, so every party of a job uses
-    the same one."""
-    if not _cas_cache:
-        _cas_cache.append(_fallback_module().job_state_cas)
-    return _cas_cache[0]
-
-
-class JobState:
-    """The liveness of one I/O job, shared by the thread doing its I/O and the
-    one that may give up on it.
-
-    One 32-bit word in a small writable buffer (``buffer``, 4 bytes, aligned),
-    passed to ``batch_load_block`` / ``batch_store_block`` as ``job_state``:
-    ``blocks << 2 | phase`` (csrc/job_state.h). ``blocks`` (:attr:`blocks_done`):
-    the blocks of a load that are whole in the caller's view and verified,
-    counted while the job was live (never changed once it is not). Phases
-    (:attr:`state`): ``LIVE`` (0) the job may run; ``COMMITTING`` (1) the I/O thread is
-    writing into the caller's memory or renaming a temp onto its destination;
-    ``EXPIRED`` (2) given up: the I/O stops at its next commit point (OSError
-    ETIMEDOUT) and writes nothing more; ``DONE`` (3) the I/O finished and its
-    result stands. Every change is one compare-and-swap
-    (``kvtier._C.job_state_cas(buffer, old, new) -> bool``, C11 atomics; the
-    fallback's, under a lock, where the C core is not built) that keeps the
-    count, so a job is either expired or done, never both, exactly one party
-    reports it, and the count read after :meth:`expire` is final.
-
-    The I/O side: LIVE -> COMMITTING before each copy into the caller's view
-    (load) or each rename (store), COMMITTING -> LIVE after it, and a load
-    counts each block once it is whole and verified (LIVE -> LIVE, blocks + 1);
-    a failed swap at any of these points means the job expired: stop with
-    ETIMEDOUT (``num_succeeded`` = the blocks counted).
-    """
-
-    __slots__ = ("buffer", "_cas")
-
-    def __init__(self) -> None:
-        self.buffer = array.array("I", [LIVE])  # 4-byte item, malloc'd: aligned
-        self._cas = _job_state_cas()
-
-    @property
-    def state(self) -> int:
-        """The current phase (LIVE, COMMITTING, EXPIRED or DONE)."""
-        return self.buffer[0] & PHASE
-
-    @property
-    def blocks_done(self) -> int:
-        """Blocks of a load whole in the caller's view and verified while the job was
-        live; of a store, the blocks stored (published, or found there) while live. Final
-        once :meth:`expire` returned True: a load's partial keep at its deadline, and
-        for either the index of the block in flight (the one the deadline error names)."""
-        return self.buffer[0] >> 2
-
-    def _step(self, frm: int, to: int) -> bool:
-        """Phase ``frm`` -> ``to``, keeping the count: True if the phase was ``frm``."""
-        while True:
-            w = self.buffer[0]
-            if w & PHASE != frm:
-                return False
-            if self._cas(self.buffer, w, (w & ~PHASE) | to):
-                return True
-
-    def expire(self, wait_commit: bool = True) -> bool:
-        """Give up on the job: LIVE -> EXPIRED. Returns True if this call
-        expired it (from then on nothing more is written into the caller's
-        view, no further block is published), False if it was already DONE
-        (the result stands) or already EXPIRED.
-
-        While the I/O thread is COMMITTING, ``wait_commit`` (loads: a copy into
-        memory, bounded) spins until the section ends and then expires. Without
-        it (stores: a rename, which a hung filesystem can hold forever) the
-        section itself is expired: COMMITTING -> EXPIRED at once; the rename in
-        the kernel may still complete, publishing a complete block whose bytes
-        were written and checksummed before the deadline, and the store stops
-        there (its release swap fails)."""
-        spins = 0
-        while True:
-            if self._step(LIVE, EXPIRED):
-                return True
-            s = self.state
-            if s == COMMITTING:
-                if not wait_commit:
-                    if self._step(COMMITTING, EXPIRED):
-                        return True
-                    continue
-                spins += 1
-                time.sleep(0 if spins < 100 else 1e-5)
-            elif s != LIVE:
-                return False
-
-    def cancel(self) -> bool:
-        """Give up on the job only if it is not in a commit section: LIVE ->
-        EXPIRED. True if this call expired it; False if it was COMMITTING (a
-        store renaming its block: it finishes and is reported as what it is),
-        DONE or already EXPIRED."""
-        return self._step(LIVE, EXPIRED)
-
-    def finish(self) -> bool:
-        """The I/O side's end: LIVE -> DONE. True: the result stands (report
-        it); False: the job had expired (its result is dropped)."""
-        return self._step(LIVE, DONE)
-
-    def __repr__(self) -> str:
-        n = self.blocks_done
-        return f"JobState({_STATE_NAMES[self.state]}{f', {n} blocks' if n else ''})"
-
-
-def _check_bool(v, name: str) -> None:
-    """A flag is True or False: "no" or 0 would pass through bool() as something else."""
-    if not isinstance(v, bool):
-        raise TypeError(f"{name} must be a bool, got {'None' if v is None else f'{v!r} ({type(v).__name__})'}")
-
-
-def _job_state_arg(job_state) -> dict:
+def _job_state_arg(job_state, backend: str) -> dict:
     """``job_state``: None, a :class:`JobState`, or a bare state word (a writable
     buffer of >= 4 bytes, 4-byte aligned, its first 4 bytes the word), checked by
-    the backend (TypeError, BufferError, ValueError)."""
+    the backend (TypeError, BufferError, ValueError). The fallback is told the CAS of a
+    JobState, so that both parties of the word use the same one (its own, the lock,
+    for a bare word)."""
     if job_state is None:
         return {}
-    return {"job_state": job_state.buffer if isinstance(job_state, JobState) else job_state}
+    if not isinstance(job_state, JobState):
+        return {"job_state": job_state}
+    kw = {"job_state": job_state.buffer}
+    if backend == "python" and job_state.cas is not _lock_cas:
+        kw["job_state_cas"] = job_state.cas
+    return kw
 
 
 class BlockIO:
@@ -387,7 +189,7 @@ class BlockIO:
         fails the block (EISDIR); anything else (symlink, FIFO, file of another
         size) is replaced. With ``checksum`` (True or "strict") the identity
         record ``user.kvtier.id`` is set too (identity + CRC32C,
-        :func:`kvtier._blockio.policy.identity_record`).
+        :func:`kvtier._blockio.records.identity_record`).
         ``counts``: a dict the call's policy counters are added to
         (:data:`kvtier._blockio.policy.COUNT_NAMES`). With ``job_state`` (a
         :class:`JobState`, or a bare state word: a writable buffer of >= 4
@@ -401,7 +203,7 @@ class BlockIO:
         paths, mv, offsets, block_size = _check_blocks(paths, view, offsets, block_size, writable=False)
         tag = _store_tag()  # one per call: the destinations of a batch differ already
         tmps = [_tmp_with(p, tag) for p in paths]
-        kw = _job_state_arg(job_state)
+        kw = _job_state_arg(job_state, self.backend)
         if counts is not None:
             kw["counts"] = counts
         self.impl.batch_store_block(tmps, paths, mv, use_o_direct, checksum, durable=durable, offsets=offsets,
@@ -451,7 +253,7 @@ class BlockIO:
         checksum = _policy.check_mode(checksum)
         _check_bool(use_o_direct, "use_o_direct")
         paths, mv, offsets, block_size = _check_blocks(paths, view, offsets, block_size, writable=True)
-        kw = _job_state_arg(job_state)
+        kw = _job_state_arg(job_state, self.backend)
         if counts is not None:
             kw["counts"] = counts
         return self.impl.batch_load_block(paths, mv, use_o_direct, checksum, offsets=offsets, block_size=block_size,
@@ -513,68 +315,6 @@ backend: str = _default.backend
 batch_store_block = _default.batch_store_block
 batch_load_block = _default.batch_load_block
 batch_lookup = _default.batch_lookup
-
-
-# ------------------------------------------------------------------ probes
-
-_PROBE_SIZE = 4096  # one page: aligned for every O_DIRECT alignment in use
-
-
-def _probe_file(directory: PathT):
-    d = os.fspath(directory)
-    name = os.path.join(d, (b".kvtier_probe_" if isinstance(d, bytes) else ".kvtier_probe_") + (
-        secrets.token_hex(8).encode() if isinstance(d, bytes) else secrets.token_hex(8)))
-    fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
-    return name, fd
-
-
-def probe_o_direct(directory: PathT) -> bool:
-    """Whether files in ``directory`` accept O_DIRECT: a page-aligned 4 KiB
-    write and read back with O_DIRECT succeed on a temp file (removed).
-    Raises OSError if the directory cannot hold a temp file (ENOENT, EACCES)."""
-    import fcntl
-
-    name, fd = _probe_file(directory)
-    buf = mmap.mmap(-1, _PROBE_SIZE)  # page-aligned anonymous memory
-    try:
-        buf.write(b"\xa5" * _PROBE_SIZE)
-        try:
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
-            if os.pwrite(fd, buf, 0) != _PROBE_SIZE:
-                return False
-            back = mmap.mmap(-1, _PROBE_SIZE)
-            try:
-                return os.preadv(fd, [back], 0) == _PROBE_SIZE and back[:] == buf[:]
-            finally:
-                back.close()
-        except OSError as e:
-            if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
-                return False
-            raise
-    finally:
-        buf.close()
-        os.close(fd)
-        os.unlink(name)
-
-
-def probe_xattr(directory: PathT) -> bool:
-    """Whether files in ``directory`` hold user xattrs: sets and reads back
-    ``user.vllm.kv_crc32c`` on a temp file (removed). False when the
-    filesystem says EOPNOTSUPP (e.g. ramfs) or EPERM; other OSErrors (ENOENT,
-    EACCES, ENOSPC ...) are raised."""
-    name, fd = _probe_file(directory)
-    try:
-        value = b"\x12\x34\x56\x78"
-        try:
-            os.setxattr(fd, XATTR_NAME, value)
-            return os.getxattr(fd, XATTR_NAME) == value
-        except OSError as e:
-            if e.errno in (errno.EOPNOTSUPP, errno.EPERM):
-                return False
-            raise
-    finally:
-        os.close(fd)
-        os.unlink(name)
 
 
 __all__ = [

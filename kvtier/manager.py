@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Hashable, List, Mapping, Optional, Sequence, Tuple
 
-from kvtier._blockio.numpy_crc import _is_torch_tensor, torch_bytes_view
+from kvtier._blockio.buffers import is_torch_tensor as _is_torch_tensor, torch_bytes_view
 from kvtier._tier.deadline import DEFAULT_IO_TIMEOUT_S, check_timeout, run_with_deadline
 from kvtier._tier.engine import TierEngine
 from kvtier.file_mapper import FileMapper, Key

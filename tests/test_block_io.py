@@ -23,7 +23,7 @@ import pytest
 
 import kvtier
 from kvtier import io as kio
-from kvtier._blockio import policy
+from kvtier._blockio import records
 from corrupt import flip_bit
 from mounts import mount_tmpfs
 
@@ -418,31 +418,24 @@ def test_malformed_or_wrong_record_is_mismatch(io_backend, tmp_path, record):
     assert not os.path.exists(p[0])
 
 
-@pytest.mark.parametrize("crc_part", [b"", b"\x01\x02\x03", b"\x00" * 5, b"\x22" * 40, "swapped", "wrong"])
+@pytest.mark.parametrize("crc_part", [b"\x01\x02\x03", b"\x00" * 5, b"\x22" * 40, "swapped", "wrong"])
 def test_malformed_or_wrong_identity_record_is_mismatch(io_backend, tmp_path, crc_part):
     """The identity record a store sets is the identity (8 bytes) then the CRC32C (4): a
     load checks that CRC (not user.vllm.kv_crc32c). This identity followed by a wrong CRC
     is a checksum failure; by a part of another length (12 bytes in all or 8 only) an
-    identity failure; by nothing (8 bytes, as stored before the record carried the CRC)
-    the CRC comes from user.vllm.kv_crc32c and the block loads."""
+    identity failure."""
     bs = 8192
     view = rand_blocks(1, bs, seed=19)
     p = block_paths(tmp_path, 1)
     io_backend.batch_store_block(p, view, [0], bs, checksum=True)
     rec = os.getxattr(p[0], ID_XATTR)
     ident, good = rec[:8], rec[8:]
-    assert (ident, good) == (policy.block_identity(p[0], bs), expected_record(view))
+    assert (ident, good) == (records.block_identity(p[0], bs), expected_record(view))
     if crc_part == "swapped":
         crc_part = good[::-1]
     elif crc_part == "wrong":
         crc_part = ((int.from_bytes(good, "big") + 1) & 0xFFFFFFFF).to_bytes(4, "big")
     os.setxattr(p[0], ID_XATTR, ident + crc_part)
-    if crc_part == b"":
-        out = np.zeros(bs, dtype=np.uint8)
-        counts = {}
-        assert io_backend.batch_load_block(p, out, [0], bs, checksum="strict", counts=counts) == 0
-        assert np.array_equal(out, view) and counts == {}
-        return
     err, _ = load_expect_error(io_backend, p, bs)
     cause = "checksum" if len(crc_part) == 4 else "identity"
     assert (err.errno, err.checksum_failed, err.num_succeeded, err.condemned) == (errno.EBADMSG, True, 0, cause)
@@ -471,7 +464,7 @@ def test_identity_binds_the_lexically_normalised_path(io_backend, tmp_path, monk
         monkeypatch.chdir(cwd)
         stored, loaded = (clean, spelling) if i % 2 == 0 else (spelling, clean)
         io_backend.batch_store_block([stored], view, [0], bs, checksum=True)
-        assert os.getxattr(clean, ID_XATTR)[:8] == policy.block_identity(clean, bs)
+        assert os.getxattr(clean, ID_XATTR)[:8] == records.block_identity(clean, bs)
         out = np.zeros(bs, dtype=np.uint8)
         counts = {}
         assert io_backend.batch_load_block([loaded], out, [0], bs, checksum="strict", counts=counts) == 0, spelling
@@ -493,9 +486,9 @@ def test_identity_refuses_another_block_name_under_any_spelling(io_backend, tmp_
 
 
 def test_c_identity_equals_python_identity_on_messy_spellings(tmp_path, monkeypatch):
-    """The identity the C core's store sets equals policy.block_identity for messy
+    """The identity the C core's store sets equals records.block_identity for messy
     spellings of one file and that of its clean absolute path (the fallback stores
-    policy.block_identity itself)."""
+    records.block_identity itself)."""
     c = kio.for_backend("c")
     bs = 4096
     d = tmp_path / "p" / "q" / "r" / "s"
@@ -507,7 +500,7 @@ def test_c_identity_equals_python_identity_on_messy_spellings(tmp_path, monkeypa
                str(tmp_path) + "//p/q/r/s/./z.bin", str(tmp_path) + "/p/q/r/s/../s/z.bin",
                str(tmp_path) + "/p/../p/q/r/s/z.bin"]:
         c.batch_store_block([sp], view, [0], bs, checksum=True)
-        assert os.getxattr(clean, ID_XATTR)[:8] == policy.block_identity(sp, bs) == policy.block_identity(clean, bs), sp
+        assert os.getxattr(clean, ID_XATTR)[:8] == records.block_identity(sp, bs) == records.block_identity(clean, bs), sp
         os.unlink(clean)
 
 
@@ -515,15 +508,13 @@ def test_load_checks_the_crc_of_the_identity_record(io_backend, tmp_path):
     """A block kvtier stored is verified by the CRC its identity record carries: one
     xattr per load. user.vllm.kv_crc32c (vLLM's reader's) is not read: a block whose
     vLLM record was removed or is wrong still loads verified, in strict mode too; a flipped
-    byte fails either way; an 8-byte identity record (stored before the record carried the
-    CRC) takes the CRC from user.vllm.kv_crc32c."""
+    byte fails either way."""
     bs = 3 * 4096
     view = rand_blocks(4, bs, seed=29)
     p = block_paths(tmp_path, 4)
     io_backend.batch_store_block(p, view, offsets_of(4, bs), bs, checksum=True)
     os.removexattr(p[0], XATTR)
     os.setxattr(p[1], XATTR, b"\0\0\0\0")
-    os.setxattr(p[2], ID_XATTR, policy.block_identity(p[2], bs))  # the 8-byte form
     with open(p[3], "r+b") as f:
         f.seek(7)
         f.write(bytes([view[3 * bs + 7] ^ 0x40]))
@@ -531,9 +522,6 @@ def test_load_checks_the_crc_of_the_identity_record(io_backend, tmp_path):
     counts = {}
     assert io_backend.batch_load_block(p[:3], out, offsets_of(3, bs), bs, checksum="strict", counts=counts) == 0
     assert np.array_equal(out[: 3 * bs], view[: 3 * bs]) and counts == {}
-    os.setxattr(p[2], XATTR, b"\0\0\0\0")  # 8-byte identity: the vLLM record is the CRC
-    err, _ = load_expect_error(io_backend, p[2:3], bs)
-    assert (err.errno, err.condemned) == (errno.EBADMSG, "checksum") and not os.path.exists(p[2])
     err, _ = load_expect_error(io_backend, p[3:], bs)
     assert (err.errno, err.condemned) == (errno.EBADMSG, "checksum") and not os.path.exists(p[3])
 
@@ -1025,7 +1013,7 @@ def test_offsets_form_of_the_raw_calls(io_backend, tmp_path):
     for i, x in enumerate(p):
         want = view[offs[i]: offs[i] + bs].tobytes()
         assert open(x, "rb").read() == want and os.getxattr(x, XATTR) == expected_record(want)
-        assert os.getxattr(x, ID_XATTR) == policy.identity_record(x, bs, kvtier.crc32c(want))
+        assert os.getxattr(x, ID_XATTR) == records.identity_record(x, bs, kvtier.crc32c(want))
     out = np.zeros((n + 1) * bs, np.uint8)
     assert impl.batch_load_block(p, out, False, True, offsets=offs[::-1], block_size=bs) == 0
     for i in range(n):

@@ -273,12 +273,12 @@ def test_rename_in_flight_at_the_deadline_publishes_a_complete_block_and_stops(i
 
 @pytest.fixture
 def lock_cas(monkeypatch):
-    """A pure-Python install: job state words changed under the fallback's lock."""
-    from kvtier import fallback
+    """A pure-Python install: job state words changed under the lock of
+    kvtier._blockio.jobstate (the fallback's own CAS)."""
+    from kvtier._blockio import jobstate
 
-    monkeypatch.setattr(fallback, "job_state_cas", fallback._py_job_state_cas)
-    monkeypatch.setattr(kio, "_job_state_cas", lambda: fallback._py_job_state_cas)
-    return fallback._py_job_state_cas
+    monkeypatch.setattr(jobstate, "default_cas", lambda: jobstate.lock_cas)
+    return jobstate.lock_cas
 
 
 def test_lock_cas_is_a_compare_and_swap(lock_cas):

@@ -593,7 +593,7 @@ def test_torch_tensor_buffer(tmp_path):
         t.zero_()
         assert run(m, TransferJob(2, k, [0, 1, 2, 3]), load=True).success
         assert torch.equal(t, orig)
-    # same conversion as kvtier.io (kvtier._blockio.numpy_crc.torch_bytes_view): row stride = block
+    # same conversion as kvtier.io (kvtier._blockio.buffers.torch_bytes_view): row stride = block
     with pytest.raises(BufferError, match="C-contiguous"):
         mk(torch.zeros(1024, 4, dtype=torch.bfloat16).t(), tmp_path / "nc")
     with pytest.raises(ValueError, match="does not match"):

@@ -26,7 +26,7 @@ import pytest
 
 import kvtier
 from kvtier import io as kio
-from kvtier._blockio import policy
+from kvtier._blockio import policy, records
 from test_block_io import build_preload, preload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -306,7 +306,7 @@ def check_P11(io_backend, shim, d):
     assert r["ok"] and r["sha"] == sha(data), r
     only(r["counts"])
     # a record really longer than any (neither 8 nor 12 bytes): malformed, as above
-    os.setxattr(a, policy.ID_XATTR_NAME, b"x" * 100)
+    os.setxattr(a, records.ID_XATTR_NAME, b"x" * 100)
     r = get(io_backend, a)
     assert (r["ok"], r["errno"], r["condemned"]) == (False, errno.EBADMSG, "identity"), r
     only(r["counts"], reread_identity=1, condemned_identity=1)
@@ -532,7 +532,7 @@ def test_policy_vocabulary_is_the_same_in_both_backends(io_backend):
     assert tuple(info["operations"]) == policy.OPERATIONS
     assert tuple(info["causes"]) == policy.CAUSES
     assert (info["retry_eintr_max"], info["retry_transient"], info["backoff_us"], info["id_xattr"]) == (
-        policy.RETRY_EINTR_MAX, policy.RETRY_TRANSIENT, policy.BACKOFF_US, policy.ID_XATTR_NAME)
+        policy.RETRY_EINTR_MAX, policy.RETRY_TRANSIENT, policy.BACKOFF_US, records.ID_XATTR_NAME)
 
 
 def test_identity_record_is_the_same_in_both_backends(tmp_path):
@@ -548,15 +548,15 @@ def test_identity_record_is_the_same_in_both_backends(tmp_path):
         put(py, p2, data_of(i, 4096))
         crc = kvtier.crc32c(data_of(i, 4096))
         for p in (p1, p2):  # identity (8 bytes) + the CRC32C of user.vllm.kv_crc32c (4 bytes)
-            rec = os.getxattr(p, policy.ID_XATTR_NAME)
-            assert rec == policy.block_identity(p, 4096) + crc.to_bytes(4, "big") == policy.identity_record(p, 4096, crc)
+            rec = os.getxattr(p, records.ID_XATTR_NAME)
+            assert rec == records.block_identity(p, 4096) + crc.to_bytes(4, "big") == records.identity_record(p, 4096, crc)
             assert os.getxattr(p, "user.vllm.kv_crc32c") == rec[8:]
         if i == 0:  # the last four components are the same: so is the record
-            assert os.getxattr(p1, policy.ID_XATTR_NAME) == os.getxattr(p2, policy.ID_XATTR_NAME)
+            assert os.getxattr(p1, records.ID_XATTR_NAME) == os.getxattr(p2, records.ID_XATTR_NAME)
     # bound to the last four components: the same block under another root verifies
-    assert policy.block_identity("/r1/m_1_r0/abc/de_g0/k.bin", 8) == policy.block_identity("/r2/m_1_r0/abc/de_g0/k.bin", 8)
-    assert policy.block_identity("/r/m_1_r0/abc/de_g0/k.bin", 8) != policy.block_identity("/r/m_2_r0/abc/de_g0/k.bin", 8)
-    assert policy.block_identity("/r/m_1_r0/abc/de_g0/k.bin", 8) != policy.block_identity("/r/m_1_r0/abc/de_g0/k.bin", 16)
+    assert records.block_identity("/r1/m_1_r0/abc/de_g0/k.bin", 8) == records.block_identity("/r2/m_1_r0/abc/de_g0/k.bin", 8)
+    assert records.block_identity("/r/m_1_r0/abc/de_g0/k.bin", 8) != records.block_identity("/r/m_2_r0/abc/de_g0/k.bin", 8)
+    assert records.block_identity("/r/m_1_r0/abc/de_g0/k.bin", 8) != records.block_identity("/r/m_1_r0/abc/de_g0/k.bin", 16)
 
 
 def test_condemned_error_says_why(io_backend, tmp_path):
@@ -607,8 +607,8 @@ def test_identity_of_a_clean_absolute_path_is_unchanged():
     blocks stored before it still load. Expected values from the formula before it:
     FNV-1a 64 of "kvtier.id.v1\\0", the bytes after the path's fourth-last "/" (the whole
     path if it has fewer), "\\0", the size in decimal."""
-    assert policy.block_identity("/tmp/kv/m_0123456789abcdef_r0/abc/de_g0/abcdef0123.bin",
+    assert records.block_identity("/tmp/kv/m_0123456789abcdef_r0/abc/de_g0/abcdef0123.bin",
                                  65536).hex() == "62a1bb24f74a16a8"
-    assert policy.block_identity("/a/b/c", 4096) == policy.block_identity("/a//b/./c", 4096)
-    assert policy.block_identity("/a/b/c/d", 4096) == policy.block_identity("/x/../a/b/c/d", 4096)
-    assert policy.block_identity("/a/b/c/d", 4096) != policy.block_identity("/a/b/c/e", 4096)
+    assert records.block_identity("/a/b/c", 4096) == records.block_identity("/a//b/./c", 4096)
+    assert records.block_identity("/a/b/c/d", 4096) == records.block_identity("/x/../a/b/c/d", 4096)
+    assert records.block_identity("/a/b/c/d", 4096) != records.block_identity("/a/b/c/e", 4096)

@@ -10,7 +10,7 @@ import pytest
 
 import kvtier
 import kvtier.io as kio
-from kvtier._blockio import policy  # noqa: F401 (kvtier._blockio.policy)
+from kvtier._blockio import records
 from kvtier.cli import scrub as sc
 from kvtier.cli import main
 from corrupt import flip_bit as flip
@@ -248,7 +248,7 @@ def test_scrub_checks_both_crc_records(tmp_path):
     paths = [block_path(root, bytes([i]) * 16, 0) for i in range(1, 6)]
     data = store(paths, 8192, 7)
     crc = kvtier.crc32c(data[0])
-    assert os.getxattr(paths[0], "user.kvtier.id") == kvtier._blockio.policy.identity_record(paths[0], 8192, crc)
+    assert os.getxattr(paths[0], "user.kvtier.id") == records.identity_record(paths[0], 8192, crc)
     os.removexattr(paths[0], XATTR)
     bad = ((kvtier.crc32c(data[1]) ^ 1) & 0xFFFFFFFF).to_bytes(4, "big")
     os.setxattr(paths[1], XATTR, bad)
@@ -256,7 +256,7 @@ def test_scrub_checks_both_crc_records(tmp_path):
     os.removexattr(paths[2], "user.kvtier.id")
     os.setxattr(paths[3], XATTR, b"\x01\x02\x03")  # malformed
     crc4 = kvtier.crc32c(data[4])
-    os.setxattr(paths[4], "user.kvtier.id", kvtier._blockio.policy.identity_record(paths[4], 8192, crc4 ^ 1))
+    os.setxattr(paths[4], "user.kvtier.id", records.identity_record(paths[4], 8192, crc4 ^ 1))
     for p, ok in zip(paths, (True, True, True, True, False)):  # what a load says
         out = np.zeros(8192, np.uint8)
         try:
@@ -266,7 +266,7 @@ def test_scrub_checks_both_crc_records(tmp_path):
             assert not ok and e.condemned == "checksum", (p, e)
             kio.batch_store_block([p], np.frombuffer(data[4], np.uint8), [0], 8192, use_o_direct=False,
                                   checksum=True)
-            os.setxattr(p, "user.kvtier.id", kvtier._blockio.policy.identity_record(p, 8192, crc4 ^ 1))
+            os.setxattr(p, "user.kvtier.id", records.identity_record(p, 8192, crc4 ^ 1))
     rc, d = run(tmp_path)
     by = {f["path"]: f for f in d["findings"]}
     assert rc == 1 and sorted(by) == [paths[1], paths[2], paths[3], paths[4]] and d["counts"]["ok"] == 3
@@ -282,7 +282,7 @@ def test_scrub_checks_both_crc_records(tmp_path):
     assert os.path.exists(paths[1]) and os.path.exists(paths[3]) and not os.path.exists(paths[4])
     crc2 = kvtier.crc32c(data[2])
     assert os.getxattr(paths[2], XATTR) == crc2.to_bytes(4, "big")
-    assert os.getxattr(paths[2], "user.kvtier.id") == kvtier._blockio.policy.identity_record(paths[2], 8192, crc2)
+    assert os.getxattr(paths[2], "user.kvtier.id") == records.identity_record(paths[2], 8192, crc2)
     rc, d = run(tmp_path, "--strict")
     assert rc == 0 and d["counts"]["ok"] == 4 and sorted(f["path"] for f in d["findings"]) == [paths[1], paths[3]]
 

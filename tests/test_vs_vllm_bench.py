@@ -14,7 +14,7 @@ import pytest
 
 from ci import unavailable
 import kvtier
-from kvtier._blockio import policy
+from kvtier._blockio import records
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, os.pardir, "benchmarks", "vs_vllm.py")
@@ -59,7 +59,7 @@ def test_vfloor_store_records_and_kvtier_loads_it(vfloor, io_backend, tmp_path, 
     src = bytes(pool.mv[bs:2 * bs])
     crc = kvtier.crc32c(src)
     assert os.getxattr(path, "user.vllm.kv_crc32c") == crc.to_bytes(4, "big")
-    assert os.getxattr(path, policy.ID_XATTR_NAME) == policy.identity_record(path, bs, crc)
+    assert os.getxattr(path, records.ID_XATTR_NAME) == records.identity_record(path, bs, crc)
     assert os.listdir(os.path.dirname(path)) == ["abcdef0123.bin"]  # the temp renamed away
     got = bytearray(bs)
     io_backend.batch_load_block([path], memoryview(got), [0], bs, False, "strict")
@@ -73,7 +73,7 @@ def test_vfloor_crc_check_value(vfloor, tmp_path):
     path = os.path.join(block_dir(tmp_path), "0123.bin")
     vf.store([path], pool.mv, [0], 9, False)
     assert os.getxattr(path, "user.vllm.kv_crc32c") == bytes.fromhex("e3069283")
-    assert os.getxattr(path, policy.ID_XATTR_NAME)[8:] == bytes.fromhex("e3069283")
+    assert os.getxattr(path, records.ID_XATTR_NAME)[8:] == bytes.fromhex("e3069283")
     assert open(path, "rb").read() == b"123456789"
 
 

@@ -1,8 +1,8 @@
-"""Pure-Python (numpy) CRC32C: the implementation behind ``kvtier.fallback``.
+"""Pure-Python (numpy) CRC32C: the CRC of ``kvtier.fallback`` and the ``"numpy"`` backend.
 
 Private module: ``kvtier`` uses it for the ``"numpy"`` backend
-(``kvtier.crc32c_using("numpy", ...)``) without the import-time warning that
-the public ``kvtier.fallback`` gives when the C core is present.
+(``kvtier.crc32c_using("numpy", ...)``, and ``kvtier.crc32c`` without the C core), and the
+pure-Python block I/O for every checksum, whether the C core is built or not.
 
 Same contract as the C core (``kvtier._C.crc32c``): CRC-32C (Castagnoli,
 reflected polynomial 0x82F63B78, RFC 3720 B.4), init and final xor
@@ -28,6 +28,8 @@ Throughput: see docs/crc32c.md (benchmarks/crc32c_bench.py, row "numpy").
 from __future__ import annotations
 
 import numpy as np
+
+from kvtier._blockio.buffers import is_torch_tensor, torch_bytes_view
 
 POLY = 0x82F63B78
 """CRC-32C polynomial, reflected (RFC 3720 B.4)."""
@@ -173,23 +175,8 @@ def _vector(raw: int, a: np.ndarray) -> int:
     return _bytewise(raw, a[s * m:].tobytes())
 
 
-def torch_bytes_view(t) -> np.ndarray:
-    """uint8 ndarray aliasing a contiguous CPU torch tensor's bytes (any dtype,
-    bf16 included), as the C core takes it. BufferError if not contiguous."""
-    import torch
-
-    if not t.is_contiguous():
-        raise BufferError("torch tensor is not contiguous")
-    return t.detach().reshape(-1).view(torch.uint8).numpy()
-
-
-def _is_torch_tensor(obj) -> bool:
-    mod = type(obj).__module__ or ""
-    return mod == "torch" or mod.startswith("torch.")
-
-
 def _as_bytes_array(data) -> np.ndarray:
-    if _is_torch_tensor(data):
+    if is_torch_tensor(data):
         data = torch_bytes_view(data)
     try:
         mv = memoryview(data)

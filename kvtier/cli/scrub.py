@@ -68,12 +68,11 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Tuple
 
 import kvtier
-from kvtier._blockio import policy
+from kvtier._blockio import records
+from kvtier._blockio.records import ID_XATTR_NAME, XATTR_NAME, unlink_if_same as _unlink_if_same
 from kvtier.file_mapper import BLOCK_INFO_FILENAME
 
-XATTR_NAME = "user.vllm.kv_crc32c"
-# Bytes per os.preadv into one reused buffer (was 4 MiB with a new bytes object per read).
-# Source: measured, no spec sets it.  One buffer bounds scrub's memory whatever the block
+# Bytes per os.preadv into one reused buffer. Source: measured, no spec sets it.  One buffer bounds scrub's memory whatever the block
 # size; per read, one preadv(2) + one kvtier.crc32c call cost a few microseconds against
 # ~120 us for the CRC32C of 1 MiB at ~8.5 GB/s (<3%).  `python benchmarks/scrub_chunk_bench.py`
 # (256 MiB on /dev/shm, ISA-L backend, 2-core host, best of 5) gave GB/s, reused / fresh buffer:
@@ -83,8 +82,6 @@ _TMP_RE = re.compile(r"(\.bin_[0-9a-fA-F]+\.tmp|\.tmp)$")
 _RANK_RE = re.compile(r"^(?P<base>.+)_r(?P<rank>\d+)$")
 _GROUP_RE = re.compile(r"_g(?P<group>\d+)$")
 STATUSES = ("ok", "corrupt", "no_checksum", "wrong_size", "error", "stray_temp")
-#: Statuses ``--remove`` deletes: provably bad blocks only.
-REMOVABLE = ("corrupt", "wrong_size")
 
 
 @dataclass
@@ -184,24 +181,12 @@ def _remove_if(remove: bool, f, path: str, fd: int):
     return f
 
 
-def _unlink_if_same(path: str, fd: int) -> str:
-    """Remove ``path`` only if it still names the file open as ``fd`` (same st_dev, st_ino).
-
-    Returns "" when removed, else why not: a peer that republished a good block under the
-    same name meanwhile keeps it (same rule as the load path, csrc/fs_io.c and
-    kvtier.fallback._unlink_if_same).
-    """
-    try:
-        a, b = os.fstat(fd), os.lstat(path)
-    except OSError as e:
-        return f"not removed: stat: {e.strerror} (errno {e.errno})"
-    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
-        return "not removed: the name now points to another file (republished during scrub)"
-    try:
-        os.unlink(path)
-    except OSError as e:
-        return f"not removed: unlink: {e.strerror} (errno {e.errno})"
-    return ""
+def _matches(verdict, wants: dict, crc: int, ident, rec, own: bytes) -> bool:
+    """Whether bytes of CRC32C ``crc`` pass: the load's judgement (records.judge) where the
+    records are this block's, else (an identity refused) every CRC recorded."""
+    if verdict.cause == "identity":
+        return all(crc == w for w in wants.values())
+    return records.judge(ident, rec, own, crc).cause is None
 
 
 def _adopt(fd: int, path: str, size: int, buf: bytearray) -> str:
@@ -212,7 +197,7 @@ def _adopt(fd: int, path: str, size: int, buf: bytearray) -> str:
         if n != size:
             return f"not adopted: read {n} bytes of {size}: file changed during scrub"
         os.setxattr(fd, XATTR_NAME, crc.to_bytes(4, "big"))
-        os.setxattr(fd, policy.ID_XATTR_NAME, policy.identity_record(path, size, crc))
+        os.setxattr(fd, ID_XATTR_NAME, records.identity_record(path, size, crc))
     except OSError as e:
         return f"not adopted: {e.strerror} (errno {e.errno})"
     return ""
@@ -258,10 +243,11 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
         size_note = f"{size} bytes, expected {expected} ({source})" if odd and known else ""
         # The CRC32C is checked whatever the size: a block whose bytes verify is never removed
         # for its size alone (a hybrid cache or a wrong --block-size is not corruption).
-        # Both records: user.vllm.kv_crc32c (the upstream vLLM checksum PR's record; vLLM 0.33
-        # checks none) and the identity record
-        # user.kvtier.id, which carries the CRC32C too when 12 bytes long (a load of a block
-        # kvtier stored checks that one). Scrub checks every CRC recorded.
+        # The records are judged as a load judges them (kvtier._blockio.records.judge,
+        # design.md P10, P11, P22): a 12-byte identity record of this block carries the CRC a
+        # load checks, and then only that one; user.vllm.kv_crc32c (which the open upstream
+        # vLLM checksum PR's reader would check; vLLM 0.33 checks none) is then noted when it
+        # disagrees, never condemning.
         rec = ident = None
         no_rec_errno = errno.ENODATA
         try:
@@ -272,44 +258,41 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
                 return f
             no_rec_errno = e.errno
         try:
-            ident = os.getxattr(fd, policy.ID_XATTR_NAME)
-        except OSError:
-            ident = None  # none (written by vLLM), or unreadable: not judged
-        wants = {}
-        if rec is not None and len(rec) == 4:
-            wants[XATTR_NAME] = int.from_bytes(rec, "big")
-        if ident is not None and len(ident) == policy.ID_REC_LEN:
-            wants[policy.ID_XATTR_NAME] = int.from_bytes(ident[policy.ID_LEN:], "big")
-        # The load's rule (design.md P10/P11): a 12-byte identity record of this block carries
-        # the CRC a load checks, and then only that one (user.vllm.kv_crc32c, which the open
-        # upstream vLLM checksum PR's reader would check -- vLLM 0.33 checks none -- is not
-        # read by a load: noted when it disagrees, never condemning).
+            ident = os.getxattr(fd, ID_XATTR_NAME)
+        except OSError as e:
+            ident = b"" if e.errno == errno.ERANGE else None  # none (written by vLLM), or unreadable
+        own = records.block_identity(path, size)
+        verdict = records.judge(ident, rec, own)
+        if verdict.cause == "identity":
+            # a load refuses it on its records; its bytes are checked against every CRC
+            # recorded all the same, for the report (a truncated copy is wrong_size)
+            wants = {}
+            if rec is not None and len(rec) == records.XATTR_LEN:
+                wants[XATTR_NAME] = int.from_bytes(rec, "big")
+            if ident is not None and len(ident) == records.ID_REC_LEN:
+                wants[ID_XATTR_NAME] = int.from_bytes(ident[records.ID_LEN:], "big")
+        else:
+            wants = {} if verdict.want is None else {verdict.source: verdict.want}
         vllm_note = ""
-        if wants.get(policy.ID_XATTR_NAME) is not None and ident[:policy.ID_LEN] == policy.block_identity(path, size):
-            if rec is not None and (len(rec) != 4 or wants.get(XATTR_NAME) != wants[policy.ID_XATTR_NAME]):
-                vllm_note = (f"user.vllm.kv_crc32c is {len(rec)} bytes, not 4" if len(rec) != 4 else
-                             f"user.vllm.kv_crc32c 0x{wants[XATTR_NAME]:08x} differs from the identity record's")
-                vllm_note += (": kvtier loads it by its identity record's CRC32C; a reader checking "
-                              "user.vllm.kv_crc32c (the open upstream vLLM checksum PR's; vLLM 0.33 "
-                              "checks no CRC) would reject it; kept")
-            wants = {policy.ID_XATTR_NAME: wants[policy.ID_XATTR_NAME]}
-            rec = None if rec is not None and len(rec) != 4 else rec
-        if rec is None and not wants:
+        if verdict.source == ID_XATTR_NAME and rec is not None and (
+                len(rec) != records.XATTR_LEN or int.from_bytes(rec, "big") != verdict.want):
+            vllm_note = (f"user.vllm.kv_crc32c is {len(rec)} bytes, not 4" if len(rec) != records.XATTR_LEN else
+                         f"user.vllm.kv_crc32c 0x{int.from_bytes(rec, 'big'):08x} differs from the identity record's")
+            vllm_note += (": kvtier loads it by its identity record's CRC32C; a reader checking "
+                          "user.vllm.kv_crc32c (the open upstream vLLM checksum PR's; vLLM 0.33 "
+                          "checks no CRC) would reject it; kept")
+        if verdict.cause is None and verdict.want is None:
             f.status = "no_checksum"
             f.detail = "; ".join(filter(None, ["no xattr: unverified", guess_note]))
             if size_note:  # unverifiable and of the wrong size: a load would fail (EIO)
                 f.status, f.detail = "wrong_size", size_note + "; no xattr"
-                if remove:
-                    why = _unlink_if_same(path, fd)
-                    f.removed = not why
-                    if why:
-                        f.detail += "; " + why
+                _remove_if(remove, f, path, fd)
             elif adopt and no_rec_errno == errno.ENODATA:
                 why = _adopt(fd, path, size, buf)
                 f.adopted = not why
                 f.detail += "; " + (why or "adopted: CRC32C and identity recorded")
             return f
-        if rec is not None and len(rec) != 4:
+        if verdict.cause == "checksum":  # a malformed user.vllm.kv_crc32c, no identity record
             f.status, f.detail = "corrupt", f"xattr record is {len(rec)} bytes, not 4"
         else:
             for attempt in range(2):
@@ -321,7 +304,7 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
                 if n != size:
                     f.detail = f"read {n} bytes of {size}: file changed during scrub"
                     return f
-                if all(crc == w for w in wants.values()):
+                if _matches(verdict, wants, crc, ident, rec, own):
                     break
                 if attempt == 0:  # maybe a stale page-cache copy: re-read from the device
                     f.retried = True
@@ -329,14 +312,13 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
                         os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
                     except OSError:
                         pass  # advice only: the re-read still happens
-            matches = all(crc == w for w in wants.values())
+            matches = _matches(verdict, wants, crc, ident, rec, own)
             if matches and size_note:
                 f.status = "wrong_size"
                 f.detail = size_note + "; CRC32C matches: kept (a layout or --block-size mismatch, not corruption)"
                 return f
             if matches:
-                if ident is not None and (len(ident) not in (policy.ID_LEN, policy.ID_REC_LEN)
-                                          or ident[:policy.ID_LEN] != policy.block_identity(path, size)):
+                if verdict.cause == "identity":
                     f.status = "corrupt"
                     f.detail = ("identity record user.kvtier.id is not this block's: its bytes verify, "
                                 "but it was stored under another key's name or layout")
@@ -371,7 +353,7 @@ def scrub(root: str, block_size: Optional[int] = None, remove: bool = False, pro
     """Scrub the cache at ``root`` (a directory path).
 
     ``block_size``: expected bytes per block where ``kvtier.json`` does not record it.
-    ``remove``: delete provably bad blocks (:data:`REMOVABLE`).  ``progress``: tqdm bar on
+    ``remove``: delete provably bad blocks (``corrupt``, and ``wrong_size`` without a matching CRC32C).  ``progress``: tqdm bar on
     stderr.
 
     Returns a dict: ``root``; ``blocks`` (count) and ``bytes`` scanned; ``expected_block_bytes``
