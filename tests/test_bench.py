@@ -7,6 +7,7 @@ import pytest
 from ci import unavailable
 from kvtier.cli import bench
 from kvtier.cli import main
+from kvtier.cli._text import human_bytes
 from mounts import mount_tmpfs
 
 TINY_BLOCK = 16 * 1024
@@ -59,7 +60,7 @@ def test_bench_refuses_a_root_without_room_before_storing(capsys):
     out, err = capsys.readouterr()
     assert rc == 2 and out == "" and left == []
     # 2 modes x (64 blocks x (4 pages + 1 for metadata) + 64 KiB for the config files)
-    need = bench._fmt_bytes(2 * (64 * 5 * 4096 + 64 * 1024))
+    need = human_bytes(2 * (64 * 5 * 4096 + 64 * 1024), 2)
     assert err.startswith(f"kvtier bench: [Errno 28] needs {need} free (2 x 64 blocks of 16.00 KiB)"), err
     assert err.rstrip().endswith(f"use --blocks or another --root: {str(root)!r}")
 

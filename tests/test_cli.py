@@ -10,6 +10,7 @@ import pytest
 import kvtier.io as kio
 from kvtier.cli import bench
 from kvtier.cli import main
+from kvtier.cli._text import human_bytes
 from kvtier.manager import FileSystemTierManager, TransferJob
 from corrupt import flip_bit as flip
 
@@ -229,8 +230,8 @@ def test_bench_refuses_more_blocks_than_ram(capsys):
     assert rc == 2
     err = capsys.readouterr().err
     bs = bench.PRESETS["llama-3.1-70b"].block_bytes(bench.DEFAULT_TOKENS)
-    assert err.startswith(f"kvtier bench: needs {bench._fmt_bytes(2 * 1000000 * bs)} of RAM (source and load "
-                          f"buffers, 2 x 1000000 blocks of {bench._fmt_bytes(bs)}), "), err
+    assert err.startswith(f"kvtier bench: needs {human_bytes(2 * 1000000 * bs, 2)} of RAM (source and load "
+                          f"buffers, 2 x 1000000 blocks of {human_bytes(bs, 2)}), "), err
     assert err.rstrip().endswith("available (MemAvailable); use --blocks")
 
 

@@ -16,14 +16,15 @@ def plain_text(doc: str) -> str:
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
 
-def human_bytes(n: int) -> str:
-    """``n`` bytes in the largest binary unit that keeps the number >= 1, one decimal
-    ("4.0 MiB", "1.5 KiB", "512 B"), so a non-zero size never prints as zero."""
+def human_bytes(n: float, decimals: int = 1) -> str:
+    """``n`` bytes in the largest binary unit that keeps the number >= 1, with ``decimals``
+    decimals ("4.0 MiB", "1.5 KiB", "512 B"; ``kvtier bench`` uses 2: "16.00 KiB"), so a
+    non-zero size never prints as zero. The one byte formatter of the ``kvtier`` command."""
     if n < 1024:
-        return f"{int(n)} B"
+        return f"{n:.0f} B"
     i = 0
     x = float(n)
     while x >= 1024 and i < len(_UNITS) - 1:
         x /= 1024
         i += 1
-    return f"{x:.1f} {_UNITS[i]}"
+    return f"{x:.{decimals}f} {_UNITS[i]}"

@@ -35,53 +35,9 @@ from typing import List, Optional
 
 import numpy as np
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "float8_e4m3fn": 1}
+from kvtier.cli._text import human_bytes
+from kvtier.cli.presets import DEFAULT_PRESET, PRESETS
 
-
-@dataclass(frozen=True)
-class Preset:
-    """KV geometry of a model, from the fields of its public Hugging Face config.json."""
-
-    model: str
-    layers: int  # num_hidden_layers
-    kv_heads: int  # num_key_value_heads
-    head_dim: int  # head_dim, or hidden_size / num_attention_heads
-    dtype: str  # torch_dtype
-    source: str
-
-    def block_bytes(self, tokens: int) -> int:
-        """Bytes of one block of ``tokens`` tokens: 2 (K,V) * layers * kv_heads * head_dim * dtype bytes * tokens."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * DTYPE_BYTES[self.dtype] * tokens
-
-
-PRESETS = {
-    # https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json
-    "llama-3.1-8b": Preset(
-        "meta-llama/Llama-3.1-8B", 32, 8, 128, "bfloat16",
-        "num_hidden_layers=32, num_key_value_heads=8, hidden_size=4096 / num_attention_heads=32 "
-        "= head_dim 128, torch_dtype=bfloat16"),
-    # https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json
-    "llama-3.1-70b": Preset(
-        "meta-llama/Llama-3.1-70B", 80, 8, 128, "bfloat16",
-        "num_hidden_layers=80, num_key_value_heads=8, hidden_size=8192 / num_attention_heads=64 "
-        "= head_dim 128, torch_dtype=bfloat16"),
-    # https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json
-    "qwen3-8b": Preset(
-        "Qwen/Qwen3-8B", 36, 8, 128, "bfloat16",
-        "num_hidden_layers=36, num_key_value_heads=8, head_dim=128, torch_dtype=bfloat16"),
-    # https://huggingface.co/Qwen/Qwen3-0.6B/blob/main/config.json
-    "qwen3-0.6b": Preset(
-        "Qwen/Qwen3-0.6B", 28, 8, 128, "bfloat16",
-        "num_hidden_layers=28, num_key_value_heads=8, head_dim=128, torch_dtype=bfloat16"),
-    # https://huggingface.co/mistralai/Mistral-7B-v0.3/blob/main/config.json
-    "mistral-7b": Preset(
-        "mistralai/Mistral-7B-v0.3", 32, 8, 128, "bfloat16",
-        "num_hidden_layers=32, num_key_value_heads=8, hidden_size=4096 / num_attention_heads=32 "
-        "= head_dim 128, torch_dtype=bfloat16"),
-    # not a real model: small blocks for tests and smoke runs
-    "tiny": Preset("kvtier/tiny", 2, 2, 64, "float16", "test geometry: 2 layers, 2 KV heads, head_dim 64, float16"),
-}
-DEFAULT_PRESET = "llama-3.1-8b"
 DEFAULT_TOKENS = 16
 DEFAULT_BLOCKS = 192
 DEFAULT_JOBS = (1, 4, 16)
@@ -266,8 +222,8 @@ def run_bench(preset: str = DEFAULT_PRESET, tokens: int = DEFAULT_TOKENS, blocks
     # the source and the load buffer: refuse up front rather than fill a shared host's memory
     need_ram, avail_ram = 2 * blocks * bs, _mem_available()
     if avail_ram is not None and need_ram > avail_ram:
-        raise ValueError(f"needs {_fmt_bytes(need_ram)} of RAM (source and load buffers, 2 x {blocks} blocks of "
-                         f"{_fmt_bytes(bs)}), {_fmt_bytes(avail_ram)} available (MemAvailable); use --blocks")
+        raise ValueError(f"needs {human_bytes(need_ram, 2)} of RAM (source and load buffers, 2 x {blocks} blocks of "
+                         f"{human_bytes(bs, 2)}), {human_bytes(avail_ram, 2)} available (MemAvailable); use --blocks")
     rng = np.random.default_rng(seed)
     src = np.frombuffer(rng.bytes(blocks * bs), dtype=np.uint8).reshape(blocks, bs)
     # the primary tier: page-aligned, as vLLM's CPU tier (an mmap), so O_DIRECT applies to every mode
@@ -299,8 +255,8 @@ def run_bench(preset: str = DEFAULT_PRESET, tokens: int = DEFAULT_TOKENS, blocks
         need = len(modes) * (blocks * (-(-bs // frag) + 1) * frag + 64 * 1024)
         free = st.f_bavail * st.f_frsize
         if st.f_blocks and free < need:  # f_blocks 0: no size reported (ramfs): nothing to check
-            raise OSError(errno.ENOSPC, f"needs {_fmt_bytes(need)} free ({len(modes)} x {blocks} blocks of "
-                          f"{_fmt_bytes(bs)}), {_fmt_bytes(free)} available; use --blocks or another --root",
+            raise OSError(errno.ENOSPC, f"needs {human_bytes(need, 2)} free ({len(modes)} x {blocks} blocks of "
+                          f"{human_bytes(bs, 2)}), {human_bytes(free, 2)} available; use --blocks or another --root",
                           root or os.path.dirname(base))
         load_src = "on" if "on" in modes else "off"  # whose store pass writes the shared files
 
@@ -414,14 +370,6 @@ def run_bench(preset: str = DEFAULT_PRESET, tokens: int = DEFAULT_TOKENS, blocks
     }
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n}"
-
-
 def _mem_available() -> Optional[int]:
     """MemAvailable from /proc/meminfo in bytes, or None where it cannot be read."""
     try:
@@ -445,8 +393,8 @@ def format_table(d: dict) -> str:
     lines = [
         f"kvtier bench: {d['model']} ({d['preset']}): {g['layers']} layers x {g['kv_heads']} KV heads x "
         f"head_dim {g['head_dim']} x {g['dtype']} x {d['tokens_per_block']} tokens = "
-        f"{_fmt_bytes(d['block_bytes'])} per block",
-        f"{d['blocks']} blocks = {_fmt_bytes(d['bytes_per_pass'])} per round; root {d['root']} "
+        f"{human_bytes(d['block_bytes'], 2)} per block",
+        f"{d['blocks']} blocks = {human_bytes(d['bytes_per_pass'], 2)} per round; root {d['root']} "
         f"({d['fstype']}, {'O_DIRECT' if d['o_direct'] else 'buffered'}); {d['threads']}+{d['threads']} "
         f"threads; I/O {d['io_backend']} (engine {d.get('io_engine', '-')}), CRC32C {d['crc32c_backend']}; median [min-max] of {d['repeat']} "
         f"passes of >= {d.get('min_pass_s', 0):g} s, modes interleaved, every mode loading the same files",
@@ -552,7 +500,7 @@ def plot(d: dict, path: str) -> None:
         a.set_xticks(x, labels)
         a.set_title(t)
         a.legend(fontsize=8)
-    fig.suptitle(f"kvtier bench: {d['model']}, {_fmt_bytes(d['block_bytes'])} blocks, "
+    fig.suptitle(f"kvtier bench: {d['model']}, {human_bytes(d['block_bytes'], 2)} blocks, "
                  f"{d['fstype']} {'O_DIRECT' if d['o_direct'] else 'buffered'}, median of {d['repeat']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -125,7 +125,7 @@ def engines_for(checksum: str = "both", vllm: str = "auto") -> Tuple[list, str]:
 def _node(idx, root, engines, cfg, barrier, results):
     """One node: run the schedule, put (idx, passes) or (idx, error text) on ``results``."""
     try:
-        from kvtier.cli.bench import PRESETS
+        from kvtier.cli.presets import PRESETS
 
         p = PRESETS[cfg["preset"]]
         bs = p.block_bytes(cfg["tokens"])
@@ -176,7 +176,7 @@ def run_two_clients(root: str, node_b: str, engines=None, preset: str = "llama-3
     if a directory made under ``root`` does not appear under ``node_b`` within
     ``visible_timeout`` s, or for bad sizes; RuntimeError if a node fails. ``settle_s``:
     pause (untimed) between the store passes and the load passes of a repeat."""
-    from kvtier.cli.bench import PRESETS
+    from kvtier.cli.presets import PRESETS
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}")
@@ -243,11 +243,11 @@ def run_two_clients(root: str, node_b: str, engines=None, preset: str = "llama-3
 
 
 def format_table(d: dict) -> str:
-    from kvtier.cli.bench import _fmt_bytes
+    from kvtier.cli._text import human_bytes
 
     lines = [f"kvtier bench, two clients: node A {d['root']}, node B {d['node_b']} ({d['fstype']}); "
-             f"{d['preset']}, {d['blocks']} blocks of {_fmt_bytes(d['block_bytes'])} = "
-             f"{_fmt_bytes(d['blocks'] * d['block_bytes'])} per node per pass, same keys on both; "
+             f"{d['preset']}, {d['blocks']} blocks of {human_bytes(d['block_bytes'], 2)} = "
+             f"{human_bytes(d['blocks'] * d['block_bytes'], 2)} per node per pass, same keys on both; "
              f"{d['jobs']} jobs, {d['threads']}+{d['threads']} threads per node; median of {d['repeat']}; "
              f"{d['settle_s']:g} s pause before the loads", ""]
     hdr = f"{'engine':<28}{'op':<7}{'I/O':<9}| {'A GB/s':>7}{'B GB/s':>8}{'total':>8} | {'failed':>6}{'wrong B':>8}"

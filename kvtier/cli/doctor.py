@@ -44,9 +44,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, List, Optional, Tuple
 
+from kvtier._blockio.records import XATTR_NAME as XATTR
 from kvtier._tier.mountinfo import MountEntry, mount_of
 
-XATTR = "user.vllm.kv_crc32c"
 PASS, WARN, FAIL = "pass", "warn", "fail"
 # csrc/fs_io.c opens O_DIRECT only for page-aligned buffers and lengths (a multiple of 4096),
 # and on EINVAL retries buffered
