@@ -270,17 +270,10 @@ class FileMapper:
         #: ``<root>/<model>_<digest>_r<rank>``: holds this rank's block files
         self.rank_path: str = f"{self.base_path}_r{rank}"
 
-    FIELD_NAMES = HASHED_FIELDS
-
     @property
     def config_path(self) -> str:
         """``<base_path>/config.json``."""
         return f"{self.base_path}/{CONFIG_FILENAME}"
-
-    @property
-    def block_info_path(self) -> str:
-        """``<base_path>/kvtier.json`` (kvtier-only, not hashed)."""
-        return f"{self.base_path}/{BLOCK_INFO_FILENAME}"
 
     @staticmethod
     def check_key(key: Any) -> Key:

@@ -36,7 +36,6 @@ from kvtier._tier.deadline import DEFAULT_IO_TIMEOUT_S, check_timeout, run_with_
 from kvtier._tier.engine import TierEngine
 from kvtier.file_mapper import FileMapper, Key
 from kvtier.metrics import TieringMetricsTracker, tier_label
-from kvtier.metrics import CHECKSUM_CONDEMNED, CHECKSUM_RETRIES  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List
 
 DEFAULT_IO_TIMEOUT_S = 120.0
-"""Default deadline of one tier job, lookup or startup probe, in seconds (docs/tier.md,
-"Deadlines"): far above what a healthy job takes on a slow shared filesystem (a
+"""Default deadline of one tier job or startup probe, in seconds (lookups have
+:data:`DEFAULT_LOOKUP_TIMEOUT_S`; docs/tier.md, "Deadlines"): far above what a healthy job takes on a slow shared filesystem (a
 64-block job of 16 MiB blocks, 1 GiB, at 10 MB/s is ~100 s), and a job that takes
 longer is worse than recomputing its KV."""
 

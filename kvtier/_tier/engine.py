@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import collections
 import errno
-import errno as _errno
 import logging
 import os
 import threading
@@ -106,7 +105,7 @@ UNVERIFIED_WARN_INTERVAL = 60.0
 def io_error_key(exc: BaseException) -> str:
     """The snapshot key counting ``exc`` (an OSError of a batch call)."""
     code = getattr(exc, "errno", None)
-    name = _errno.errorcode.get(code, str(code)) if code is not None else "unknown"
+    name = errno.errorcode.get(code, str(code)) if code is not None else "unknown"
     return f"{IO_ERROR_PREFIX}{getattr(exc, 'operation', '') or 'none'}:{name}"
 
 

@@ -563,9 +563,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 2
     checks = {"both": (False, True), "off": (False,), "on": (True,)}[args.checksum]
     if args.plot:  # check before the run, not after it
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
             print("kvtier bench: --plot needs matplotlib: pip install 'kvtier[plot]'", file=sys.stderr)
             return 2
         from matplotlib.backends.backend_agg import FigureCanvasAgg

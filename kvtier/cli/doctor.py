@@ -526,7 +526,7 @@ def check_peer(work: str, peer_work: str, wait: float) -> List[Check]:
                          "GlusterFS: glusterfs --fopen-keep-cache=false; other FUSE clients: a mount option that "
                          "drops the page cache on open (direct_io)", d))
     else:
-        out.append(Check("peer_data", PASS, f"a byte rewritten in place is read through the peer at its next open", "", d))
+        out.append(Check("peer_data", PASS, "a byte rewritten in place is read through the peer at its next open", "", d))
     # xattr replaced: the peer's xattr cache
     v1, v2 = secrets.token_bytes(4), secrets.token_bytes(4)
     os.setxattr(b, XATTR, v1)
