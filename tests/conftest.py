@@ -4,8 +4,14 @@ pure-Python fallback, calling that implementation)."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
+
+if os.environ.get("KVTIER_TEST_NO_C") == "1":
+    # tests/test_fallback_no_c.py runs the fallback's tests so: kvtier._C unimportable, as
+    # on a host where it was not built (kvtier/__init__ then sets kvtier._C = None)
+    sys.modules["kvtier._C"] = None
 
 from mounts import mount_loop, mount_ramfs, mount_tmpfs
 

@@ -6,6 +6,7 @@ before ``import kvtier``: the import then fails with ImportError, and kvtier/__i
 sets ``kvtier._C = None`` exactly as on such a machine."""
 import errno
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -102,3 +103,20 @@ def test_info_without_the_c_core_says_so_and_why():
                     "(import of kvtier._C halted; None in sys.modules)"], out
     assert "libisal not found" not in out
     assert "I/O engine:     not available: the C core is not importable" in out
+
+
+def test_the_fallbacks_block_io_tests_pass_without_the_c_core():
+    """The fallback is an independent implementation: its block-I/O and deadline tests (the
+    ``python`` half of the io_backend-parametrised tests) pass with kvtier._C unimportable
+    (tests/conftest.py, KVTIER_TEST_NO_C=1), so nothing of the C core is borrowed."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, KVTIER_TEST_NO_C="1", PYTHONWARNINGS="ignore")
+    env.pop("KVTIER_IO_BACKEND", None)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+                        "-k", "python and not c] and not test_c_identity", "tests/test_block_io.py", "tests/test_late_io.py",
+                        "tests/test_policy.py"],
+                       capture_output=True, text=True, timeout=900, cwd=root, env=env)
+    tail = r.stdout[-3000:]
+    assert r.returncode == 0, tail + r.stderr[-2000:]
+    passed = int(re.search(r"(\d+) passed", tail).group(1))
+    assert passed >= 100, tail  # the python half ran, not skipped
