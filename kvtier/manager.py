@@ -21,19 +21,17 @@ filesystem...) keeps the file.  See ``docs/design.md`` ("On-disk contract").
 from __future__ import annotations
 
 import functools
-import errno
 import inspect
 import logging
 import os
-import tempfile
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 from kvtier._blockio.buffers import is_torch_tensor as _is_torch_tensor, torch_bytes_view
-from kvtier._tier.deadline import DEFAULT_IO_TIMEOUT_S, check_timeout, run_with_deadline
+from kvtier._tier.config import TierConfig
 from kvtier._tier.engine import TierEngine
+from kvtier._tier.startup import RootGuard, filesystem_type, start
 from kvtier.file_mapper import FileMapper, Key
 from kvtier.metrics import TieringMetricsTracker, tier_label
 
@@ -80,61 +78,6 @@ class JobResult:
     is_promotion: bool = False
     error: Optional[BaseException] = field(default=None, compare=False)
     checksum_retries: int = 0
-
-
-def filesystem_type(path: "str | os.PathLike") -> Tuple[str, str]:
-    """``(fstype, mount_point)`` of the mount holding ``path`` (:func:`kvtier._tier.mountinfo.mount_of`),
-    ``("unknown", "")`` if mountinfo is unreadable."""
-    from kvtier._tier.mountinfo import mount_of
-
-    m = mount_of(path)
-    return ("unknown", "") if m is None else (m.fstype, m.mount_point)
-
-
-def prepare_root(root: str, rank_path: str, checksum_blocks: bool) -> None:
-    """Startup checks of a tier root, before anything else is written into it: create
-    ``root`` and ``rank_path`` (the directory of this rank's block files), prove a file
-    can be created there, and with ``checksum_blocks`` that the filesystem keeps user
-    xattrs.  Raises OSError naming ``root`` (ENOTDIR, ENOENT, EACCES, EROFS...) or
-    ValueError naming the filesystem type when it has no user xattrs."""
-    if os.path.exists(root) and not os.path.isdir(root):
-        raise NotADirectoryError(errno.ENOTDIR, f"tier root is not a directory: {os.strerror(errno.ENOTDIR)}", root)
-    from kvtier._blockio import policy
-
-    try:
-        for tries in range(policy.RETRY_ENOENT_STORE + 1):
-            try:
-                os.makedirs(root, exist_ok=True)
-                os.makedirs(rank_path, exist_ok=True)
-                fd, probe = tempfile.mkstemp(prefix=".kvtier_probe_", dir=rank_path)
-                break
-            except OSError as e:
-                if e.errno not in (errno.ENOENT, errno.EEXIST, errno.ESTALE):
-                    raise
-                # a directory just made (here or by another node) that a shared filesystem's
-                # name cache does not show yet (GlusterFS, ~1 s): ENOENT, ESTALE (a handle of
-                # the other node's directory), or EEXIST from a mkdir whose directory the
-                # next stat does not see; again after 2, 4 ... 512 ms, as a store's temp open
-                # (error table P21)
-                if tries == policy.RETRY_ENOENT_STORE:
-                    raise
-                time.sleep((policy.BACKOFF_US << (tries + 1)) / 1e6)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        what = "cannot be created" if e.errno in (errno.ENOTDIR, errno.ENOENT) else "is not writable"
-        raise OSError(e.errno, f"tier root {what}: {e.strerror}"
-                      f"{'' if e.filename in (None, root) else f' ({e.filename})'}", root) from e
-    from kvtier import io as kio
-
-    if checksum_blocks and not kio.probe_xattr(rank_path):
-        fstype, mnt = filesystem_type(root)
-        raise ValueError(
-            f"checksum_blocks=True needs extended attributes (user xattr "
-            f"'user.vllm.kv_crc32c'), but the tier root {root!r} is on a {fstype} "
-            f"filesystem (mounted at {mnt!r}) that does not support them; use another "
-            f"filesystem (ext4, xfs, btrfs, tmpfs) or set checksum_blocks=False"
-        )
 
 
 def _primary_view(primary: Any, block_size: Optional[int]) -> Tuple[memoryview, int, int]:
@@ -223,7 +166,8 @@ class FileSystemTierManager:
             after, so a stored block survives power loss (default False: a crash can lose
             recently stored blocks, never publish a torn one). Cost: docs/reliability.md.
         io_timeout_s: deadline in seconds of a job (from the start of its I/O) and of the
-            startup probes, 0 = none (docs/tier.md, "Deadlines"; why 120 s there).
+            startup probes, 0 = none; None (default): 120 s
+            (:data:`kvtier._tier.deadline.DEFAULT_IO_TIMEOUT_S`; docs/tier.md, "Deadlines").
         lookup_timeout_s: deadline in seconds of :meth:`lookup`, 0 = none; None (default):
             2 s (:data:`kvtier._tier.deadline.DEFAULT_LOOKUP_TIMEOUT_S`), or ``io_timeout_s`` when
             that is shorter and not 0.
@@ -268,27 +212,12 @@ class FileSystemTierManager:
         registry: Any = None,
         sweep_stale_temps_after: Optional[float] = None,  # stale-temp sweep (kvtier/_tier/sweep.py)
         durable: bool = False,  # fdatasync temp + fsync dir on store
-        io_timeout_s: float = DEFAULT_IO_TIMEOUT_S,  # deadline of a job, startup probe
+        io_timeout_s: Optional[float] = None,  # deadline of a job, startup probe (default 120 s)
         lookup_timeout_s: Optional[float] = None,  # deadline of a lookup (default 2 s)
     ) -> None:
         # ---- configuration checks: no I/O until all of them pass ----
-        for name, v in (("n_read_threads", n_read_threads), ("n_write_threads", n_write_threads)):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-            if v < 1:
-                raise ValueError(f"{name} must be >= 1, got {v}")
-        for name, v in (("use_o_direct", use_o_direct), ("durable", durable)):
-            if not isinstance(v, bool):
-                raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
-        io_timeout_s = check_timeout(io_timeout_s)
-        if lookup_timeout_s is not None:
-            check_timeout(lookup_timeout_s, "lookup_timeout_s")
-        from kvtier._blockio.policy import check_mode
-
-        check_mode(checksum_blocks, "checksum_blocks")
-        if sweep_stale_temps_after is not None:  # validate before any I/O
-            from kvtier._tier.sweep import check_sweep_after
-            check_sweep_after(sweep_stale_temps_after)
+        cfg = TierConfig(n_read_threads, n_write_threads, checksum_blocks, use_o_direct, durable,
+                         sweep_stale_temps_after, io_timeout_s, lookup_timeout_s)
         label = tier_label(tier_idx, tier_type)
         if metrics is not None:
             if not isinstance(metrics, TieringMetricsTracker):
@@ -318,86 +247,35 @@ class FileSystemTierManager:
             label, checksums=bool(checksum_blocks), registry=registry)
 
         # ---- startup checks that touch the filesystem, under the deadline ----
-        from kvtier import io as kio
+        rank_path = self.file_mapper.rank_path
 
-        def startup() -> None:
-            prepare_root(self.root_dir, self.file_mapper.rank_path, bool(checksum_blocks))
-            self.last_sweep = None  # kvtier._tier.sweep.SweepResult of the startup sweep, if any
-            if sweep_stale_temps_after is not None:
-                from kvtier._tier.sweep import sweep_stale_temps
-                self.last_sweep = sweep_stale_temps(self.file_mapper.rank_path, sweep_stale_temps_after)
+        def write_config() -> None:
             self.file_mapper.write_run_config()
             self.file_mapper.write_block_info(self.block_size)
-            self.use_o_direct = bool(use_o_direct and kio.probe_o_direct(self.file_mapper.rank_path))
-            self._o_direct_refused_on = (filesystem_type(self.root_dir)[0] if use_o_direct and not self.use_o_direct
-                                         else None)
-            self._root_id = self._root_identity()
 
-        try:  # every filesystem touch of the constructor is in startup(), under the deadline
-            run_with_deadline(startup, timeout=io_timeout_s, path=self.root_dir,
-                              what=f"tier root {self.root_dir!r}: startup probes (create, write, xattr, "
-                                   f"O_DIRECT, identity)")
+        try:  # every filesystem touch of the constructor is in start(), under the deadline
+            started = start(self.root_dir, rank_path, cfg, write_config)
         except BaseException:
             if metrics is None:
                 self.metrics.close()
             raise
-        self.io_timeout_s = io_timeout_s
-        if self._o_direct_refused_on is not None:
+        self.last_sweep = started.last_sweep  # kvtier._tier.sweep.SweepResult of the startup sweep, if any
+        self.use_o_direct = started.use_o_direct
+        self.io_timeout_s = cfg.io_timeout_s
+        if started.o_direct_refused_on is not None:
             logger.warning(
                 "O_DIRECT is not supported at %r (%s); using buffered I/O for the %s tier",
-                self.root_dir, self._o_direct_refused_on, label,
+                self.root_dir, started.o_direct_refused_on, label,
             )
-        self._root_lock = threading.Lock()
+        self._root_guard = RootGuard(self.root_dir, rank_path, started.root_id, write_config,
+                                     self.metrics.counters, label)
         self._export_dsa_counters()
 
         # ---- the engine: pools, jobs, results; counts into the tracker's counters ----
         self._engine = TierEngine(
-            self._view, self.block_size, self._path_of, n_read_threads=n_read_threads,
-            n_write_threads=n_write_threads, checksum=checksum_blocks,
-            use_o_direct=self.use_o_direct, durable=durable, counters=self.metrics.counters,
-            thread_name="kvtier_fs", io_timeout_s=io_timeout_s, root=self.root_dir,
-            before_job=self._check_root, lookup_timeout_s=lookup_timeout_s)
-
-    # ------------------------------------------------------------------ root
-    def _root_identity(self) -> Optional[Tuple[int, int, int, int]]:
-        """(st_dev, st_ino) of the root (symlinks followed) and of the rank directory, or
-        None when either is missing."""
-        try:
-            a, b = os.stat(self.root_dir), os.stat(self.file_mapper.rank_path)
-        except OSError:
-            return None
-        return a.st_dev, a.st_ino, b.st_dev, b.st_ino
-
-    def _check_root(self) -> None:
-        """Before each job: the tier root (or its rank directory) deleted, or replaced
-        (a symlink swapped to another directory), is reported (an error log line and the
-        ``root_lost`` counter), then restored: directories recreated and ``config.json`` /
-        ``kvtier.json`` written again, so the blocks stored next land in a root that says
-        what they are.  A store that was writing while the root went away removes its
-        temp (the C core and fallback unlink the temp on any failure)."""
-        now = self._root_identity()
-        if now is not None and now == self._root_id:
-            return
-        with self._root_lock:
-            now = self._root_identity()
-            if now is not None and now == self._root_id:
-                return
-            try:
-                st = os.stat(self.root_dir)
-                replaced = self._root_id is not None and (st.st_dev, st.st_ino) != self._root_id[:2]
-            except OSError:
-                replaced = False
-            logger.error("tier root %r of the %s tier was %s while running; recreating it with its "
-                         "config files", self.root_dir, self.metrics.tier,
-                         "replaced (a symlink swapped: another directory is there now)" if replaced
-                         else "deleted")
-            self.metrics.counters.add("root_lost")
-            real = os.path.realpath(self.root_dir)  # a symlinked root whose target went: recreate that
-            prepare_root(real, os.path.join(real, os.path.relpath(self.file_mapper.rank_path, self.root_dir)),
-                         False)
-            self.file_mapper.write_run_config()
-            self.file_mapper.write_block_info(self.block_size)
-            self._root_id = self._root_identity()
+            self._view, self.block_size, self._path_of, use_o_direct=self.use_o_direct,
+            counters=self.metrics.counters, thread_name="kvtier_fs", root=self.root_dir,
+            before_job=self._root_guard.check, **cfg.engine_args())
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -563,3 +441,6 @@ class FileSystemTierManager:
         return (f"FileSystemTierManager(root={self.root_dir!r}, block_size={self.block_size}, "
                 f"num_blocks={self.num_blocks}, checksum_blocks={self.checksum_blocks}, "
                 f"o_direct={self.use_o_direct})")
+
+
+__all__ = ["FileSystemTierManager", "JobResult", "TransferJob", "filesystem_type"]

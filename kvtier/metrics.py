@@ -80,7 +80,7 @@ default ``/metrics``): the first registers one collector for that registry, each
 adds its samples to the same metric families.  A second tracker with the same tier label
 on one registry is a ValueError (raised before a tier touches its root directory).
 
-The values are a tier engine's :class:`kvtier._tier.engine.Counters`, read at scrape time; the
+The values are a tier engine's :class:`kvtier._tier.counters.Counters`, read at scrape time; the
 counting rules live there (as vLLM's ``TieringMetricsTracker``): a failed job counts one
 failure; a failed promotion that kept ``n`` blocks (partial keep) still counts ``n``
 blocks' bytes and its time; a failed cascade counts no bytes; times are I/O seconds.  A
@@ -101,7 +101,7 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Uni
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvtier._tier.engine import IO_ERROR_PREFIX, Counters
+from kvtier._tier.counters import IO_ERROR_PREFIX, Counters
 from kvtier._blockio.policy import COUNT_DOCS
 
 READ_BYTES = "vllm:kv_offload_tiering_read_bytes"
@@ -226,7 +226,7 @@ class _SourceCollector:
             yield fam
 
 
-#: Exported metric name -> the :class:`kvtier._tier.engine.Counters` counter it reads.
+#: Exported metric name -> the :class:`kvtier._tier.counters.Counters` counter it reads.
 COUNTER_OF = {
     READ_BYTES: "bytes_read",
     READ_TIME: "read_time",
@@ -328,7 +328,7 @@ def _detach(t: "TieringMetricsTracker") -> None:
 
 
 class TieringMetricsTracker:
-    """Exports one tier's counters (a :class:`kvtier._tier.engine.Counters`) as Prometheus
+    """Exports one tier's counters (a :class:`kvtier._tier.counters.Counters`) as Prometheus
     counters, read at scrape time.
 
     Args:
@@ -350,7 +350,7 @@ class TieringMetricsTracker:
         if not isinstance(tier, str) or not tier:
             raise ValueError("tier must be a non-empty label string such as '1:fs'")
         if counters is not None and not isinstance(counters, Counters):
-            raise TypeError("counters must be a kvtier._tier.engine.Counters")
+            raise TypeError("counters must be a kvtier._tier.counters.Counters")
         self.tier = tier
         self.checksums = bool(checksums)
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -383,7 +383,7 @@ class TieringMetricsTracker:
                         n_successful_keys: int, block_bytes: int,
                         transfer_time: Optional[float], checksum_failed: bool = False,
                         checksum_retries: int = 0) -> None:
-        """Account one finished job (rules: :class:`kvtier._tier.engine.Counters`).
+        """Account one finished job (rules: :class:`kvtier._tier.counters.Counters`).
 
         ``n_keys`` blocks were in the job, ``n_successful_keys`` of them transferred
         (partial keep); ``block_bytes`` is the size of one block in bytes;

@@ -73,7 +73,7 @@ KVTIER_KEYS: Dict[str, Any] = {"checksum_blocks": True, "durable": False, "use_o
                                "sweep_stale_temps_after": None, "io_timeout_s": None,
                                "lookup_timeout_s": None}
 
-#: Engine counters (:data:`kvtier._tier.engine.COUNTERS`) that vLLM derives itself from the
+#: Engine counters (:data:`kvtier._tier.counters.COUNTERS`) that vLLM derives itself from the
 #: JobResults (read/write bytes and time, job failures): never emitted again by this tier.
 VLLM_DERIVED = frozenset({"store_jobs", "load_jobs", "store_failures", "load_failures", "bytes_written",
                           "bytes_read", "write_time", "read_time"})
@@ -100,7 +100,7 @@ def metrics(checksum_blocks: bool) -> Dict[str, tuple]:
     tracker exports them; the others as ``kvtier:kv_offload_tiering_<counter>`` with no extra
     label (the three checksum counters keep their established names and exist only with
     checksums on).  Those whose help starts with ``gauge:`` are gauges (:func:`is_gauge`)."""
-    from kvtier._tier.engine import COUNTERS
+    from kvtier._tier.counters import COUNTERS
     from kvtier.metrics import FAMILIES
 
     out: Dict[str, tuple] = {}
@@ -184,28 +184,10 @@ class KvtierTier(SecondaryTierManager):
         root_dir = cfg["root_dir"]
         if not isinstance(root_dir, str) or not root_dir:
             raise TypeError(f"root_dir must be a non-empty str, got {root_dir!r}")
-        for k in ("n_read_threads", "n_write_threads"):
-            v = cfg[k]
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{k} must be an int, got {type(v).__name__}")
-            if v < 1:
-                raise ValueError(f"{k} must be >= 1, got {v}")
-        for k in ("enable_kv_events", "durable", "use_o_direct"):
-            if not isinstance(cfg[k], bool):
-                raise TypeError(f"{k} must be a bool, got {type(cfg[k]).__name__}")
-        from kvtier._blockio.policy import check_mode
+        from kvtier._tier.config import TierConfig, check_bool
 
-        check_mode(cfg["checksum_blocks"], "checksum_blocks")  # False, True or "strict"
-        if cfg["sweep_stale_temps_after"] is not None:
-            from kvtier._tier.sweep import check_sweep_after
-
-            check_sweep_after(cfg["sweep_stale_temps_after"])
-        from kvtier._tier.deadline import check_timeout
-
-        if cfg["io_timeout_s"] is not None:
-            check_timeout(cfg["io_timeout_s"])
-        if cfg["lookup_timeout_s"] is not None:
-            check_timeout(cfg["lookup_timeout_s"], "lookup_timeout_s")
+        tc = TierConfig(**{k: cfg[k] for k in TierConfig.__dataclass_fields__})  # the keys both shells take
+        check_bool("enable_kv_events", cfg["enable_kv_events"])
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(cfg["locality"]) if cfg["locality"] is not None else None
         self.checksum_blocks: Union[bool, str] = cfg["checksum_blocks"]
@@ -229,9 +211,8 @@ class KvtierTier(SecondaryTierManager):
         # module import stays cheap for the API server, which only needs the metrics).
         from vllm.v1.kv_offload.file_mapper import FileMapper
 
-        from kvtier import io as kio
+        from kvtier._tier.startup import RootGuard, start
         from kvtier.file_mapper import write_json_if_absent, write_block_info
-        from kvtier.manager import filesystem_type, prepare_root
 
         self.file_mapper = FileMapper.from_offloading_spec(
             root_dir=root_dir, offloading_spec=offloading_spec,
@@ -239,41 +220,28 @@ class KvtierTier(SecondaryTierManager):
         self.root_dir = root_dir
         rank_path = f"{self.file_mapper.base_path}_r{self.file_mapper.rank}"
 
-        def startup() -> None:  # under the deadline: a root that does not answer is named
-            prepare_root(root_dir, rank_path, self.checksum_blocks)
-            self.last_sweep = None
-            if cfg["sweep_stale_temps_after"] is not None:
-                from kvtier._tier.sweep import sweep_stale_temps
-
-                self.last_sweep = sweep_stale_temps(rank_path, cfg["sweep_stale_temps_after"])
+        def write_config() -> None:
             config_path = self.file_mapper.get_config_file_path()
             os.makedirs(os.path.dirname(config_path), exist_ok=True)
             write_json_if_absent(config_path, self.file_mapper.get_run_config())  # bytes as vLLM's
             write_block_info(os.path.dirname(config_path), bs)  # kvtier.json, for `kvtier scrub`
-            self.use_o_direct = bool(cfg["use_o_direct"] and kio.probe_o_direct(rank_path))
-            if cfg["use_o_direct"] and not self.use_o_direct:  # realpath + mountinfo: under the deadline too
-                refused_on.append(filesystem_type(root_dir)[0])
 
-        refused_on: List[str] = []  # the filesystem type where O_DIRECT was refused
-
-        from kvtier._tier.deadline import DEFAULT_IO_TIMEOUT_S, run_with_deadline
-
-        run_with_deadline(startup, path=root_dir,
-                          timeout=DEFAULT_IO_TIMEOUT_S if cfg["io_timeout_s"] is None else cfg["io_timeout_s"],
-                          what=f"tier root {root_dir!r}: startup probes (create, write, xattr, O_DIRECT)")
-        if refused_on:
+        started = start(root_dir, rank_path, tc, write_config)  # under the deadline: a silent root is named
+        self.last_sweep = started.last_sweep
+        self.use_o_direct = started.use_o_direct
+        if started.o_direct_refused_on is not None:
             logger.warning("O_DIRECT is not supported at %r (%s); using buffered I/O for the '%s' KV "
-                           "offload tier.", root_dir, refused_on[0], tier_type)
+                           "offload tier.", root_dir, started.o_direct_refused_on, tier_type)
         self.tier_label = self._find_tier_label(offloading_spec, tier_type, root_dir)
 
         self._flat = flat
-        self._engine = TierEngine(flat, bs, self.file_mapper.get_file_name,
-                                  n_read_threads=cfg["n_read_threads"],
-                                  n_write_threads=cfg["n_write_threads"],
-                                  checksum=self.checksum_blocks, use_o_direct=self.use_o_direct,
-                                  durable=self.durable, thread_name="kvtier_vllm",
-                                  root=root_dir, lookup_timeout_s=cfg["lookup_timeout_s"],
-                                  **({} if cfg["io_timeout_s"] is None else {"io_timeout_s": cfg["io_timeout_s"]}))
+        from kvtier._tier.counters import Counters
+
+        counters = Counters()
+        root_guard = RootGuard(root_dir, rank_path, started.root_id, write_config, counters, self.tier_label)
+        self._engine = TierEngine(flat, bs, self.file_mapper.get_file_name, use_o_direct=self.use_o_direct,
+                                  counters=counters, thread_name="kvtier_vllm", root=root_dir,
+                                  before_job=root_guard.check, **tc.engine_args())
         self._reported: Dict[str, float] = {}  # counters at the last get_stats()
         self._metrics = metrics(self.checksum_blocks)
         self._discarded: List[JobResult] = []
@@ -318,13 +286,13 @@ class KvtierTier(SecondaryTierManager):
         return defs
 
     def counters(self) -> Dict[str, float]:
-        """The engine's counters (:data:`kvtier._tier.engine.COUNTERS`), a snapshot."""
+        """The engine's counters (:data:`kvtier._tier.counters.COUNTERS`), a snapshot."""
         return self._engine.counters.snapshot()
 
     def get_stats(self):
         """The increase of kvtier's counters (:func:`metrics`) since the last call, as
         ``OffloadingConnectorStats`` (None when nothing changed)."""
-        from kvtier._tier.engine import IO_ERROR_PREFIX
+        from kvtier._tier.counters import IO_ERROR_PREFIX
         from kvtier.metrics import IO_ERRORS
 
         snap = self._engine.counters.snapshot()

@@ -281,7 +281,7 @@ def test_tier_root_lost_while_running(tmp_path, how, caplog):
         link.unlink()
         link.symlink_to(b)
         now = b
-    with caplog.at_level(logging.ERROR, logger="kvtier.manager"):
+    with caplog.at_level(logging.ERROR, logger="kvtier._tier.startup"):
         r = run(t, "s2", keys(2, base=10), [2, 3], False)
     assert r.success, r.error
     assert any("tier root" in rec.getMessage() and how.split("_")[0] in rec.getMessage()

@@ -732,8 +732,8 @@ def test_prepare_root_retries_enoent_of_a_name_cache(tmp_path, monkeypatch):
     """A directory just made that the filesystem answers ENOENT for (GlusterFS's name cache,
     seen on a second node) is retried after 2, 4 ... ms; persistent ENOENT fails naming the root."""
     import tempfile as tf
-    from kvtier import manager
     from kvtier._blockio import policy
+    from kvtier._tier import startup
 
     real, calls = tf.mkstemp, []
 
@@ -743,18 +743,18 @@ def test_prepare_root_retries_enoent_of_a_name_cache(tmp_path, monkeypatch):
             raise FileNotFoundError(errno.ENOENT, "No such file or directory", kw.get("dir"))
         return real(*a, **kw)
 
-    monkeypatch.setattr(manager.tempfile, "mkstemp", flaky)
+    monkeypatch.setattr(startup.tempfile, "mkstemp", flaky)
     root = str(tmp_path / "root")
-    manager.prepare_root(root, os.path.join(root, "r0"), False)
+    startup.prepare_root(root, os.path.join(root, "r0"), False)
     assert len(calls) == 3 and os.listdir(os.path.join(root, "r0")) == []  # the probe removed
 
     calls.clear()
-    monkeypatch.setattr(manager.tempfile, "mkstemp",
+    monkeypatch.setattr(startup.tempfile, "mkstemp",
                         lambda *a, **kw: calls.append(1) or (_ for _ in ()).throw(
                             FileNotFoundError(errno.ENOENT, "No such file or directory", kw.get("dir"))))
-    monkeypatch.setattr(manager.time, "sleep", lambda s: None)
+    monkeypatch.setattr(startup.time, "sleep", lambda s: None)
     with pytest.raises(OSError) as ei:
-        manager.prepare_root(root, os.path.join(root, "r0"), False)
+        startup.prepare_root(root, os.path.join(root, "r0"), False)
     assert ei.value.errno == errno.ENOENT and ei.value.filename == root
     assert len(calls) == policy.RETRY_ENOENT_STORE + 1
 
@@ -764,7 +764,7 @@ def test_prepare_root_retries_eexist_of_a_directory_not_shown_yet(tmp_path, monk
     """Two nodes making the rank directory at once: this node's mkdir answers EEXIST but
     its stat does not show the directory yet (GlusterFS), so os.makedirs raises
     FileExistsError: retried as ENOENT is, and the root is prepared."""
-    from kvtier import manager
+    from kvtier._tier import startup
 
     real, calls = os.makedirs, []
 
@@ -774,9 +774,9 @@ def test_prepare_root_retries_eexist_of_a_directory_not_shown_yet(tmp_path, monk
             raise OSError(err, os.strerror(err), path)
         return real(path, *a, **kw)
 
-    monkeypatch.setattr(manager.os, "makedirs", racing)
+    monkeypatch.setattr(startup.os, "makedirs", racing)
     root = str(tmp_path / "root")
-    manager.prepare_root(root, os.path.join(root, "r0"), False)
+    startup.prepare_root(root, os.path.join(root, "r0"), False)
     assert calls.count(os.path.join(root, "r0")) == 2 and os.listdir(os.path.join(root, "r0")) == []
 
 

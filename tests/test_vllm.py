@@ -434,7 +434,7 @@ def test_metric_definitions_in_the_spec(vllm, tmp_path):
     assert "vllm:kv_offload_tiering_checksum_failures" not in off
     assert "kvtier:kv_offload_tiering_checksum_condemned" not in off
     # every engine counter vLLM does not derive itself is declared; none it derives is
-    from kvtier._tier.engine import COUNTERS
+    from kvtier._tier.counters import COUNTERS
     from kvtier.vllm import VLLM_DERIVED, metrics
 
     declared = [c for counters, _, _ in metrics(True).values() for c in counters.values()]
@@ -603,12 +603,12 @@ def test_constructor_names_the_root_when_it_stops_answering_after_the_probes(har
     import threading
     import time
 
-    import kvtier.manager
+    import kvtier._tier.startup
     from kvtier import io as kio
 
     gate = threading.Event()
     monkeypatch.setattr(kio, "probe_o_direct", lambda path: False)
-    monkeypatch.setattr(kvtier.manager, "filesystem_type", lambda path: (gate.wait(30), ("x", "/"))[1])
+    monkeypatch.setattr(kvtier._tier.startup, "filesystem_type", lambda path: (gate.wait(30), ("x", "/"))[1])
     root = str(tmp_path / "a")
     t0 = time.monotonic()
     try:

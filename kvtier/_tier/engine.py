@@ -28,7 +28,7 @@ Pieces, each in one place:
   (``lookup_timeout_s``, short: a lookup's caller is waiting) and never pile up on a
   hung filesystem: while one is stuck, the next answer misses at once
   (:mod:`kvtier._tier.deadline`).  docs/tier.md, "Deadlines".
-- **Counters**: :class:`Counters`, the tier's totals; :meth:`Counters.count_job` is the
+- **Counters**: :class:`kvtier._tier.counters.Counters`, the tier's totals; :meth:`Counters.count_job` is the
   one place where a finished job is counted, :meth:`Counters.snapshot` is what the
   standalone metrics tracker (:mod:`kvtier.metrics`) and the vLLM adapter read.
 
@@ -50,136 +50,18 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
-from kvtier._blockio import policy as _policy
-
+import kvtier.io as _kio
+from kvtier._blockio.jobstate import COMMITTING, EXPIRED, LIVE, JobState
+from kvtier._tier.counters import Counters
 from kvtier._tier.deadline import DEFAULT_IO_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, OffThread, check_timeout, timed_out
 
 logger = logging.getLogger(__name__)
 
-
-def _io():
-    # looked up per call: tests replace kvtier.io.batch_load_block to gate jobs
-    from kvtier import io as kio
-
-    return kio
-
-
-# ---------------------------------------------------------------------- counters
-
-#: Counter names of :meth:`Counters.snapshot`, with their meaning.  Bytes in bytes,
-#: times in seconds (I/O time: from the start of a job's I/O call to its end).
-COUNTERS: Dict[str, str] = {
-    "store_jobs": "store (cascade) jobs finished, failed ones included",
-    "load_jobs": "load (promotion) jobs finished, failed ones included",
-    "store_failures": "store jobs that failed",
-    "load_failures": "load jobs that failed (partial keep included)",
-    "bytes_written": "bytes of blocks written by successful store jobs (blocks already there, "
-                     "counted in existing, write none)",
-    "bytes_read": "bytes of blocks loaded (a failed load counts the blocks it kept)",
-    "write_time": "I/O seconds of successful store jobs",
-    "read_time": "I/O seconds of load jobs that loaded at least one block",
-    "checksum_failures": "load jobs stopped by a block that failed CRC32C verification",
-    "checksum_retries": "blocks re-read once after a first CRC32C mismatch",
-    "blocks_condemned": "blocks condemned by a second CRC32C mismatch (file removed)",
-    "load_timeouts": "load jobs reported failed at their deadline (io_timeout_s)",
-    "store_timeouts": "store jobs reported failed at their deadline (io_timeout_s)",
-    "jobs_refused": "jobs failed at once (EAGAIN) because the cap of stuck threads was reached",
-    "lookup_timeouts": "lookups answered as misses at their deadline (lookup_timeout_s), or at once while an "
-                       "earlier lookup is still stuck",
-    "stuck_threads": "gauge: threads still in a filesystem call that outlived its deadline",
-    "root_lost": "times the tier root was found deleted or replaced while running (restored)",
-}
-COUNTERS.update(_policy.COUNT_DOCS)  # the error policy's counters (kvtier._blockio.policy)
-
-#: Prefix of the snapshot keys of failed I/O calls: ``io_error:<operation>:<ERRNO>``
-#: (operation: kvtier._blockio.policy.OPERATIONS, or "none" for an error of no call, e.g. a
-#: deadline's ETIMEDOUT; ERRNO: the errno's name).
-IO_ERROR_PREFIX = "io_error:"
-
-#: At most one warning per this many seconds about unverified loads, per tier.
+#: At most one warning per this many seconds about unverified loads (and about lookups
+#: answered as misses at once), per tier.
 UNVERIFIED_WARN_INTERVAL = 60.0
-
-
-def io_error_key(exc: BaseException) -> str:
-    """The snapshot key counting ``exc`` (an OSError of a batch call)."""
-    code = getattr(exc, "errno", None)
-    name = errno.errorcode.get(code, str(code)) if code is not None else "unknown"
-    return f"{IO_ERROR_PREFIX}{getattr(exc, 'operation', '') or 'none'}:{name}"
-
-
-class Counters:
-    """A tier's counters (names: :data:`COUNTERS`), thread-safe.
-
-    :meth:`count_job` holds the counting rules (those of vLLM's
-    ``TieringMetricsTracker`` for bytes, time and failures): a failed job counts one
-    failure; a failed load that kept ``n`` blocks still counts their bytes and its
-    time; a failed store counts no bytes.  A checksum failure counts once per job and
-    one condemned block; an EBADMSG from the filesystem itself
-    (``checksum_failed=False``) is not a checksum failure.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._v: Dict[str, float] = dict.fromkeys(COUNTERS, 0)
-        self.stuck_gauge: Optional[Callable[[], int]] = None  # set by the engine: its stuck threads
-
-    def count_job(self, is_promotion: bool, success: bool, n_keys: int, n_ok: int,
-                  block_bytes: int, io_time: Optional[float], checksum_failed: bool = False,
-                  checksum_retries: int = 0, policy_counts: Optional[Mapping[str, int]] = None,
-                  error: Optional[BaseException] = None) -> None:
-        """Count one finished job of ``n_keys`` blocks of ``block_bytes`` bytes, ``n_ok``
-        of them transferred; ``io_time`` seconds (None: not measured).  ``policy_counts``:
-        the batch call's ``counts=`` dict (:data:`kvtier._blockio.policy.COUNT_NAMES`); ``error``:
-        the OSError that stopped it (counted under :func:`io_error_key`)."""
-        v = self._v
-        with self._lock:
-            v["load_jobs" if is_promotion else "store_jobs"] += 1
-            v["checksum_retries"] += checksum_retries
-            for k, n in (policy_counts or {}).items():
-                if k in v:
-                    v[k] += n
-            if isinstance(error, OSError):
-                key = io_error_key(error)
-                v[key] = v.get(key, 0) + 1
-            count = n_keys
-            if not success:
-                v["load_failures" if is_promotion else "store_failures"] += 1
-                if checksum_failed:
-                    v["checksum_failures"] += 1
-                    v["blocks_condemned"] += 1
-                if not (is_promotion and n_ok):
-                    return
-                count = n_ok
-            if not is_promotion:  # a block already on disk was skipped: no bytes written
-                count -= min(count, int((policy_counts or {}).get("existing", 0)))
-            v["bytes_read" if is_promotion else "bytes_written"] += count * block_bytes
-            if io_time is not None:
-                v["read_time" if is_promotion else "write_time"] += io_time
-
-    def add(self, name: str, amount: float = 1) -> None:
-        """Add ``amount`` to counter ``name`` (KeyError for an unknown name)."""
-        with self._lock:
-            if name not in self._v:
-                raise KeyError(name)
-            self._v[name] += amount
-
-    def io_errors(self) -> Dict[Tuple[str, str], float]:
-        """``{(operation, ERRNO name): count}`` of the failed I/O calls counted so far."""
-        with self._lock:
-            return {tuple(k[len(IO_ERROR_PREFIX):].split(":", 1)): n for k, n in self._v.items()
-                    if k.startswith(IO_ERROR_PREFIX)}
-
-    def snapshot(self) -> Dict[str, float]:
-        """A copy of every counter: ``{name: value}`` (names: :data:`COUNTERS`, plus one
-        ``io_error:<operation>:<ERRNO>`` key per kind of failed I/O call seen;
-        ``stuck_threads`` is a gauge, read from the engine feeding these counters)."""
-        with self._lock:
-            snap = dict(self._v)
-        gauge = self.stuck_gauge
-        snap["stuck_threads"] = gauge() if gauge is not None else 0
-        return snap
 
 
 # ---------------------------------------------------------------------- jobs
@@ -291,8 +173,11 @@ class TierEngine:
             lookup's 2 s).
         root: the tier root, named by the errors of lookups and refused jobs.
         before_job: called on the job's thread before each job's I/O (the shell's check
-            that its tier root is still there, :meth:`kvtier.manager.FileSystemTierManager`);
+            that its tier root is still there, :class:`kvtier._tier.startup.RootGuard`);
             an exception from it is logged, never raised.
+        io: the block I/O the jobs call (``batch_load_block``, ``batch_store_block``,
+            ``batch_lookup`` of the ``kvtier.io`` shape); default the :mod:`kvtier.io`
+            module, whose functions are the active backend's (attributes read per call).
 
     Thread-safety: every method may be called from any thread.  Methods never block on
     I/O except :meth:`lookup` (at most ``lookup_timeout_s``), :meth:`drain` and
@@ -306,8 +191,9 @@ class TierEngine:
                  counters: Optional[Counters] = None, thread_name: str = "kvtier_fs",
                  io_timeout_s: float = DEFAULT_IO_TIMEOUT_S, root: str = "",
                  before_job: Optional[Callable[[], None]] = None,
-                 lookup_timeout_s: Optional[float] = None) -> None:
+                 lookup_timeout_s: Optional[float] = None, io: Any = None) -> None:
         self.io_timeout_s = check_timeout(io_timeout_s)
+        self.io = _kio if io is None else io
         self._forks, self._pid = _forks, os.getpid()
         if lookup_timeout_s is not None:
             self.lookup_timeout_s = check_timeout(lookup_timeout_s, "lookup_timeout_s")
@@ -363,7 +249,6 @@ class TierEngine:
         # misses at once instead of queueing more threads (and callers) behind it
         self._lookups = OffThread(f"{thread_name}_lookup", max_stuck=1)
         self._workers: List[_Worker] = []
-        self._JobState = _io().JobState if self.io_timeout_s else None
         for i in range(n_read_threads):
             self._start_thread(True)
         for i in range(n_write_threads):
@@ -538,7 +423,7 @@ class TierEngine:
                 job.view = self.view  # the thread's own reference: shutdown() drops the engine's
                 if self.io_timeout_s:
                     self._in_io += 1
-                    job.state, job.worker = self._JobState(), w
+                    job.state, job.worker = JobState(), w
                     job.started_at = time.monotonic()
                     job.deadline = job.started_at + self.io_timeout_s
                     self._running.add(job)
@@ -593,7 +478,6 @@ class TierEngine:
         (under its deadline) and its worker reports it as what it is."""
         if not jobs:
             return
-        committing = _io().COMMITTING
         expired, renaming = [], []
         for j in jobs:
             if err_no != errno.ECANCELED or j.is_promotion:
@@ -603,9 +487,9 @@ class TierEngine:
             while True:  # a cancelled store: expired unless it is renaming a block
                 if j.state.cancel():
                     expired.append(j)
-                elif j.state.state == committing:
+                elif j.state.state == COMMITTING:
                     renaming.append(j)
-                elif j.state.state != _io().LIVE:  # DONE: its worker reports it
+                elif j.state.state != LIVE:  # DONE: its worker reports it
                     break
                 else:
                     continue  # the rename ended meanwhile: cancel again
@@ -678,9 +562,8 @@ class TierEngine:
         is stuck, later lookups answer misses at once without asking the filesystem.
         Each such answer counts one ``lookup_timeouts``."""
         self._check_process()
-        kio = _io()
         try:
-            found = self._lookups.call(kio.batch_lookup, list(paths), block_size, timeout=self.lookup_timeout_s,
+            found = self._lookups.call(self.io.batch_lookup, list(paths), block_size, timeout=self.lookup_timeout_s,
                                        what="lookup", path=self.root or (paths[0] if paths else ""))
         except TimeoutError as e:
             self.counters.add("lookup_timeouts")
@@ -699,7 +582,7 @@ class TierEngine:
         a deadline).  Never raises: an error becomes ``Finished.error`` (an OSError's
         ``num_succeeded`` gives the partial keep).  Counted by the caller, once the
         job's result is known to stand (:meth:`_count`)."""
-        kio = _io()
+        kio = self.io
         js = {} if job.state is None else {"job_state": job.state}
         n = len(job.keys)
         err: Optional[BaseException] = None
@@ -742,7 +625,7 @@ class TierEngine:
             e = e.__cause__ or e.__context__
         t1 = time.monotonic()
         if err is not None:  # a job already reported (deadline, shutdown): its late outcome at debug
-            late = job.state is not None and job.state.state == _io().EXPIRED
+            late = job.state is not None and job.state.state == EXPIRED
             logger.log(logging.DEBUG if late else logging.WARNING, "%s job %r %s at block %d of %d (%s): %s",
                        "load" if job.is_promotion else "store", job.job_id,
                        "(already reported failed) ended late" if late else "failed", n_ok, n,

@@ -1,0 +1,160 @@
+"""The startup of a tier, the same for both shells (kvtier.manager, kvtier.vllm).
+
+:func:`start` runs every filesystem touch of a shell's constructor under the startup
+deadline (``io_timeout_s``): :func:`prepare_root` (create the root and rank directory,
+prove a file can be created, with checksums that user xattrs are kept), the stale-temp
+sweep, the shell's config files, the O_DIRECT probe, and the root's identity for
+:class:`RootGuard`, which checks before each job that the root is still the one started
+on (deleted or replaced: counted as ``root_lost``, then restored).
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Tuple
+
+import kvtier.io as _kio
+from kvtier._blockio import policy
+from kvtier._tier.deadline import run_with_deadline
+
+logger = logging.getLogger(__name__)
+
+
+def filesystem_type(path: "str | os.PathLike") -> Tuple[str, str]:
+    """``(fstype, mount_point)`` of the mount holding ``path`` (:func:`kvtier._tier.mountinfo.mount_of`),
+    ``("unknown", "")`` if mountinfo is unreadable."""
+    from kvtier._tier.mountinfo import mount_of
+
+    m = mount_of(path)
+    return ("unknown", "") if m is None else (m.fstype, m.mount_point)
+
+
+def prepare_root(root: str, rank_path: str, checksum_blocks: bool) -> None:
+    """Startup checks of a tier root, before anything else is written into it: create
+    ``root`` and ``rank_path`` (the directory of this rank's block files), prove a file
+    can be created there, and with ``checksum_blocks`` that the filesystem keeps user
+    xattrs.  Raises OSError naming ``root`` (ENOTDIR, ENOENT, EACCES, EROFS...) or
+    ValueError naming the filesystem type when it has no user xattrs."""
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise NotADirectoryError(errno.ENOTDIR, f"tier root is not a directory: {os.strerror(errno.ENOTDIR)}", root)
+    try:
+        for tries in range(policy.RETRY_ENOENT_STORE + 1):
+            try:
+                os.makedirs(root, exist_ok=True)
+                os.makedirs(rank_path, exist_ok=True)
+                fd, probe = tempfile.mkstemp(prefix=".kvtier_probe_", dir=rank_path)
+                break
+            except OSError as e:
+                if e.errno not in (errno.ENOENT, errno.EEXIST, errno.ESTALE):
+                    raise
+                # a directory just made (here or by another node) that a shared filesystem's
+                # name cache does not show yet (GlusterFS, ~1 s): ENOENT, ESTALE (a handle of
+                # the other node's directory), or EEXIST from a mkdir whose directory the
+                # next stat does not see; again after 2, 4 ... 512 ms, as a store's temp open
+                # (error table P21)
+                if tries == policy.RETRY_ENOENT_STORE:
+                    raise
+                time.sleep((policy.BACKOFF_US << (tries + 1)) / 1e6)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        what = "cannot be created" if e.errno in (errno.ENOTDIR, errno.ENOENT) else "is not writable"
+        raise OSError(e.errno, f"tier root {what}: {e.strerror}"
+                      f"{'' if e.filename in (None, root) else f' ({e.filename})'}", root) from e
+    if checksum_blocks and not _kio.probe_xattr(rank_path):
+        fstype, mnt = filesystem_type(root)
+        raise ValueError(
+            f"checksum_blocks=True needs extended attributes (user xattr "
+            f"'user.vllm.kv_crc32c'), but the tier root {root!r} is on a {fstype} "
+            f"filesystem (mounted at {mnt!r}) that does not support them; use another "
+            f"filesystem (ext4, xfs, btrfs, tmpfs) or set checksum_blocks=False"
+        )
+
+
+def root_identity(root: str, rank_path: str) -> Optional[Tuple[int, int, int, int]]:
+    """(st_dev, st_ino) of the root (symlinks followed) and of the rank directory, or
+    None when either is missing."""
+    try:
+        a, b = os.stat(root), os.stat(rank_path)
+    except OSError:
+        return None
+    return a.st_dev, a.st_ino, b.st_dev, b.st_ino
+
+
+@dataclass
+class Started:
+    """What :func:`start` found: ``use_o_direct`` (asked for and accepted),
+    ``o_direct_refused_on`` (the filesystem type where it was asked for and refused, else
+    None), ``last_sweep`` (the startup sweep's :class:`kvtier._tier.sweep.SweepResult`, or
+    None) and ``root_id`` (:func:`root_identity`)."""
+
+    use_o_direct: bool
+    o_direct_refused_on: Optional[str]
+    last_sweep: Any
+    root_id: Optional[Tuple[int, int, int, int]]
+
+
+def start(root: str, rank_path: str, config, write_config: Callable[[], None]) -> Started:
+    """The startup of a tier on ``root`` (``config``: its :class:`kvtier._tier.config.TierConfig`),
+    every filesystem touch under the deadline ``config.io_timeout_s`` (TimeoutError naming
+    the root when the filesystem does not answer): :func:`prepare_root`, the stale-temp
+    sweep when ``config.sweep_stale_temps_after`` is set, ``write_config()`` (the shell's
+    config.json and kvtier.json), the O_DIRECT probe, the root's identity."""
+
+    def body() -> Started:
+        prepare_root(root, rank_path, bool(config.checksum_blocks))
+        sweep = None
+        if config.sweep_stale_temps_after is not None:
+            from kvtier._tier.sweep import sweep_stale_temps
+
+            sweep = sweep_stale_temps(rank_path, config.sweep_stale_temps_after)
+        write_config()
+        use_o_direct = bool(config.use_o_direct and _kio.probe_o_direct(rank_path))
+        refused = filesystem_type(root)[0] if config.use_o_direct and not use_o_direct else None
+        return Started(use_o_direct, refused, sweep, root_identity(root, rank_path))
+
+    return run_with_deadline(body, timeout=config.io_timeout_s, path=root,
+                             what=f"tier root {root!r}: startup probes (create, write, xattr, O_DIRECT, identity)")
+
+
+class RootGuard:
+    """Before each job (the engine's ``before_job``): the tier root (or its rank directory)
+    deleted, or replaced (a symlink swapped to another directory), is reported (an error
+    log line and the ``root_lost`` counter of ``counters``), then restored: directories
+    recreated and the config files written again (``write_config``), so the blocks stored
+    next land in a root that says what they are.  A store that was writing while the root
+    went away removes its temp (both backends unlink the temp on any failure)."""
+
+    def __init__(self, root: str, rank_path: str, root_id, write_config: Callable[[], None], counters,
+                 label: str) -> None:
+        self.root, self.rank_path, self.root_id = root, rank_path, root_id
+        self.write_config, self.counters, self.label = write_config, counters, label
+        self._lock = threading.Lock()
+
+    def check(self) -> None:
+        now = root_identity(self.root, self.rank_path)
+        if now is not None and now == self.root_id:
+            return
+        with self._lock:
+            now = root_identity(self.root, self.rank_path)
+            if now is not None and now == self.root_id:
+                return
+            try:
+                st = os.stat(self.root)
+                replaced = self.root_id is not None and (st.st_dev, st.st_ino) != self.root_id[:2]
+            except OSError:
+                replaced = False
+            logger.error("tier root %r of the %s tier was %s while running; recreating it with its "
+                         "config files", self.root, self.label,
+                         "replaced (a symlink swapped: another directory is there now)" if replaced
+                         else "deleted")
+            self.counters.add("root_lost")
+            real = os.path.realpath(self.root)  # a symlinked root whose target went: recreate that
+            prepare_root(real, os.path.join(real, os.path.relpath(self.rank_path, self.root)), False)
+            self.write_config()
+            self.root_id = root_identity(self.root, self.rank_path)
