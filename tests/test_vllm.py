@@ -188,6 +188,33 @@ def test_missing_file_is_a_miss(harness, kind):
     h.finish(rc)
 
 
+def test_root_deleted_while_running_is_counted_and_restored(harness, tmp_path):
+    """The vLLM tier checks its root before each job as the standalone one does
+    (kvtier._tier.startup.RootGuard): a root deleted while running is counted once as
+    root_lost, restored with vLLM's config.json and kvtier.json, and the next blocks are
+    stored and load back."""
+    import shutil
+
+    h = harness("kvtier")
+    tier = h.tiers[0]
+    ks, data = keys_and_data(2, salt=9)
+    h.store(ks[:1], data[:1])
+    h.wait_tiers()
+    config = sorted(p.relative_to(tmp_path / "kv") for p in (tmp_path / "kv").rglob("*.json"))
+    assert len(config) == 2  # config.json and kvtier.json
+    shutil.rmtree(tmp_path / "kv")
+    h.store(ks[1:], data[1:])
+    h.wait_tiers()
+    assert tier.counters()["root_lost"] == 1
+    assert sorted(p.relative_to(tmp_path / "kv") for p in (tmp_path / "kv").rglob("*.json")) == config
+    h.reset()
+    rc = h.ctx()
+    assert h.lookup_all(ks[1:], rc)[ks[1]][-1] == "HIT"
+    assert h.load(ks[1:], rc) == data[1:]
+    h.finish(rc)
+    assert tier.counters()["root_lost"] == 1  # reported once
+
+
 @pytest.mark.parametrize("kind", TIERS)
 def test_reset_cache_with_jobs_in_flight(harness, kind):
     """reset_cache drains the tier and asserts no job is left: every job reported once."""
