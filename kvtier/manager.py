@@ -14,9 +14,10 @@ counters.  Each job is one call into the C core (``kvtier.io.batch_store_block``
 
 Partial keep: a load that fails at block ``n`` (``OSError.num_succeeded == n``) reports
 its first ``n`` keys in ``JobResult.successful_keys``; block ``n`` and the rest are misses.
-Files are removed only when provably bad (checksum mismatch, short or long file); a
-transient error (ENOENT, EACCES, ELOOP, EIO from the device, EBADMSG from the
-filesystem...) keeps the file.  See ``docs/design.md`` ("On-disk contract").
+Files are removed only when provably bad (docs/design.md, "Error policy": a CRC or
+identity mismatch on two reads, a wrong size or short read on two opens with no intact
+record of its own); a transient error (ENOENT, EACCES, ELOOP, EIO from the device, EBADMSG
+from the filesystem...) keeps the file.
 """
 from __future__ import annotations
 
