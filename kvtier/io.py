@@ -21,20 +21,13 @@ I/O. A batch stops at its first failing block and raises OSError (the errno's
 subclass, e.g. FileNotFoundError) with ``errno``, ``filename`` (that block's
 path), ``num_succeeded`` (its index: blocks before it are done),
 ``checksum_failed`` and ``num_retried`` (int: blocks of this batch re-read
-after a first checksum mismatch, the failing block included; 0 for stores):
+after a first checksum mismatch, the failing block included; 0 for stores).
 
-The rules are the error policy of docs/design.md ("Error policy"): in short,
-=========================================  =========================  ========
-load outcome                               OSError                    file
-=========================================  =========================  ========
-CRC or identity mismatch, on two reads     EBADMSG, checksum_failed   removed
-size != block_size on two opens, no        EIO, condemned="size"      removed
-intact record of its own
-short read on two opens                    EIO, condemned="short_read" removed
-no CRC record, checksum="strict"           ENODATA                    kept
-open/read/getxattr error (ENOENT, ELOOP,   that errno (EAGAIN/ESTALE  kept
-EACCES, EOPNOTSUPP, EBADMSG from the FS)   retried 3 times first)
-=========================================  =========================  ========
+Which errno a block gets and whether its file is removed is the error policy, one table in
+docs/design.md ("Error policy"): in short a block is removed only when provably bad (a CRC
+or identity mismatch on two reads: EBADMSG with ``checksum_failed``; a wrong size or short
+read on two opens with no intact record of its own: EIO with ``condemned``), and any other
+error keeps it.
 Every batch OSError also has ``operation`` (the failing call, one of
 :data:`kvtier._blockio.policy.OPERATIONS`) and ``condemned`` (the cause when the file
 was removed, else None).
