@@ -24,9 +24,9 @@ from typing import Any, Callable, List
 
 DEFAULT_IO_TIMEOUT_S = 120.0
 """Default deadline of one tier job or startup probe, in seconds (lookups have
-:data:`DEFAULT_LOOKUP_TIMEOUT_S`; docs/tier.md, "Deadlines"): far above what a healthy job takes on a slow shared filesystem (a
-64-block job of 16 MiB blocks, 1 GiB, at 10 MB/s is ~100 s), and a job that takes
-longer is worse than recomputing its KV."""
+:data:`DEFAULT_LOOKUP_TIMEOUT_S`; docs/tier.md, "Deadlines"): far above what a healthy
+job takes on a slow shared filesystem (a 64-block job of 16 MiB blocks, 1 GiB, at 10
+MB/s is ~100 s), and a job that takes longer is worse than recomputing its KV."""
 
 DEFAULT_LOOKUP_TIMEOUT_S = 2.0
 """Default deadline of one lookup (a batch of stat calls), in seconds, when

@@ -72,11 +72,12 @@ from kvtier._blockio import records
 from kvtier._blockio.records import ID_XATTR_NAME, XATTR_NAME, unlink_if_same as _unlink_if_same
 from kvtier.file_mapper import BLOCK_INFO_FILENAME
 
-# Bytes per os.preadv into one reused buffer. Source: measured, no spec sets it.  One buffer bounds scrub's memory whatever the block
-# size; per read, one preadv(2) + one kvtier.crc32c call cost a few microseconds against
-# ~120 us for the CRC32C of 1 MiB at ~8.5 GB/s (<3%).  `python benchmarks/scrub_chunk_bench.py`
-# (256 MiB on /dev/shm, ISA-L backend, 2-core host, best of 5) gave GB/s, reused / fresh buffer:
-# 256 KiB 8.84/8.58, 1 MiB 8.54/8.25, 4 MiB 8.12/7.53, 16 MiB 7.65/5.06.
+# Bytes per os.preadv into one reused buffer. Source: measured, no spec sets it.  One buffer
+# bounds scrub's memory whatever the block size; per read, one preadv(2) + one kvtier.crc32c call
+# cost a few microseconds against ~120 us for the CRC32C of 1 MiB at ~8.5 GB/s (<3%).  `python
+# benchmarks/scrub_chunk_bench.py` (256 MiB on /dev/shm, ISA-L backend, 2-core host, best of 5)
+# gave GB/s, reused / fresh buffer: 256 KiB 8.84/8.58, 1 MiB 8.54/8.25, 4 MiB 8.12/7.53, 16 MiB
+# 7.65/5.06.
 _CHUNK = 1 << 20
 _TMP_RE = re.compile(r"(\.bin_[0-9a-fA-F]+\.tmp|\.tmp)$")
 _RANK_RE = re.compile(r"^(?P<base>.+)_r(?P<rank>\d+)$")
@@ -353,8 +354,8 @@ def scrub(root: str, block_size: Optional[int] = None, remove: bool = False, pro
     """Scrub the cache at ``root`` (a directory path).
 
     ``block_size``: expected bytes per block where ``kvtier.json`` does not record it.
-    ``remove``: delete provably bad blocks (``corrupt``, and ``wrong_size`` without a matching CRC32C).  ``progress``: tqdm bar on
-    stderr.
+    ``remove``: delete provably bad blocks (``corrupt``, and ``wrong_size`` without a matching
+    CRC32C).  ``progress``: tqdm bar on stderr.
 
     Returns a dict: ``root``; ``blocks`` (count) and ``bytes`` scanned; ``expected_block_bytes``
     ``{"<rank dir>/g<group>": {"bytes": int or None, "source": str or None}}``; ``counts``
