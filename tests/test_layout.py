@@ -94,6 +94,23 @@ def test_no_import_circle_in_kvtier():
     assert cycles(import_graph()) == []
 
 
+def test_each_room_imports_only_what_it_may():
+    """The rooms of docs/design.md ("The map"): the block contract (_blockio) imports nothing
+    else of kvtier; the fallback only the contract; the engine (_tier) only the contract,
+    kvtier.io and itself; metrics the counters, not the engine; no library module imports
+    the tools (cli), which may import the whole library."""
+    g = import_graph()
+    for mod, deps in g.items():
+        if mod.startswith("kvtier._blockio"):
+            assert all(d.startswith("kvtier._blockio") for d in deps), (mod, deps)
+        if mod.startswith("kvtier._tier"):
+            assert all(d.startswith(("kvtier._blockio", "kvtier._tier")) or d == "kvtier.io" for d in deps), (mod, deps)
+        if not mod.startswith("kvtier.cli") and mod != "kvtier.__main__":
+            assert not any(d.startswith("kvtier.cli") for d in deps), (mod, deps)
+    assert all(d.startswith("kvtier._blockio") for d in g["kvtier.fallback"]), g["kvtier.fallback"]
+    assert "kvtier._tier.engine" not in g["kvtier.metrics"]
+
+
 def test_the_c_path_does_not_import_the_fallback(tmp_path):
     """After ``import kvtier.io`` and a tier with a deadline storing and loading on the C
     backend (its JobState takes the C core's CAS), kvtier.fallback is not imported."""
