@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 #: At most one warning per this many seconds about unverified loads (and about lookups
 #: answered as misses at once), per tier.
-UNVERIFIED_WARN_INTERVAL = 60.0
+WARN_INTERVAL = 60.0
 
 
 # ---------------------------------------------------------------------- jobs
@@ -201,10 +201,10 @@ class TierEngine:
             self.lookup_timeout_s = min(self.io_timeout_s, DEFAULT_LOOKUP_TIMEOUT_S)
         else:  # io_timeout_s=0: no job deadline, but a lookup's caller still waits at most 2 s
             self.lookup_timeout_s = DEFAULT_LOOKUP_TIMEOUT_S
-        self._warned_lookup = -UNVERIFIED_WARN_INTERVAL
+        self._warned_lookup = -WARN_INTERVAL
         self.root = root
         self.before_job = before_job
-        self._warned_unverified = -UNVERIFIED_WARN_INTERVAL
+        self._warned_unverified = -WARN_INTERVAL
         self.view = view
         self.block_size = block_size
         self.path_of = path_of
@@ -570,7 +570,7 @@ class TierEngine:
             now = time.monotonic()
             if getattr(e, "started", True):
                 logger.warning("%s; lookups answer misses until it returns", e)
-            elif now - self._warned_lookup >= UNVERIFIED_WARN_INTERVAL:  # at most once a minute
+            elif now - self._warned_lookup >= WARN_INTERVAL:  # at most once a minute
                 self._warned_lookup = now
                 logger.warning("%s: answered as misses at once", e)
             return [False] * len(paths)
@@ -630,7 +630,7 @@ class TierEngine:
                        "load" if job.is_promotion else "store", job.job_id,
                        "(already reported failed) ended late" if late else "failed", n_ok, n,
                        getattr(err, "operation", "") or "-", err)
-        if counts.get("unverified") and t1 - self._warned_unverified >= UNVERIFIED_WARN_INTERVAL:
+        if counts.get("unverified") and t1 - self._warned_unverified >= WARN_INTERVAL:
             self._warned_unverified = t1  # rate-limited: at most one per interval per tier
             logger.warning("loaded %d block(s) without a CRC32C record (stored by vLLM or with checksums "
                            "off, or copied without xattrs): unverified; counted as 'unverified'; "
