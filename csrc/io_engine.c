@@ -13,7 +13,6 @@
 #include <unistd.h>
 
 #include "crc32c.h"
-#include "dsa.h"
 #include "policy.h"
 #include "uring.h"
 
@@ -237,10 +236,12 @@ static int commit_piece(uint8_t *dst, const uint8_t *src, size_t n, int move, kv
 {
     if (!kvt_job_commit_begin(js))
         return ETIMEDOUT; /* expired: not a byte of this piece enters dst */
+    const kvt_crc32c_backend *b;
     if (move == KVT_MOVE_FUSED || move == KVT_MOVE_NT) {
         *crc = kvt_crc32c_copy(*crc, dst, src, n);
-    } else if (move == KVT_MOVE_CRC_COPY && kvt_dsa_commit_copy_crc(dst, src, n, crc)) {
-        /* DSA active: one COPY_CRC op copied and checksummed the piece */
+    } else if (move == KVT_MOVE_CRC_COPY && (b = kvt_crc32c_active())->copy_crc != NULL &&
+               b->copy_crc(dst, src, n, crc)) {
+        /* the active backend copied and checksummed the piece in one op (DSA: COPY_CRC) */
     } else {
         if (move == KVT_MOVE_CRC_COPY)
             *crc = kvt_crc32c(*crc, src, n);

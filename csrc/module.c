@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "crc32c.h"
+#include "dsa.h"
 #include "fs_io.h"
 #include "uring.h"
 
@@ -245,12 +246,12 @@ static PyObject *kvt_py_crc32c_copy(PyObject *mod, PyObject *const *args, Py_ssi
     return PyLong_FromUnsignedLong(crc);
 }
 
-/* A DSA entry's available() may run discovery and the 1 MiB
- * self-check (up to seconds) the first time: never with the GIL held. The
- * enable path is serialized in C (pthread_once, a mutex). */
+/* A slow_probe backend's available() (DSA's) may run discovery and the
+ * 1 MiB self-check (up to seconds) the first time: never with the GIL held.
+ * The enable path is serialized in C (pthread_once, a mutex). */
 static int backend_available(const kvt_crc32c_backend *b)
 {
-    if (strncmp(b->name, "dsa", 3) != 0)
+    if (!b->slow_probe)
         return b->available();
     int r;
     Py_BEGIN_ALLOW_THREADS
@@ -1269,8 +1270,6 @@ done:
 /* DSA (dsa/)                                                          */
 /* ------------------------------------------------------------------ */
 
-#include "dsa.h"
-
 static int dsa_which(const char *name)
 {
     if (strcmp(name, "dsa") == 0)
@@ -1847,6 +1846,7 @@ static PyMethodDef kvt_methods[] = {
  * An unknown or unavailable name fails the import with ValueError. */
 static int kvt_exec(PyObject *mod)
 {
+    kvt_dsa_register_backends();
     const char *forced = getenv("KVTIER_CRC32C_BACKEND");
     if (forced != NULL && forced[0] != '\0') {
         const kvt_crc32c_backend *b = lookup_backend(forced);
