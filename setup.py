@@ -69,7 +69,7 @@ def _liburing():
     return version, cflags, libs
 
 
-sources = sorted(glob.glob("csrc/*.c") + glob.glob("csrc/crc32c/*.c") + glob.glob("csrc/dsa/*.c"))
+sources = sorted(glob.glob("csrc/*.c") + glob.glob("csrc/*/*.c"))
 define_macros = []
 extra_compile_args = ["-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=hidden"]
 extra_link_args = []
@@ -106,7 +106,7 @@ setup(
         Extension(
             "kvtier._C",
             sources=sources,
-            include_dirs=["csrc", "csrc/crc32c", "csrc/dsa"],
+            include_dirs=["csrc", "csrc/crc32c", "csrc/dsa", "csrc/py"],
             define_macros=define_macros,
             extra_compile_args=extra_compile_args,
             extra_link_args=extra_link_args,
