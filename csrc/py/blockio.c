@@ -8,7 +8,8 @@
 #include <string.h>
 
 #include "crc32c.h"
-#include "fs_io.h"
+#include "block.h"
+#include "engine.h"
 #include "uring.h"
 
 /* Arguments gathered with the GIL held; the batch then runs without it. */
