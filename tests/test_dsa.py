@@ -39,7 +39,7 @@ def _cc():
 
 def _build_and_run(tmp_path, name, extra):
     srcs = sorted(str(p) for p in (ROOT / "csrc/dsa").glob("*.c")) + sorted(
-        str(p) for p in (ROOT / "csrc/crc32c").glob("*.c"))
+        str(p) for p in (ROOT / "csrc/crc32c").glob("*.c")) + [str(ROOT / "csrc/env.c")]
     exe = tmp_path / name
     cmd = [_cc(), "-std=gnu11", "-O1", "-g", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror",
            f"-I{ROOT}/csrc", f"-I{ROOT}/csrc/crc32c", f"-I{ROOT}/csrc/dsa", *extra,

@@ -141,7 +141,8 @@ def test_libfuzzer_crc32c_dsa_model(tmp_path):
     dsa = sorted(glob.glob(os.path.join(ROOT, "csrc", "dsa", "*.c")))
     if not dsa:
         pytest.skip("csrc/dsa not present")
-    exe = build_fuzzer("fuzz_crc32c_dsa", crc_sources() + dsa + [os.path.join(FUZZ_DIR, "fuzz_crc32c.c")],
+    exe = build_fuzzer("fuzz_crc32c_dsa", crc_sources() + dsa + [os.path.join(ROOT, "csrc", "env.c"),
+                                                                  os.path.join(FUZZ_DIR, "fuzz_crc32c.c")],
                        extra_flags=["-DKVT_FUZZ_DSA_MODEL"])
     runs, log = run_fuzzer(exe, tmp_path, max_len=1024, seeds=[bytes(7) + b"123456789"])
     assert runs > 200, log[-2000:]

@@ -9,11 +9,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include "crc32c.h"
+#include "env.h"
 #include "policy.h"
 #include "sys.h"
 #include "uring.h"
@@ -27,9 +27,7 @@ static int crc_copy_mode;
 
 static void crc_copy_read_env(void)
 {
-    const char *c = getenv("KVTIER_CRC_COPY"); /* unset, empty or unknown: on */
-    crc_copy_mode = !(c != NULL && (!strcasecmp(c, "0") || !strcasecmp(c, "false") || !strcasecmp(c, "no") ||
-                                    !strcasecmp(c, "off")));
+    crc_copy_mode = kvt_env_switch("KVTIER_CRC_COPY") != 0; /* unset, empty or unknown: on */
 }
 
 /* See engine.h: not turned off, a fused kernel for this CPU, and the active

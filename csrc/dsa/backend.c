@@ -14,6 +14,7 @@
 
 #include "crc32c.h"
 #include "dsa.h"
+#include "env.h"
 
 /* ------------------------------------------------------------------ */
 /* Process-wide engines                                                */
@@ -62,37 +63,23 @@ static void install(int which, kvt_dsa_engine *e, kvt_dsa_model *m)
 }
 
 /* KVTIER_DSA_TIMEOUT_MS, KVTIER_DSA_MIN_SIZE, KVTIER_DSA_WAIT and
- * KVTIER_DSA_SELFCHECK_TIMEOUT_MS on a new engine (a value that does not
- * parse leaves the default; kvtier._env refuses it at import). */
+ * KVTIER_DSA_SELFCHECK_TIMEOUT_MS on a new engine (env.h: a value that does
+ * not parse leaves the default; kvtier._env refuses it at import). */
 static kvt_dsa_engine *engine_new(const char *name, kvt_dsa_portal *p, const kvt_dsa_wq_info *w)
 {
     kvt_dsa_engine *e = kvt_dsa_engine_create(name, p, w, kvt_crc32c_best_cpu()->fn);
     if (!e)
         return NULL;
-    const char *s = getenv("KVTIER_DSA_TIMEOUT_MS");
-    if (s && *s) {
-        char *end;
-        unsigned long long v = strtoull(s, &end, 10);
-        if (*end == '\0' && v > 0 && v < UINT64_MAX / 1000000ull)
-            kvt_dsa_engine_set_timeout(e, v * 1000000ull);
-    }
-    s = getenv("KVTIER_DSA_MIN_SIZE");
-    if (s && *s) {
-        char *end;
-        unsigned long long v = strtoull(s, &end, 0);
-        if (*end == '\0')
-            kvt_dsa_engine_set_min_size(e, (size_t)v);
-    }
-    s = getenv("KVTIER_DSA_WAIT");
-    if (s && *s && kvt_dsa_wait_from_name(s) >= 0)
-        kvt_dsa_engine_set_wait(e, kvt_dsa_wait_from_name(s), 0);
-    s = getenv("KVTIER_DSA_SELFCHECK_TIMEOUT_MS");
-    if (s && *s) {
-        char *end;
-        unsigned long long v = strtoull(s, &end, 10);
-        if (*end == '\0' && v > 0)
-            kvt_dsa_engine_set_selfcheck_timeout(e, v * 1000000ull);
-    }
+    uint64_t v;
+    if (kvt_env_uint("KVTIER_DSA_TIMEOUT_MS", &v) == 1)
+        kvt_dsa_engine_set_timeout(e, v * 1000000ull);
+    if (kvt_env_uint("KVTIER_DSA_MIN_SIZE", &v) == 1)
+        kvt_dsa_engine_set_min_size(e, (size_t)v);
+    int mode = kvt_env_choice("KVTIER_DSA_WAIT") /* KVT_DSA_WAIT_* order */;
+    if (mode >= 0)
+        kvt_dsa_engine_set_wait(e, mode, 0);
+    if (kvt_env_uint("KVTIER_DSA_SELFCHECK_TIMEOUT_MS", &v) == 1)
+        kvt_dsa_engine_set_selfcheck_timeout(e, v * 1000000ull);
     return e;
 }
 
@@ -292,15 +279,11 @@ static int engine_enabled(int which)
 static pthread_once_t once_device = PTHREAD_ONCE_INIT;
 static pthread_once_t once_model = PTHREAD_ONCE_INIT;
 
-static int env_is(const char *name, const char *value)
-{
-    const char *v = getenv(name);
-    return v && strcmp(v, value) == 0;
-}
+enum { DSA_MODE_MODEL = 0, DSA_MODE_OFF = 1 }; /* KVTIER_DSA's words (env.c) */
 
 static void try_device_once(void)
 {
-    if (env_is("KVTIER_DSA", "off")) {
+    if (kvt_env_choice("KVTIER_DSA") == DSA_MODE_OFF) {
         set_reason(KVT_DSA_DEVICE, "dsa: not probed (KVTIER_DSA=off)");
         return;
     }
@@ -311,20 +294,16 @@ static void try_device_once(void)
 static void try_model_once(void)
 {
     /* The model is only ever enabled explicitly. */
-    if ((env_is("KVTIER_DSA", "model") || env_is("KVTIER_CRC32C_BACKEND", "dsa-model")) &&
+    const char *forced = getenv("KVTIER_CRC32C_BACKEND");
+    if ((kvt_env_choice("KVTIER_DSA") == DSA_MODE_MODEL || (forced && strcmp(forced, "dsa-model") == 0)) &&
         !kvt_dsa_global_tried(KVT_DSA_MODEL)) {
-        const char *lat = getenv("KVTIER_DSA_MODEL_LATENCY_NS");
-        if (lat && *lat) {
-            char *end;
-            unsigned long long v = strtoull(lat, &end, 10);
-            if (*end == '\0' && v < 1000000000ull) {
-                kvt_dsa_model_config cfg = {.size = 32, .max_transfer_size = 2u << 20,
-                                            .gen_cap = KVT_DSA_GENCAP_CACHE_CONTROL |
-                                                       KVT_DSA_GENCAP_BLOCK_ON_FAULT,
-                                            .latency_ns = (unsigned)v};
-                kvt_dsa_enable_model(&cfg, 0);
-                return;
-            }
+        uint64_t lat;
+        if (kvt_env_uint("KVTIER_DSA_MODEL_LATENCY_NS", &lat) == 1) {
+            kvt_dsa_model_config cfg = {.size = 32, .max_transfer_size = 2u << 20,
+                                        .gen_cap = KVT_DSA_GENCAP_CACHE_CONTROL | KVT_DSA_GENCAP_BLOCK_ON_FAULT,
+                                        .latency_ns = (unsigned)lat};
+            kvt_dsa_enable_model(&cfg, 0);
+            return;
         }
         kvt_dsa_enable_model(NULL, 0);
     }
