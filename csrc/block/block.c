@@ -361,7 +361,7 @@ typedef struct load_dir {
 /* The batch's directory: the longest prefix of every path that ends in '/'
  * (not "/" alone), opened O_PATH | O_DIRECTORY. Symlinks in it are followed
  * as a whole path's open follows them; a name under it is opened with
- * O_NOFOLLOW as before; a path equal to the prefix (nothing after the '/')
+ * O_NOFOLLOW, as a whole path's last component is; a path equal to the prefix (nothing after the '/')
  * is opened whole. A directory that does not open (gone, EACCES, EINTR ...)
  * leaves every path to be opened whole, each with its own error. */
 static load_dir batch_dir(const char *const *paths, size_t n)

@@ -77,8 +77,8 @@ void kvt_block_identity(const char *path, uint64_t len, uint8_t out[KVT_ID_LEN])
      * os.path.normpath: "//" and "." dropped, ".." pops), a relative path taken
      * against the working directory, joined by '/'; fewer than four: '/' and
      * all of them. A clean absolute path hashes its own bytes after its
-     * fourth-last '/' (the whole path if shorter), as always: no allocation,
-     * no syscall; getcwd only for a relative path of fewer than four
+     * fourth-last '/' (the whole path if shorter): no allocation, no
+     * syscall; getcwd only for a relative path of fewer than four
      * components after normalisation. */
     const char *c[4];
     size_t cl[4], skip = 0;

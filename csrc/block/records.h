@@ -16,7 +16,9 @@
  * layout digest) and size, and carries its CRC32C, so that a load of a block
  * kvtier stored reads one xattr: 12 bytes, the identity (8 bytes big-endian,
  * kvt_block_identity()) then the CRC32C (4 bytes big-endian, the value of
- * user.vllm.kv_crc32c, which a store still sets for vLLM's reader). vLLM ignores this xattr. */
+ * user.vllm.kv_crc32c, which a store still sets for vLLM's reader). A
+ * record of 8 bytes (the identity alone) is read too: the CRC then comes from
+ * user.vllm.kv_crc32c. vLLM ignores this xattr. */
 #define KVT_ID_XATTR_NAME "user.kvtier.id"
 #define KVT_ID_LEN 8
 #define KVT_ID_REC_LEN 12
@@ -28,8 +30,8 @@
  * relative path against getcwd() when it has fewer than four components;
  * fewer than four in all: '/' and all of them), joined by '/', NUL, len in
  * decimal; as 8 bytes big-endian in out. A clean absolute path hashes its
- * bytes after its fourth-last '/' (the whole path if shorter), as before
- * normalisation: no syscall, no allocation. Symlinks are not resolved. */
+ * bytes after its fourth-last '/' (the whole path if shorter): no syscall,
+ * no allocation. Symlinks are not resolved. */
 void kvt_block_identity(const char *path, uint64_t len, uint8_t out[KVT_ID_LEN]);
 
 /* The xattr record parser of the load path, a pure function

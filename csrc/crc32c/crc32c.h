@@ -39,7 +39,7 @@ typedef struct kvt_crc32c_backend {
     const char *features;    /* CPU features / device it uses, for `kvtier info` */
     /* Optional (NULL / 0 for the CPU backends). copy_crc: copy len bytes src
      * -> dst and chain *crc over them in one operation of this backend (the
-     * block I/O engine's commit copy, io_engine.c); 1 when done, 0 when not
+     * block I/O engine's commit copy, csrc/block/engine.c); 1 when done, 0 when not
      * (below its size gate, not enabled): the caller then checksums and
      * copies on the CPU. slow_probe: available() may take seconds the first
      * time (device discovery and self-check): a caller holding a lock (the

@@ -71,6 +71,9 @@ static int alloc_args(kvt_batch_args *a, Py_ssize_t n, int two_path_lists, int w
     return 0;
 }
 
+/* The list-of-buffers form (one buffer per block). kvtier.io always passes
+ * offsets= (gather_at); this form is kept for callers shaped like vLLM's
+ * fs_io_C (a list of tensors) and is what the tests' list calls exercise. */
 static int gather_buffers(kvt_batch_args *a, PyObject *seq, int writable)
 {
     for (Py_ssize_t i = 0; i < a->n; i++) {
@@ -515,7 +518,7 @@ PyDoc_STRVAR(job_state_cas_doc,
 "JOB_COMMITTING, JOB_EXPIRED, JOB_DONE (module constants); the load/store\n"
 "commit sections of batch_load_block / batch_store_block(job_state=buf) take\n"
 "LIVE -> COMMITTING -> LIVE, a load counts each block whole and verified\n"
-"(LIVE -> LIVE, blocks + 1), every change keeps the count (csrc/job_state.h).\n"
+"(LIVE -> LIVE, blocks + 1), every change keeps the count (csrc/block/job_state.h).\n"
 "ValueError for a value outside 0..2**32-1.");
 
 static PyObject *kvt_py_job_state_cas(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
