@@ -473,6 +473,28 @@ static int check_block_file(int fd, size_t len, int checksum, load_look *lk)
     return 0;
 }
 
+/* A record that proves the block bad (`cause`: KVT_CAUSE_IDENTITY /
+ * KVT_CAUSE_CHECKSUM) once the file itself is a regular file of `len` bytes
+ * (a wrong size says EIO first): 0 with *mismatch, or check_block_file's
+ * errno. */
+static int record_mismatch(int fd, size_t len, int checksum, load_look *lk, int cause, int *mismatch)
+{
+    int e = check_block_file(fd, len, checksum, lk);
+    if (e)
+        return e;
+    *mismatch = cause;
+    return 0;
+}
+
+/* A getxattr error that is the filesystem's (EOPNOTSUPP, EIO ...), not the
+ * block's: the miss is `xerr` (kept), unless the file itself says otherwise. */
+static int record_error(int fd, size_t len, int checksum, load_look *lk, int xerr)
+{
+    int e = check_block_file(fd, len, checksum, lk);
+    lk->op = e ? lk->op : KVT_OP_GETXATTR;
+    return e ? e : xerr;
+}
+
 /* Read the records (with `checksum`) and the data of an open block. Returns
  * 0 with *mismatch = KVT_CAUSE_CHECKSUM (CRC mismatch or malformed record) /
  * KVT_CAUSE_IDENTITY (identity record not `id`), 0 with *mismatch = 0 when
@@ -500,18 +522,10 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
         case KVT_ID_ONLY:
         case KVT_ID_ABSENT:
             break;
-        case KVT_ID_MISMATCH: { /* another block's name or layout, or malformed */
-            int e = check_block_file(fd, len, checksum, lk); /* a wrong size says EIO first */
-            if (e)
-                return e;
-            *mismatch = KVT_CAUSE_IDENTITY;
-            return 0;
-        }
-        default: { /* EOPNOTSUPP, EIO, ...: not the block's fault, keep */
-            int e = check_block_file(fd, len, checksum, lk);
-            lk->op = e ? lk->op : KVT_OP_GETXATTR;
-            return e ? e : xerr;
-        }
+        case KVT_ID_MISMATCH: /* another block's name or layout, or malformed */
+            return record_mismatch(fd, len, checksum, lk, KVT_CAUSE_IDENTITY, mismatch);
+        default: /* EOPNOTSUPP, EIO, ...: not the block's fault, keep */
+            return record_error(fd, len, checksum, lk, xerr);
         }
         if (!have_rec) {
             r = kvt_fgetxattr_r(fd, KVT_XATTR_NAME, rec, sizeof rec);
@@ -531,18 +545,10 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
                 }
                 lk->unverified = 1; /* counted by load_one once the block is loaded */
                 break;
-            case KVT_REC_MALFORMED: { /* wrong length, or longer than the buffer (ERANGE) */
-                int e = check_block_file(fd, len, checksum, lk); /* a wrong size says EIO first */
-                if (e)
-                    return e;
-                *mismatch = KVT_CAUSE_CHECKSUM;
-                return 0;
-            }
-            default: { /* EOPNOTSUPP, EIO, ...: not the block's fault, keep */
-                int e = check_block_file(fd, len, checksum, lk);
-                lk->op = e ? lk->op : KVT_OP_GETXATTR;
-                return e ? e : xerr;
-            }
+            case KVT_REC_MALFORMED: /* wrong length, or longer than the buffer (ERANGE) */
+                return record_mismatch(fd, len, checksum, lk, KVT_CAUSE_CHECKSUM, mismatch);
+            default: /* EOPNOTSUPP, EIO, ...: not the block's fault, keep */
+                return record_error(fd, len, checksum, lk, xerr);
             }
         }
     }

@@ -144,6 +144,19 @@ static void abandon(kvt_uring *ring)
     }
 }
 
+/* The ring for an O_DIRECT block of `len` bytes: none for one piece (one
+ * pread/pwrite needs none); NULL, counted as a plain block, when this thread
+ * has none. */
+static kvt_uring *ring_for(size_t len)
+{
+    if (len <= KVT_PIECE_MIN)
+        return NULL;
+    kvt_uring *ring = kvt_uring_get();
+    if (ring == NULL)
+        kvt_uring_note_plain();
+    return ring;
+}
+
 /* One read/write through the ring, submitted now. 0, or EAGAIN after
  * abandoning the ring (the caller redoes the block on the plain path). */
 static int ring_start(kvt_uring *ring, int write, int fd, uint8_t *buf, size_t n, uint64_t off)
@@ -279,12 +292,7 @@ int kvt_engine_read(int fd, uint8_t *dst, size_t len, int *direct, int move, kvt
         uint8_t *priv = thread_priv();
         if (priv == NULL)
             return ENOMEM;
-        kvt_uring *ring = NULL;
-        if (len > KVT_PIECE_MIN) { /* one piece: one pread, no ring needed */
-            ring = kvt_uring_get();
-            if (ring == NULL)
-                kvt_uring_note_plain();
-        }
+        kvt_uring *ring = ring_for(len);
         if (ring != NULL) {
             e = read_uring(ring, fd, dst, len, priv, move, js, crc);
             if (e != EAGAIN)
@@ -396,12 +404,7 @@ int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int fu
         uint8_t *priv = thread_priv();
         if (priv == NULL)
             return ENOMEM;
-        kvt_uring *ring = NULL;
-        if (len > KVT_PIECE_MIN) { /* one piece: one pwrite, no ring needed */
-            ring = kvt_uring_get();
-            if (ring == NULL)
-                kvt_uring_note_plain();
-        }
+        kvt_uring *ring = ring_for(len);
         if (ring != NULL) {
             int e = write_uring(ring, fd, src, len, priv, fused, rec, crc);
             if (e != EAGAIN)
