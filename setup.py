@@ -3,7 +3,7 @@
 libisal is found through pkg-config (Debian: libisal-dev). Without it the
 extension is built without the ISA-L backend and says so. liburing likewise
 (Debian: liburing-dev): without it block I/O uses plain pread/pwrite only
-(csrc/uring.h). Switches (environment variables read at build time):
+(csrc/block/uring.h). Switches (environment variables read at build time):
 
   KVTIER_NO_ISAL=1     build without ISA-L even if it is installed
   KVTIER_REQUIRE_ISAL=1  fail the build if ISA-L is not found
@@ -69,7 +69,7 @@ def _liburing():
     return version, cflags, libs
 
 
-sources = sorted(glob.glob("csrc/*.c") + glob.glob("csrc/crc32c/*.c") + glob.glob("csrc/dsa/*.c"))
+sources = sorted(glob.glob("csrc/*.c") + glob.glob("csrc/*/*.c"))
 define_macros = []
 extra_compile_args = ["-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=hidden"]
 extra_link_args = []
@@ -106,7 +106,7 @@ setup(
         Extension(
             "kvtier._C",
             sources=sources,
-            include_dirs=["csrc", "csrc/crc32c", "csrc/dsa"],
+            include_dirs=["csrc", "csrc/block", "csrc/crc32c", "csrc/dsa", "csrc/py"],
             define_macros=define_macros,
             extra_compile_args=extra_compile_args,
             extra_link_args=extra_link_args,

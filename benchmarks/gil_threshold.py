@@ -12,7 +12,7 @@ Measures, in one run:
 3. the CRC time by size for every C backend (through crc32c_using; sizes
    below the current threshold run with the GIL held).
 
-Rule used for KVT_GIL_RELEASE_MIN (csrc/module.c): release once the CRC on
+Rule used for KVT_GIL_RELEASE_MIN (csrc/py/args.h): release once the CRC on
 the fastest backend takes at least 20x the uncontended release cost (the
 release then costs <= 5 % of the call); holding the GIL below that blocks
 other threads for at most a few microseconds.

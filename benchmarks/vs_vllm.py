@@ -32,7 +32,7 @@ leaves hit all alike):
          (64 KiB-4 MiB pieces and the whole block were measured: 128-256 KiB
          were fastest); O_DIRECT, one pread/pwrite of the block and a pass over
          the caller's buffer (no overlap with the device: one thread, one
-         call). The identity is kvtier's own kvt_block_identity (csrc/policy.c,
+         call). The identity is kvtier's own kvt_block_identity (csrc/block/records.c,
          built into the loop). Built with gcc and -lisal (libisal-dev); before timing it passes a
          self-check (kvtier loads what it stores, checksum strict, with the
          same bytes and records; it loads what kvtier stores and refuses a
@@ -160,10 +160,10 @@ VFLOOR_C = r"""
 #include <sys/xattr.h>
 #include <unistd.h>
 #include <isa-l/crc.h>
-#include "policy.h" /* kvt_block_identity: kvtier's own, csrc/policy.c built in */
+#include "records.h" /* kvt_block_identity: kvtier's own, csrc/block/records.c built in */
 /* The verified floor: the calls and the one CRC pass a verified block in
  * kvtier's on-disk format needs, nothing else. CRC32C standard presentation
- * with ISA-L (~crc32_iscsi(buf, len, ~crc)); records as csrc/policy.h. */
+ * with ISA-L (~crc32_iscsi(buf, len, ~crc)); records as csrc/block/records.h. */
 static uint32_t crc(const char *b, size_t len, uint32_t c)
 {
     c = ~c;
@@ -253,7 +253,7 @@ def fmt_size(n: int) -> str:
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 
 
-VFLOOR_LIBS = (os.path.join(CSRC, "policy.c"), "-lisal")
+VFLOOR_LIBS = (os.path.join(CSRC, "block", "records.c"), "-lisal")
 """What vfloor is built with: kvtier's kvt_block_identity and ISA-L's CRC32C."""
 
 
@@ -261,7 +261,7 @@ def gcc_shared(src: str, out: str, libs=()) -> None:
     """Build `src` (with kvtier's csrc/ on the include path, and `libs`: more
     sources or -l flags) into the shared library `out`; CalledProcessError (with
     gcc's stderr) or FileNotFoundError (no gcc) when it cannot be built."""
-    cmd = ["gcc", "-O2", "-shared", "-fPIC", f"-I{CSRC}", "-o", out, "-x", "c", "-", *libs]
+    cmd = ["gcc", "-O2", "-shared", "-fPIC", f"-I{CSRC}", f"-I{CSRC}/block", "-o", out, "-x", "c", "-", *libs]
     subprocess.run(cmd, input=src.encode(), check=True, capture_output=True)
 
 

@@ -1,4 +1,4 @@
-"""Type stub of kvtier._C, the C core (csrc/module.c). Sizes are in bytes."""
+"""Type stub of kvtier._C, the C core (csrc/py/). Sizes are in bytes."""
 from __future__ import annotations
 
 import os
@@ -142,3 +142,7 @@ def dsa_cpu_features() -> dict[str, bool]: ...
 def dsa_disable(backend: str, /) -> None: ...
 def dsa_reset_counters(backend: str, /) -> None: ...
 def dsa_status(backend: str, /) -> dict[str, Any]: ...
+
+def env_check(group: Literal["io", "dsa"], /) -> list[tuple[str, str, str]]:
+    """KVTIER_* settings of the group set to a value the C core does not take (csrc/env.c):
+    (name, value, why), why completing "<name>=<value> is not valid<why>"."""

@@ -597,7 +597,7 @@ def test_missing_file_enoent_kept_going_nowhere(io_backend, tmp_path):
 @pytest.mark.parametrize("case", ["good", "missing", "symlink", "directory", "dir_itself", "dotdot", "linked_dir"])
 def test_batch_of_many_blocks_in_one_directory(io_backend, tmp_path, case):
     """A batch of >= 16 blocks: the C core opens the directory they share once and each
-    block relative to it (fs_io.c batch_dir). Same bytes and the same errors as whole
+    block relative to it (csrc/block/block.c batch_dir). Same bytes and the same errors as whole
     paths: a missing block ENOENT, a symlink at a block path ELOOP, a directory EISDIR,
     a path naming the shared directory itself, '..' inside the rest, a symlinked
     shared directory (followed, as a whole path's open follows it)."""
@@ -1214,7 +1214,7 @@ def test_type_stub_covers_the_c_module():
 def test_condemned_block_republished_meanwhile_is_kept(tmp_path, monkeypatch):
     """A block condemned by one reader is removed only if the name still points to the
     file it read: a good copy a peer renamed over it meanwhile stays (fallback; the C core
-    runs the same fstat/stat inode check, csrc/fs_io.c unlink_if_same)."""
+    runs the same fstat/stat inode check, csrc/block/block.c unlink_if_same)."""
     from kvtier import fallback
 
     bs = 8192
@@ -1625,7 +1625,7 @@ def test_durable_dir_fsync_failure_keeps_a_peers_block(io_backend, io_fault, tmp
 
 
 def test_batch_error_under_allocation_failures():
-    """raise_batch_error (module.c) under an allocation failure at each point
+    """raise_batch_error (csrc/py/blockio.c) under an allocation failure at each point
     of a failing batch_load_block: the result is the full OSError or a
     MemoryError, never a SystemError (NULL without an exception) or a crash.
     Failure points past the argument parsing (which a succeeding load also

@@ -1,5 +1,5 @@
 """The fused copy + CRC that moves checksummed loads from private memory into
-the caller's buffer (csrc/io_engine.c, kernels in csrc/crc32c/copy.c; the kernels themselves are tested
+the caller's buffer (csrc/block/engine.c, kernels in csrc/crc32c/copy.c; the kernels themselves are tested
 against the bit-at-a-time reference by tests/c/test_crc32c.c).
 
 Each test runs a fresh interpreter (the C core reads KVTIER_CRC_COPY once per

@@ -39,7 +39,7 @@ def _cc():
 
 def _build_and_run(tmp_path, name, extra):
     srcs = sorted(str(p) for p in (ROOT / "csrc/dsa").glob("*.c")) + sorted(
-        str(p) for p in (ROOT / "csrc/crc32c").glob("*.c"))
+        str(p) for p in (ROOT / "csrc/crc32c").glob("*.c")) + [str(ROOT / "csrc/env.c")]
     exe = tmp_path / name
     cmd = [_cc(), "-std=gnu11", "-O1", "-g", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror",
            f"-I{ROOT}/csrc", f"-I{ROOT}/csrc/crc32c", f"-I{ROOT}/csrc/dsa", *extra,
@@ -577,7 +577,7 @@ print(json.dumps(out))
 @pytest.mark.parametrize("mode", ["mixed", "hang"])
 def test_load_commit_copy_is_copy_crc_and_counts_only_device_bytes(tmp_path, mode):
     """With dsa-model active, a checksummed load's commit copy (private memory ->
-    the caller's buffer, io_engine.c commit_piece) is one COPY_CRC op per piece:
+    the caller's buffer, csrc/block/engine.c commit_piece) is one COPY_CRC op per piece:
     commit_bytes_on_device counts only bytes whose completion record said the device
     did them; refused descriptors and a timed-out one are commit_bytes_cpu, and the
     bytes are right either way (under a job state too: every block counted)."""

@@ -6,7 +6,7 @@ undefined) run for a bounded time, and hypothesis property tests.
   data flush against the end of its allocation; a second build also drives
   the software DSA device ("dsa-model") for every length.
 - fuzz_xattr_record: the xattr record parsers of the load path
-  (kvt_xattr_parse, kvt_id_parse in csrc/xattr_record.c) on arbitrary records.
+  (kvt_xattr_parse, kvt_id_parse in csrc/block/records.c) on arbitrary records.
 - hypothesis: the same differential properties through the Python API for
   each backend, and arbitrary xattr records on stored blocks through both
   block I/O implementations (only the exact 4-byte big-endian CRC32C loads).
@@ -88,7 +88,7 @@ def build_fuzzer(name: str, sources, extra_flags=(), tag="") -> str:
     tmp = f"{exe}.{os.getpid()}.tmp"
     cmd = [clang, "-g", "-O1", "-std=gnu11", "-fsanitize=fuzzer,address,undefined",
            "-fno-sanitize-recover=undefined", "-I" + os.path.join(ROOT, "csrc"),
-           "-I" + os.path.join(ROOT, "csrc", "crc32c"), "-I" + os.path.join(ROOT, "csrc", "dsa"),
+           "-I" + os.path.join(ROOT, "csrc", "block"), "-I" + os.path.join(ROOT, "csrc", "crc32c"), "-I" + os.path.join(ROOT, "csrc", "dsa"),
            *extra_flags, *cflags, "-o", tmp, *sources, *libs, "-lpthread"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -141,7 +141,8 @@ def test_libfuzzer_crc32c_dsa_model(tmp_path):
     dsa = sorted(glob.glob(os.path.join(ROOT, "csrc", "dsa", "*.c")))
     if not dsa:
         pytest.skip("csrc/dsa not present")
-    exe = build_fuzzer("fuzz_crc32c_dsa", crc_sources() + dsa + [os.path.join(FUZZ_DIR, "fuzz_crc32c.c")],
+    exe = build_fuzzer("fuzz_crc32c_dsa", crc_sources() + dsa + [os.path.join(ROOT, "csrc", "env.c"),
+                                                                  os.path.join(FUZZ_DIR, "fuzz_crc32c.c")],
                        extra_flags=["-DKVT_FUZZ_DSA_MODEL"])
     runs, log = run_fuzzer(exe, tmp_path, max_len=1024, seeds=[bytes(7) + b"123456789"])
     assert runs > 200, log[-2000:]
@@ -149,7 +150,7 @@ def test_libfuzzer_crc32c_dsa_model(tmp_path):
 
 
 def test_libfuzzer_xattr_record_parser(tmp_path):
-    srcs = [os.path.join(ROOT, "csrc", "xattr_record.c")]
+    srcs = [os.path.join(ROOT, "csrc", "block", "records.c")]
     exe = build_fuzzer("fuzz_xattr_record", srcs + [os.path.join(FUZZ_DIR, "fuzz_xattr_record.c")])
     seeds = [b"\x00\x00\x12\x34\x56\x78", b"\x01" + bytes([errno.ENODATA]), b"\x01" + bytes([errno.ERANGE]),
              b"\x01" + bytes([errno.EIO]), b"\x00\x00", b"\x00\x00" + bytes(40),
@@ -284,7 +285,7 @@ def id_tree(tmp_path_factory):
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(st.sampled_from(["a", "b", ".", "", ".."]), max_size=12), absolute=st.booleans())
 def test_hypothesis_identity_is_lexical_normalisation(backend, id_tree, ops, absolute):
-    """The identity a store sets (csrc/policy.c kvt_block_identity, its own component
+    """The identity a store sets (csrc/block/records.c kvt_block_identity, its own component
     scanner; the fallback's records.block_identity) is that of the file's clean absolute
     path, whatever the spelling: random component lists of a, b, ".", "" (a "//") and ".."
     from <tree>/a/b (absolute) or relative to it as the working directory, ".." popping

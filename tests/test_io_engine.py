@@ -1,4 +1,4 @@
-"""The C core's I/O engine paths (csrc/io_engine.c, csrc/uring.c): io_uring
+"""The C core's I/O engine paths (csrc/block/engine.c, csrc/block/uring.c): io_uring
 and plain pread/pwrite, each forced by KVTIER_IO_URING and seen really used in
 kvtier._C.io_engine_status(); a kernel that refuses io_uring (a seccomp filter
 making io_uring_setup ENOSYS, tests/c/no_io_uring.c) falls back to the plain

@@ -1,4 +1,4 @@
-"""The C core's job state word (csrc/job_state.h): job_state_cas and the
+"""The C core's job state word (csrc/block/job_state.h): job_state_cas and the
 commit sections of batch_load_block / batch_store_block(job_state=...).
 
 The Python fallback's side of the same contract is kvtier.fallback's (tested

@@ -681,7 +681,7 @@ def test_a_key_offered_twice_is_stored_once_as_vllm_passes_it(harness, kind):
 # ------------------------------------------------------------------ shutdown
 class _Export:
     """A C-level export of a buffer (``PyObject_GetBuffer`` .. ``PyBuffer_Release``), as the
-    C core holds the primary view for the whole of a batch call (csrc/module.c)."""
+    C core holds the primary view for the whole of a batch call (csrc/py/blockio.c)."""
 
     def __init__(self, obj) -> None:
         import ctypes

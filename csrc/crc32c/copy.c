@@ -180,10 +180,10 @@ uint32_t kvt_crc32c_copy_generic(uint32_t crc, void *dst, const void *src, size_
 
 static const kvt_crc32c_copy_kernel kernels[] = {
 #if defined(KVT_CRC32C_HAVE_SSE42)
-    {"avx512-vpclmulqdq", kvt_crc32c_copy_avx512, kvt_crc32c_copy_avx512_available},
-    {"pclmulqdq", kvt_crc32c_copy_pclmul, kvt_crc32c_copy_pclmul_available},
+    {"avx512-vpclmulqdq", kvt_crc32c_copy_avx512, kvt_crc32c_copy_avx512_available, 1},
+    {"pclmulqdq", kvt_crc32c_copy_pclmul, kvt_crc32c_copy_pclmul_available, 1},
 #endif
-    {"generic", kvt_crc32c_copy_generic, NULL},
+    {"generic", kvt_crc32c_copy_generic, NULL, 0},
 };
 
 const kvt_crc32c_copy_kernel *kvt_crc32c_copy_kernels(size_t *count)

@@ -33,10 +33,19 @@ extern "C" {
 typedef uint32_t (*kvt_crc32c_fn)(uint32_t crc, const void *buf, size_t len);
 
 typedef struct kvt_crc32c_backend {
-    const char *name;        /* "isal", "sse42", "armv8", "table", "dsa", "dsa-model" */
+    const char *name;        /* "isal", "sse42", "armv8", "table"; registered: "dsa", "dsa-model" */
     kvt_crc32c_fn fn;
     int (*available)(void);  /* 1 when usable on this host/build now */
     const char *features;    /* CPU features / device it uses, for `kvtier info` */
+    /* Optional (NULL / 0 for the CPU backends). copy_crc: copy len bytes src
+     * -> dst and chain *crc over them in one operation of this backend (the
+     * block I/O engine's commit copy, csrc/block/engine.c); 1 when done, 0 when not
+     * (below its size gate, not enabled): the caller then checksums and
+     * copies on the CPU. slow_probe: available() may take seconds the first
+     * time (device discovery and self-check): a caller holding a lock (the
+     * Python GIL) releases it around the call. */
+    int (*copy_crc)(void *dst, const void *src, size_t len, uint32_t *crc);
+    int slow_probe;
 } kvt_crc32c_backend;
 
 /* Each backend file defines exactly one of these (only those compiled in). */
@@ -77,6 +86,7 @@ typedef struct kvt_crc32c_copy_kernel {
     const char *name;       /* "avx512-vpclmulqdq", "pclmulqdq", "generic" */
     kvt_crc32c_copy_fn fn;
     int (*available)(void); /* NULL: always */
+    int fused;              /* 1: one pass (folds while it copies); 0: "generic", memcpy then the CRC */
 } kvt_crc32c_copy_kernel;
 const kvt_crc32c_copy_kernel *kvt_crc32c_copy_kernels(size_t *count); /* best first */
 const kvt_crc32c_copy_kernel *kvt_crc32c_copy_best(void);            /* first available */
@@ -89,15 +99,23 @@ int kvt_crc32c_copy_avx512_available(void);
 int kvt_crc32c_copy_pclmul_available(void);
 #endif
 
-/* Dispatch (dispatch.c). The table lists every backend compiled in, best
- * first; kvt_crc32c_select() is called once at module import. */
+/* Dispatch (dispatch.c). The table lists every CPU backend compiled in,
+ * best first, then the registered ones (never auto-selected);
+ * kvt_crc32c_select() is called once at module import. */
 const kvt_crc32c_backend *kvt_crc32c_backends(size_t *count);
+/* Add a backend defined elsewhere (csrc/dsa registers "dsa" and "dsa-model"):
+ * *b is copied. Call before kvt_crc32c_select, from one thread (module
+ * import, a test's main). 0, or -1 with errno EEXIST (the name is taken) or
+ * ENOSPC (KVT_CRC32C_MAX_REGISTERED reached). */
+#define KVT_CRC32C_MAX_REGISTERED 4
+int kvt_crc32c_register(const kvt_crc32c_backend *b);
 const kvt_crc32c_backend *kvt_crc32c_find(const char *name); /* NULL if not compiled in */
 /* name == NULL or "": best available. Returns 0, or -1 when the name is
  * unknown (errno EINVAL) or not available on this host (errno ENODEV). */
 int kvt_crc32c_select(const char *name);
 const kvt_crc32c_backend *kvt_crc32c_active(void);
-/* Best available CPU (software) backend: never a DSA one. Used for CPU redo. */
+/* Best available CPU (software) backend: never a registered one. Used for
+ * CPU redo. Found once (CPU features do not change), then one load. */
 const kvt_crc32c_backend *kvt_crc32c_best_cpu(void);
 /* CRC through the active backend. */
 uint32_t kvt_crc32c(uint32_t crc, const void *buf, size_t len);

@@ -3,8 +3,10 @@
  *   wq.c      work queue (WQ) discovery from sysfs (/sys/bus/dsa/devices)
  *   submit.c  portals: mmap'd WQ portal with MOVDIR64B (dedicated WQ) or
  *             ENQCMD (shared WQ), write(fd, desc, 64) where mmap is refused
- *   ops.c     engine: CRCGEN / COPY_CRC descriptors, completion polling,
+ *   engine.c  engine: CRCGEN / COPY_CRC descriptors, completion polling,
  *             page-fault resume, CPU redo, min-size gate, self-check, counters
+ *   backend.c the process-wide engines behind the "dsa" / "dsa-model" CRC32C
+ *             backends, KVTIER_DSA*, their registration (crc32c.h)
  *   model.c   software device model: consumes the same struct dsa_hw_desc
  *             through the portal abstraction, executes on its own thread
  *
@@ -25,6 +27,8 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <linux/idxd.h>
+
+#include "crc32c.h" /* kvt_crc32c_fn */
 
 #ifdef __cplusplus
 extern "C" {
@@ -173,7 +177,7 @@ const char *kvt_dsa_fault_name(int kind);
 int kvt_dsa_fault_from_name(const char *name); /* -1 if unknown */
 
 /* ------------------------------------------------------------------ */
-/* Engine and operations (ops.c)                                       */
+/* Engine and operations (engine.c)                                    */
 /* ------------------------------------------------------------------ */
 
 enum kvt_dsa_wait_mode { KVT_DSA_WAIT_SPIN = 0, KVT_DSA_WAIT_YIELD, KVT_DSA_WAIT_SLEEP };
@@ -209,10 +213,12 @@ typedef struct kvt_dsa_engine kvt_dsa_engine;
 
 /* Engine over a portal with a WQ description (size, max_transfer_size,
  * block_on_fault, gen_cap, mode). `name` is "dsa" or "dsa-model". Takes
- * ownership of the portal. min_size / wait from env KVTIER_DSA_MIN_SIZE and
- * KVTIER_DSA_WAIT (spin|yield|sleep) when set, else 16 KiB / yield. */
+ * ownership of the portal. `cpu` computes what the device does not (CPU
+ * redo, the size gate) and the self-check's reference. min_size 16 KiB,
+ * wait yield, timeout 1 s, self-check timeout 2 s (backend.c applies the
+ * KVTIER_DSA* settings to the process-wide engines). */
 kvt_dsa_engine *kvt_dsa_engine_create(const char *name, kvt_dsa_portal *portal,
-                                      const kvt_dsa_wq_info *wq);
+                                      const kvt_dsa_wq_info *wq, kvt_crc32c_fn cpu);
 void kvt_dsa_engine_destroy(kvt_dsa_engine *e);
 /* Runs the 1 MiB self-check for CRCGEN and COPY_CRC; returns 1 and marks the
  * engine enabled only if both completed on the device and matched the CPU.
@@ -233,6 +239,10 @@ void kvt_dsa_engine_set_cache_control(kvt_dsa_engine *e, int on);
  * the wait for that descriptor. Default 1 s, env KVTIER_DSA_TIMEOUT_MS. */
 void kvt_dsa_engine_set_timeout(kvt_dsa_engine *e, uint64_t timeout_ns);
 uint64_t kvt_dsa_engine_timeout(const kvt_dsa_engine *e);
+/* How long the self-check waits for each of its descriptors, ns (> 0). */
+void kvt_dsa_engine_set_selfcheck_timeout(kvt_dsa_engine *e, uint64_t timeout_ns);
+/* 1 once a descriptor timed out (the engine disabled itself; its reason says so). */
+int kvt_dsa_engine_dead(const kvt_dsa_engine *e);
 void kvt_dsa_engine_get_counters(const kvt_dsa_engine *e, kvt_dsa_counters *out);
 void kvt_dsa_engine_reset_counters(kvt_dsa_engine *e);
 const char *kvt_dsa_status_name(int status); /* "success", "invalid_flags", ... */
@@ -279,13 +289,13 @@ void kvt_dsa_copy_crc_submit(kvt_dsa_engine *e, kvt_dsa_op *op, void *dst, const
  * COPY_CRC with overlapping dst/src is done on the CPU (CRC of src first,
  * then memmove); the Python binding rejects overlap with ValueError. */
 uint32_t kvt_dsa_wait(kvt_dsa_op *op);
-/* The block I/O core's commit copy (io_engine.c commit_piece): when the active
- * CRC backend is "dsa" or "dsa-model" (enabled) and len >= its min size, copy
+/* The block I/O core's commit copy (the copy_crc hook of the "dsa" and
+ * "dsa-model" backends, backend.c): when len >= the engine's min size, copy
  * src into dst and chain *crc over src with COPY_CRC descriptors, counting the
  * bytes the device did (commit_bytes_on_device) and those the CPU redid
  * (commit_bytes_cpu); returns 1. Otherwise 0, nothing done: the caller copies
- * on the CPU (and its CRC goes through the active backend as before). */
-int kvt_dsa_commit_copy_crc(void *dst, const void *src, size_t len, uint32_t *crc);
+ * on the CPU (and its CRC goes through the active backend). */
+int kvt_dsa_commit_copy_crc(kvt_dsa_engine *e, void *dst, const void *src, size_t len, uint32_t *crc);
 /* Synchronous helpers. */
 uint32_t kvt_dsa_crc(kvt_dsa_engine *e, uint32_t seed, const void *buf, size_t len);
 uint32_t kvt_dsa_copy_crc(kvt_dsa_engine *e, void *dst, const void *src, size_t len,
@@ -293,6 +303,7 @@ uint32_t kvt_dsa_copy_crc(kvt_dsa_engine *e, void *dst, const void *src, size_t 
 
 /* ------------------------------------------------------------------ */
 /* Process-wide engines behind the "dsa" and "dsa-model" CRC backends  */
+/* (backend.c)                                                          */
 /* ------------------------------------------------------------------ */
 
 enum { KVT_DSA_DEVICE = 0, KVT_DSA_MODEL = 1 };
@@ -311,9 +322,6 @@ void kvt_dsa_disable(int which);
 /* Engine read-locked for use (NULL when none exists); release with
  * kvt_dsa_release(). Holding it keeps the engine from being destroyed. */
 kvt_dsa_engine *kvt_dsa_acquire(int which);
-/* Engine behind the active CRC backend ("dsa" or "dsa-model"), read-locked
- * and enabled, or NULL (nothing locked) when the active backend is a CPU one. */
-kvt_dsa_engine *kvt_dsa_acquire_active(void);
 void kvt_dsa_release(kvt_dsa_engine *e);
 kvt_dsa_model *kvt_dsa_global_model(void); /* under kvt_dsa_acquire(KVT_DSA_MODEL) */
 int kvt_dsa_global_tried(int which);
@@ -321,8 +329,12 @@ int kvt_dsa_global_tried(int which);
  * device stopped completing descriptors (...)" once a descriptor timed out. */
 void kvt_dsa_global_reason(int which, char *buf, size_t n);
 
-/* CRC backends for the dispatch table (crc32c/dispatch.c). Synchronous;
- * below the min size, or when not enabled, the CPU computes. */
+/* Add "dsa" and "dsa-model" to the CRC32C dispatch table
+ * (kvt_crc32c_register, with their copy_crc hook); once per process, before
+ * kvt_crc32c_select (module import; test programs call it in main). */
+void kvt_dsa_register_backends(void);
+/* The registered backends' functions. Synchronous; below the min size, or
+ * when not enabled, the CPU computes. */
 uint32_t kvt_crc32c_dsa(uint32_t crc, const void *buf, size_t len);
 uint32_t kvt_crc32c_dsa_model(uint32_t crc, const void *buf, size_t len);
 int kvt_dsa_backend_available(void);       /* real WQ enabled + self-check passed;

@@ -81,7 +81,7 @@ static rig make_rig(int shared, unsigned size, uint64_t max_xfer, int bof, uint6
     r.m = kvt_dsa_model_create(&cfg);
     kvt_dsa_wq_info w;
     kvt_dsa_model_wq_info(r.m, &w);
-    r.e = kvt_dsa_engine_create("dsa-model", kvt_dsa_model_portal(r.m), &w);
+    r.e = kvt_dsa_engine_create("dsa-model", kvt_dsa_model_portal(r.m), &w, kvt_crc32c_best_cpu()->fn);
     return r;
 }
 
@@ -783,6 +783,7 @@ static void test_copy_overlap(void)
 
 int main(void)
 {
+    kvt_dsa_register_backends(); /* as the module's import does */
     unsetenv("KVTIER_DSA_MIN_SIZE");
     unsetenv("KVTIER_DSA_WAIT");
     test_bitfields();

@@ -1,6 +1,6 @@
 /* libFuzzer harness: the xattr record parsers of the load path,
- * kvt_xattr_parse() and kvt_id_parse() in csrc/xattr_record.c (contract in
- * csrc/fs_io.h).
+ * kvt_xattr_parse() and kvt_id_parse() in csrc/block/records.c (contract in
+ * csrc/block/records.h).
  *
  * Input layout: [mode:1][errno:1][record bytes...]
  *   mode bit 0 clear: fgetxattr "returned" the record length (the remaining
@@ -23,7 +23,7 @@
  *   r < 0: ENODATA -> KVT_ID_ABSENT, ERANGE -> KVT_ID_MISMATCH, other -> KVT_ID_ERROR
  * A *crc written on anything but KVT_REC_OK / KVT_ID_CRC is also a failure.
  *
- * Built and run by tests/test_fuzz.py with csrc/xattr_record.c.
+ * Built and run by tests/test_fuzz.py with csrc/block/records.c.
  */
 #include <errno.h>
 #include <stdint.h>
@@ -31,7 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "fs_io.h"
+#include "records.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {

@@ -1,34 +1,47 @@
-/* kvtier error policy: retries of transient errors, block identity, counters
- * (policy.h; the table is docs/design.md "Error policy"). */
+/* kvtier's on-disk records (records.h): the identity hash and the xattr
+ * record parsers of the load path, pure functions fuzzed on their own by
+ * tests/fuzz/fuzz_xattr_record.c. */
 #define _GNU_SOURCE
-#include "policy.h"
+#include "records.h"
 
 #include <errno.h>
-#include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
-__thread kvt_counts *kvt_tl_counts;
-
-int kvt_policy_retry(int err, int attempt)
+/* See records.h. */
+int kvt_xattr_parse(const void *rec, long r, int err, uint32_t *crc)
 {
-    int which;
-    if (err == EAGAIN || err == EWOULDBLOCK)
-        which = KVT_C_RETRY_EAGAIN;
-    else if (err == ESTALE)
-        which = KVT_C_RETRY_ESTALE;
-    else
-        return 0;
-    if (attempt >= KVT_RETRY_TRANSIENT)
-        return 0;
-    kvt_count(which);
-    uint64_t us = (uint64_t)KVT_RETRY_BACKOFF_US << attempt;
-    struct timespec ts = {(time_t)(us / 1000000u), (long)(us % 1000000u) * 1000L};
-    while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
-        ;
-    return 1;
+    if (r < 0) {
+        if (err == ENODATA)
+            return KVT_REC_ABSENT;
+        if (err == ERANGE)
+            return KVT_REC_MALFORMED;
+        return KVT_REC_ERROR;
+    }
+    if (r != KVT_XATTR_LEN)
+        return KVT_REC_MALFORMED;
+    *crc = kvt_get_be32((const uint8_t *)rec);
+    return KVT_REC_OK;
+}
+
+/* See records.h. */
+int kvt_id_parse(const void *rec, long r, int err, const uint8_t id[KVT_ID_LEN], uint32_t *crc)
+{
+    if (r < 0) {
+        if (err == ENODATA)
+            return KVT_ID_ABSENT;
+        if (err == ERANGE)
+            return KVT_ID_MISMATCH;
+        return KVT_ID_ERROR;
+    }
+    if ((r != KVT_ID_LEN && r != KVT_ID_REC_LEN) || memcmp(rec, id, KVT_ID_LEN) != 0)
+        return KVT_ID_MISMATCH;
+    if (r == KVT_ID_LEN)
+        return KVT_ID_ONLY;
+    *crc = kvt_get_be32((const uint8_t *)rec + KVT_ID_LEN);
+    return KVT_ID_CRC;
 }
 
 /* Scans the components of s[0..n) from the end, lexically: empty ones and "."
@@ -64,8 +77,8 @@ void kvt_block_identity(const char *path, uint64_t len, uint8_t out[KVT_ID_LEN])
      * os.path.normpath: "//" and "." dropped, ".." pops), a relative path taken
      * against the working directory, joined by '/'; fewer than four: '/' and
      * all of them. A clean absolute path hashes its own bytes after its
-     * fourth-last '/' (the whole path if shorter), as always: no allocation,
-     * no syscall; getcwd only for a relative path of fewer than four
+     * fourth-last '/' (the whole path if shorter): no allocation, no
+     * syscall; getcwd only for a relative path of fewer than four
      * components after normalisation. */
     const char *c[4];
     size_t cl[4], skip = 0;
@@ -103,19 +116,4 @@ void kvt_block_identity(const char *path, uint64_t len, uint8_t out[KVT_ID_LEN])
     for (int i = 0; i < KVT_ID_LEN; i++)
         out[i] = (uint8_t)(h >> (56 - 8 * i));
     free(wd);
-}
-
-static _Atomic uint64_t totals[KVT_NCOUNTS];
-
-void kvt_policy_add_totals(const kvt_counts *c)
-{
-    for (int i = 0; i < KVT_NCOUNTS; i++)
-        if (c->v[i])
-            atomic_fetch_add_explicit(&totals[i], c->v[i], memory_order_relaxed);
-}
-
-void kvt_policy_totals(kvt_counts *out)
-{
-    for (int i = 0; i < KVT_NCOUNTS; i++)
-        out->v[i] = atomic_load_explicit(&totals[i], memory_order_relaxed);
 }

@@ -3,17 +3,15 @@
  * On-disk contract and error table: docs/design.md ("On-disk contract").
  * Plain C11 + POSIX, no Python: the whole batch runs without the GIL.
  */
-#ifndef KVTIER_FS_IO_H
-#define KVTIER_FS_IO_H
+#ifndef KVTIER_BLOCK_H
+#define KVTIER_BLOCK_H
 
 #include <stddef.h>
 #include <stdint.h>
 
 #include "job_state.h"
-#include "policy.h" /* error policy, counters, identity xattr */
-
-#define KVT_XATTR_NAME "user.vllm.kv_crc32c"
-#define KVT_XATTR_LEN 4
+#include "policy.h"  /* error policy, counters */
+#include "records.h" /* the xattr records, identity */
 
 /* Outcome of a batch. On failure: err = errno value (EBADMSG, EIO, ENOENT...),
  * index = index of the failing block (== number of blocks that succeeded),
@@ -50,7 +48,7 @@ typedef struct kvt_batch_result {
  * when present, the identity record (KVT_CHECK_STRICT: a block without CRC
  * record is ENODATA, kept). What is retried, kept or condemned: the error
  * policy (policy.h, docs/design.md "Error policy"). Checksummed loads and
- * loads under a job state go through private memory (io_engine.h).
+ * loads under a job state go through private memory (engine.h).
  * Both stop at the first failing block.
  * With a job state `js` (job_state.h; NULL: none): a block begins only while
  * it is LIVE; a load reads into a private per-thread buffer and copies into
@@ -69,42 +67,6 @@ int kvt_batch_load(const char *const *src_paths, void *const *bufs,
 /* Process-wide counters since load: checksum mismatches retried (re-read
  * once) and blocks condemned (mismatch again: EBADMSG, removed). */
 void kvt_checksum_stats(uint64_t *retries, uint64_t *condemned);
-
-/* The fused copy + CRC that moves checksummed loads into the caller's
- * buffer (io_engine.h; csrc/crc32c/copy.c). */
-typedef struct kvt_crc_copy_stats {
-    const char *kernel; /* kvt_crc32c_copy_best()->name */
-    int enabled;        /* KVTIER_CRC_COPY not off, a fused kernel (not "generic"), and the
-                           active CRC32C backend is the best CPU one (not forced, not DSA) */
-    uint64_t blocks;    /* checksummed loads that went through it */
-    uint64_t bytes;     /* bytes copied and checksummed by it */
-} kvt_crc_copy_stats;
-void kvt_crc_copy_info(kvt_crc_copy_stats *out);
-
-/* The xattr record parser of the load path, a pure function
- * (fuzzed by tests/fuzz/fuzz_xattr_record.c). `r` is what
- * fgetxattr(fd, KVT_XATTR_NAME, rec, KVT_XATTR_BUF) returned and `err` the
- * errno when r < 0. Returns KVT_REC_OK with *crc = the big-endian 4-byte
- * value; KVT_REC_ABSENT (ENODATA: a legacy block stored without checksum);
- * KVT_REC_MALFORMED (length != 4, or ERANGE: longer than the buffer): a
- * checksum failure; KVT_REC_ERROR (any other errno: the filesystem's fault,
- * the block is kept). Reads at most min(r, KVT_XATTR_BUF) bytes of rec. */
-#define KVT_XATTR_BUF 16
-enum { KVT_REC_OK = 0, KVT_REC_ABSENT = 1, KVT_REC_MALFORMED = 2, KVT_REC_ERROR = 3 };
-int kvt_xattr_parse(const void *rec, long r, int err, uint32_t *crc);
-
-/* The identity record parser (policy.h KVT_ID_XATTR_NAME), a pure function
- * fuzzed with kvt_xattr_parse. `r` is what fgetxattr(fd, KVT_ID_XATTR_NAME,
- * rec, KVT_XATTR_BUF) returned and `err` the errno when r < 0; `id` the
- * identity of the block being loaded. Returns KVT_ID_CRC (12 bytes, the
- * identity `id`: *crc = the CRC32C it carries), KVT_ID_ONLY (8 bytes, the
- * identity `id`: the CRC is in KVT_XATTR_NAME), KVT_ID_ABSENT (ENODATA:
- * stored by vLLM), KVT_ID_MISMATCH (another identity, or a length other than
- * 8 or 12, or ERANGE: longer than the buffer), KVT_ID_ERROR (any other errno:
- * the filesystem's, the block is kept). Reads at most min(r, KVT_XATTR_BUF)
- * bytes of rec. */
-enum { KVT_ID_CRC = 0, KVT_ID_ONLY = 1, KVT_ID_ABSENT = 2, KVT_ID_MISMATCH = 3, KVT_ID_ERROR = 4 };
-int kvt_id_parse(const void *rec, long r, int err, const uint8_t id[KVT_ID_LEN], uint32_t *crc);
 
 /* out[i] = 1 if paths[i] is a regular file (lstat: a symlink is not) of
  * block_size bytes (any size when block_size == 0), else 0. */

@@ -14,17 +14,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Second xattr, the identity record: binds a block to its name (key, rank,
- * layout digest) and size, and carries its CRC32C, so that a load of a block
- * kvtier stored reads one xattr: 12 bytes, the identity (8 bytes big-endian,
- * kvt_block_identity()) then the CRC32C (4 bytes big-endian, the value of
- * user.vllm.kv_crc32c, which a store still sets for vLLM's reader). Records
- * of 8 bytes (the identity alone, as stored before the record carried the
- * CRC) are still read: the CRC then comes from user.vllm.kv_crc32c. vLLM ignores this xattr. */
-#define KVT_ID_XATTR_NAME "user.kvtier.id"
-#define KVT_ID_LEN 8
-#define KVT_ID_REC_LEN 12
-
 /* Checksum modes (the `checksum` argument of kvt_batch_load/store). */
 enum { KVT_CHECK_OFF = 0, KVT_CHECK_ON = 1, KVT_CHECK_STRICT = 2 };
 
@@ -121,17 +110,6 @@ static inline void kvt_count(int which)
  * and `attempt` (0-based) < KVT_RETRY_TRANSIENT: then counts it and sleeps
  * the backoff. 0 otherwise. */
 int kvt_policy_retry(int err, int attempt);
-
-/* The identity record of a block at `path` of `len` bytes: FNV-1a 64 of
- * "kvtier.id.v1", NUL, the last four components of the path
- * ("<model>_<digest>_r<rank>/<h[:3]>/<h[3:5]>_g<group>/<h>.bin": layout,
- * rank, key) after lexical normalisation ("//" and "." dropped, ".." pops, a
- * relative path against getcwd() when it has fewer than four components;
- * fewer than four in all: '/' and all of them), joined by '/', NUL, len in
- * decimal; as 8 bytes big-endian in out. A clean absolute path hashes its
- * bytes after its fourth-last '/' (the whole path if shorter), as before
- * normalisation: no syscall, no allocation. Symlinks are not resolved. */
-void kvt_block_identity(const char *path, uint64_t len, uint8_t out[KVT_ID_LEN]);
 
 /* Process-wide sums of every batch's counters since load. */
 void kvt_policy_totals(kvt_counts *out);

@@ -8,7 +8,7 @@
  * GIL and the C test programs under tests/c/ call it directly.
  *
  * This file decides what happens to a block (open, record, verify, retry,
- * condemn, publish); the bytes move through the I/O engine (io_engine.h):
+ * condemn, publish); the bytes move through the I/O engine (engine.h):
  * large pieces, io_uring where the kernel gives it (uring.h), the CRC of each
  * piece computed while the next ones are in flight, and for loads private
  * memory + the fused copy + CRC into the caller's buffer, in the commit
@@ -17,60 +17,27 @@
  * on the failure path.
  */
 #define _GNU_SOURCE
-#include "fs_io.h"
+#include "block.h"
 
 #include <errno.h>
 #include <fcntl.h>
-#include <pthread.h>
-#include <stdatomic.h>
 #include <stdint.h>
-#include <stdio.h> /* rename */
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 #include <sys/stat.h>
 #include <sys/types.h>
-#include <sys/xattr.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "crc32c.h"
-#include "io_engine.h"
+#include "engine.h"
 #include "job_state.h"
-
-/* KVTIER_CRC_COPY: 0/false/no/off turns the fused copy off (loads then
- * checksum each piece with the active backend and copy it). Read once. */
-static pthread_once_t crc_copy_once = PTHREAD_ONCE_INIT;
-static int crc_copy_mode;
-
-static void crc_copy_read_env(void)
-{
-    const char *c = getenv("KVTIER_CRC_COPY"); /* unset, empty or unknown: on */
-    crc_copy_mode = !(c != NULL && (!strcasecmp(c, "0") || !strcasecmp(c, "false") || !strcasecmp(c, "no") ||
-                                    !strcasecmp(c, "off")));
-}
-
-/* The fused copy + CRC moves checksummed loads into the caller's buffer:
- * not turned off, a fused kernel for this CPU, and the active CRC32C backend
- * is the best CPU one (not forced to another, not DSA). */
-static int crc_copy_enabled(void)
-{
-    pthread_once(&crc_copy_once, crc_copy_read_env);
-    return crc_copy_mode && kvt_crc32c_copy_best()->available != NULL &&
-           kvt_crc32c_active() == kvt_crc32c_best_cpu();
-}
+#include "records.h"
+#include "sys.h"
 
 /* ------------------------------------------------------------------ */
 /* Small helpers                                                       */
 /* ------------------------------------------------------------------ */
-
-static void put_be32(uint8_t out[4], uint32_t v)
-{
-    out[0] = (uint8_t)(v >> 24);
-    out[1] = (uint8_t)(v >> 16);
-    out[2] = (uint8_t)(v >> 8);
-    out[3] = (uint8_t)v;
-}
 
 static void set_fail(kvt_batch_result *res, int err, size_t index, int checksum_failed)
 {
@@ -79,180 +46,9 @@ static void set_fail(kvt_batch_result *res, int err, size_t index, int checksum_
     res->checksum_failed = checksum_failed;
 }
 
-/* mkdir -p of the directory part of `path`. Returns 0 or -1 with errno. */
-static int make_parents(const char *path)
-{
-    size_t n = strlen(path);
-    char *p = malloc(n + 1);
-    if (!p) {
-        errno = ENOMEM;
-        return -1;
-    }
-    memcpy(p, path, n + 1);
-    char *slash = strrchr(p, '/');
-    if (!slash || slash == p) {
-        free(p);
-        return 0;
-    }
-    *slash = '\0';
-    /* Fast path: the parent usually exists except for its last component(s). */
-    for (char *s = p + 1; *s; s++) {
-        if (*s != '/')
-            continue;
-        *s = '\0';
-        if (mkdir(p, 0755) != 0 && errno != EEXIST) {
-            int e = errno;
-            free(p);
-            errno = e;
-            return -1;
-        }
-        *s = '/';
-    }
-    if (mkdir(p, 0755) != 0 && errno != EEXIST) {
-        int e = errno;
-        free(p);
-        errno = e;
-        return -1;
-    }
-    free(p);
-    return 0;
-}
-
-/* ------------------------------------------------------------------ */
-/* EINTR-safe wrappers                                                 */
-/* ------------------------------------------------------------------ */
-
-/* A signal handler installed without SA_RESTART (Python installs its own that
- * way) makes a slow call on NFS/FUSE fail with EINTR before it did anything:
- * EINTR_LOOP runs `call` again while it fails (`failed`) with EINTR, counting
- * each retry (policy.h: at once, in place, up to KVT_RETRY_EINTR_MAX times in
- * a row). */
-#define EINTR_LOOP(call, failed)                                                                               \
-    for (int eintr_n_ = 0;; eintr_n_++) {                                                                      \
-        call;                                                                                                  \
-        if (!(failed) || errno != EINTR || eintr_n_ >= KVT_RETRY_EINTR_MAX)                                    \
-            break;                                                                                             \
-        kvt_count(KVT_C_RETRY_EINTR);                                                                          \
-    }
-
-static int open_r(const char *path, int flags, mode_t mode)
-{
-    int fd;
-    EINTR_LOOP(fd = open(path, flags, mode), fd < 0)
-    return fd;
-}
-
-static int fsetxattr_r(int fd, const char *name, const void *val, size_t n)
-{
-    int r;
-    EINTR_LOOP(r = fsetxattr(fd, name, val, n, 0), r != 0)
-    return r;
-}
-
-/* The largest value an xattr can have (linux/limits.h XATTR_SIZE_MAX). */
-#define KVT_XATTR_SIZE_MAX 65536
-
-/* fgetxattr, EINTR retried; ERANGE (the value is longer than `n`) asked once
- * more with the largest buffer an xattr can need, as CPython's os.getxattr
- * (the fallback) does: a spurious ERANGE (a FUSE filesystem's) then reads the
- * record, a value really longer than `n` stays ERANGE (a malformed record). */
-static ssize_t fgetxattr_r(int fd, const char *name, void *val, size_t n)
-{
-    ssize_t r;
-    EINTR_LOOP(r = fgetxattr(fd, name, val, n), r < 0)
-    if (r < 0 && errno == ERANGE) {
-        uint8_t *big = malloc(KVT_XATTR_SIZE_MAX);
-        if (!big) {
-            errno = ERANGE;
-            return -1;
-        }
-        EINTR_LOOP(r = fgetxattr(fd, name, big, KVT_XATTR_SIZE_MAX), r < 0)
-        int e = r < 0 ? errno : ERANGE;
-        if (r >= 0 && (size_t)r <= n)
-            memcpy(val, big, (size_t)r);
-        else
-            r = -1;
-        free(big);
-        errno = e;
-    }
-    return r;
-}
-
-static ssize_t lgetxattr_r(const char *path, const char *name, void *val, size_t n)
-{
-    ssize_t r;
-    EINTR_LOOP(r = lgetxattr(path, name, val, n), r < 0)
-    return r;
-}
-
-static int rename_r(const char *from, const char *to)
-{
-    int r;
-    EINTR_LOOP(r = rename(from, to), r != 0)
-    return r;
-}
-
-static int fstat_r(int fd, struct stat *st)
-{
-    int r;
-    EINTR_LOOP(r = fstat(fd, st), r != 0)
-    return r;
-}
-
-static int lstat_r(const char *path, struct stat *st)
-{
-    int r;
-    EINTR_LOOP(r = lstat(path, st), r != 0)
-    return r;
-}
-
-static int fsync_r(int fd, int data_only)
-{
-    int r;
-    EINTR_LOOP(r = data_only ? fdatasync(fd) : fsync(fd), r != 0)
-    return r;
-}
-
-/* close(2) is never retried: on Linux the descriptor is released even when
- * close returns EINTR (close(2) NOTES), and a retry could close a descriptor
- * another thread just got. EINTR therefore counts as success. Returns 0 or
- * -1 with errno (EIO, ENOSPC, EDQUOT: deferred write errors of NFS/FUSE). */
-static int close_r(int fd)
-{
-    if (close(fd) == 0 || errno == EINTR)
-        return 0;
-    return -1;
-}
-
 /* ------------------------------------------------------------------ */
 /* Store                                                               */
 /* ------------------------------------------------------------------ */
-
-/* fsync the directory holding `path` (makes a rename durable).
- * Returns 0 or an errno value; EINVAL (directory fsync not supported, e.g.
- * some FUSE filesystems) counts as done. */
-static int fsync_parent(const char *path)
-{
-    const char *slash = strrchr(path, '/');
-    char *dir;
-    if (!slash)
-        dir = strdup(".");
-    else if (slash == path)
-        dir = strdup("/");
-    else
-        dir = strndup(path, (size_t)(slash - path));
-    if (!dir)
-        return ENOMEM;
-    int fd = open_r(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC, 0);
-    free(dir);
-    if (fd < 0)
-        return errno;
-    int err = 0;
-    if (fsync_r(fd, 0) != 0 && errno != EINVAL)
-        err = errno;
-    close_r(fd);
-    return err;
-}
 
 /* Create the temp of a store: O_CREAT|O_EXCL, missing parents made on
  * ENOENT; with `want_direct` O_DIRECT at open, and where the filesystem
@@ -262,7 +58,7 @@ static int open_tmp(const char *tmp, int want_direct, int *direct)
 {
     const int fl = O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC;
     for (int tries = 0;;) {
-        int fd = open_r(tmp, fl | (want_direct ? O_DIRECT : 0), 0644);
+        int fd = kvt_open_r(tmp, fl | (want_direct ? O_DIRECT : 0), 0644);
         if (fd >= 0) {
             *direct = want_direct;
             return fd;
@@ -276,7 +72,7 @@ static int open_tmp(const char *tmp, int want_direct, int *direct)
          * or from a parent's mkdir (a shared filesystem's name cache not showing
          * a directory just made, here or by another node): again after a pause
          * (policy.h) */
-        if (errno != ENOENT || tries > KVT_RETRY_ENOENT_STORE || (make_parents(tmp) != 0 && errno != ENOENT))
+        if (errno != ENOENT || tries > KVT_RETRY_ENOENT_STORE || (kvt_make_parents(tmp) != 0 && errno != ENOENT))
             return -1;
         if (tries > 0) {
             struct timespec ts = {0, (long)(1000000L << tries)};
@@ -293,13 +89,13 @@ static int open_tmp(const char *tmp, int want_direct, int *direct)
 static int sync_existing(const char *dest, int *op)
 {
     *op = KVT_OP_OPEN;
-    int fd = open_r(dest, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0);
+    int fd = kvt_open_r(dest, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0);
     if (fd < 0)
         return errno;
     *op = KVT_OP_SYNC;
-    int err = fsync_r(fd, 0) != 0 ? errno : 0;
-    close_r(fd);
-    if (!err && (err = fsync_parent(dest)) == 0)
+    int err = kvt_fsync_r(fd, 0) != 0 ? errno : 0;
+    kvt_close_r(fd);
+    if (!err && (err = kvt_fsync_parent(dest)) == 0)
         kvt_count(KVT_C_DURABLE_EXISTING);
     return err;
 }
@@ -311,12 +107,12 @@ static int sync_existing(const char *dest, int *op)
 static int lacks_crc_record(const char *dest)
 {
     uint8_t rec[KVT_XATTR_BUF];
-    if (lgetxattr_r(dest, KVT_ID_XATTR_NAME, rec, sizeof rec) == KVT_ID_REC_LEN)
+    if (kvt_lgetxattr_r(dest, KVT_ID_XATTR_NAME, rec, sizeof rec) == KVT_ID_REC_LEN)
         return 0;
-    return lgetxattr_r(dest, KVT_XATTR_NAME, rec, sizeof rec) < 0 && errno == ENODATA;
+    return kvt_lgetxattr_r(dest, KVT_XATTR_NAME, rec, sizeof rec) < 0 && errno == ENODATA;
 }
 
-/* The records of a checksummed store (kvt_store_records, io_engine.h), set
+/* The records of a checksummed store (kvt_store_records, engine.h), set
  * on the open temp by the engine once the CRC is known (while the last piece
  * is written, where it can): vLLM's record, and kvtier's identity record
  * carrying the same CRC (what a load reads: one xattr). */
@@ -327,14 +123,14 @@ typedef struct store_records {
     int err; /* errno of the failed fsetxattr */
 } store_records;
 
-static int set_records(void *ctx, uint32_t crc)
+static int store_set_records(void *ctx, uint32_t crc)
 {
     store_records *sr = ctx;
     uint8_t idrec[KVT_ID_REC_LEN];
     kvt_block_identity(sr->dest, sr->len, idrec);
-    put_be32(idrec + KVT_ID_LEN, crc);
-    if (fsetxattr_r(sr->fd, KVT_XATTR_NAME, idrec + KVT_ID_LEN, KVT_XATTR_LEN) != 0 ||
-        fsetxattr_r(sr->fd, KVT_ID_XATTR_NAME, idrec, sizeof idrec) != 0) {
+    kvt_put_be32(idrec + KVT_ID_LEN, crc);
+    if (kvt_fsetxattr_r(sr->fd, KVT_XATTR_NAME, idrec + KVT_ID_LEN, KVT_XATTR_LEN) != 0 ||
+        kvt_fsetxattr_r(sr->fd, KVT_ID_XATTR_NAME, idrec, sizeof idrec) != 0) {
         sr->err = errno ? errno : EIO;
         return -1;
     }
@@ -352,7 +148,7 @@ static int store_try(const char *tmp, const char *dest, const uint8_t *buf, size
     *op = KVT_OP_NONE;
     if (!kvt_job_live(js))
         return ETIMEDOUT; /* expired before this block began: nothing created */
-    if (lstat_r(dest, &st) == 0) {
+    if (kvt_lstat_r(dest, &st) == 0) {
         int keep = S_ISREG(st.st_mode) && (uint64_t)st.st_size == (uint64_t)len; /* stored (by us or a peer) */
         if (keep && checksum && lacks_crc_record(dest))
             keep = 0; /* unverifiable (strict: a miss for ever): replaced by the verified copy of buf */
@@ -387,19 +183,19 @@ static int store_try(const char *tmp, const char *dest, const uint8_t *buf, size
 
     uint32_t crc = 0;
     store_records sr = {fd, dest, len, 0};
-    const kvt_store_records rec = {set_records, &sr};
+    const kvt_store_records rec = {store_set_records, &sr};
     *op = KVT_OP_WRITE;
-    int err = kvt_engine_write(fd, buf, len, &direct, crc_copy_enabled(), checksum ? &rec : NULL, &crc);
+    int err = kvt_engine_write(fd, buf, len, &direct, kvt_engine_crc_copy(), checksum ? &rec : NULL, &crc);
     if (err == KVT_WRITE_RECORD) {
         err = sr.err;
         *op = KVT_OP_SETXATTR;
     }
     if (!err && durable) { /* data before the name */
         *op = KVT_OP_SYNC;
-        if (fsync_r(fd, 1) != 0)
+        if (kvt_fsync_r(fd, 1) != 0)
             err = errno;
     }
-    if (close_r(fd) != 0 && !err) {
+    if (kvt_close_r(fd) != 0 && !err) {
         err = errno;
         *op = KVT_OP_CLOSE;
     }
@@ -410,7 +206,7 @@ static int store_try(const char *tmp, const char *dest, const uint8_t *buf, size
         *op = KVT_OP_NONE;
     } else if (!err) {
         *op = KVT_OP_RENAME;
-        if (rename_r(tmp, dest) != 0)
+        if (kvt_rename_r(tmp, dest) != 0)
             err = errno;
         if (!kvt_job_commit_end(js) && !err)
             return KVT_STORE_LATE;
@@ -422,7 +218,7 @@ static int store_try(const char *tmp, const char *dest, const uint8_t *buf, size
     /* Published. A failed directory fsync fails the store (not known durable)
      * but leaves the block: a good block, which another durable job may have
      * found, synced and reported stored. */
-    if (durable && (err = fsync_parent(dest)) != 0)
+    if (durable && (err = kvt_fsync_parent(dest)) != 0)
         *op = KVT_OP_SYNC;
     return err;
 }
@@ -491,17 +287,6 @@ void kvt_checksum_stats(uint64_t *retries, uint64_t *condemned)
     *condemned = t.v[KVT_C_CONDEMNED_CHECKSUM] + t.v[KVT_C_CONDEMNED_IDENTITY];
 }
 
-/* See fs_io.h. */
-void kvt_crc_copy_info(kvt_crc_copy_stats *out)
-{
-    kvt_engine_stats st;
-    kvt_engine_info(&st);
-    out->kernel = kvt_crc32c_copy_best()->name;
-    out->enabled = crc_copy_enabled();
-    out->blocks = st.fused_blocks;
-    out->bytes = st.fused_bytes;
-}
-
 /* Whether the open file's CRC record matches all `size` bytes of the file
  * (read through a scratch buffer, so any size works): 1 yes, 0 no (no
  * record, a malformed one, a mismatch), -1 unknown (an error, or the file
@@ -514,13 +299,13 @@ static int whole_file_verifies(int fd, uint64_t size)
     uint32_t want;
     /* The CRC its identity record carries (12 bytes; the identity is of its
      * own size, not the caller's: not compared), else its CRC record. */
-    ssize_t r = fgetxattr_r(fd, KVT_ID_XATTR_NAME, rec, sizeof rec);
+    ssize_t r = kvt_fgetxattr_r(fd, KVT_ID_XATTR_NAME, rec, sizeof rec);
     if (r == KVT_ID_REC_LEN) {
-        want = ((uint32_t)rec[8] << 24) | ((uint32_t)rec[9] << 16) | ((uint32_t)rec[10] << 8) | rec[11];
+        want = kvt_get_be32(rec + KVT_ID_LEN);
     } else {
         if (r < 0 && errno != ENODATA && errno != ERANGE)
             return -1;
-        r = fgetxattr_r(fd, KVT_XATTR_NAME, rec, sizeof rec);
+        r = kvt_fgetxattr_r(fd, KVT_XATTR_NAME, rec, sizeof rec);
         switch (kvt_xattr_parse(rec, (long)r, r < 0 ? errno : 0, &want)) {
         case KVT_REC_OK:
             break;
@@ -555,7 +340,7 @@ static int whole_file_verifies(int fd, uint64_t size)
 static void unlink_if_same(const char *path, int fd)
 {
     struct stat a, b;
-    if (fstat_r(fd, &a) == 0 && lstat_r(path, &b) == 0 && a.st_ino == b.st_ino && a.st_dev == b.st_dev)
+    if (kvt_fstat_r(fd, &a) == 0 && kvt_lstat_r(path, &b) == 0 && a.st_ino == b.st_ino && a.st_dev == b.st_dev)
         unlink(path);
 }
 
@@ -573,17 +358,10 @@ typedef struct load_dir {
  * cost about what the shorter walks save over this many blocks. */
 #define KVT_BATCH_DIR_MIN 16
 
-static int openat_r(int at, const char *path, int flags)
-{
-    int fd;
-    EINTR_LOOP(fd = openat(at, path, flags), fd < 0)
-    return fd;
-}
-
 /* The batch's directory: the longest prefix of every path that ends in '/'
  * (not "/" alone), opened O_PATH | O_DIRECTORY. Symlinks in it are followed
  * as a whole path's open follows them; a name under it is opened with
- * O_NOFOLLOW as before; a path equal to the prefix (nothing after the '/')
+ * O_NOFOLLOW, as a whole path's last component is; a path equal to the prefix (nothing after the '/')
  * is opened whole. A directory that does not open (gone, EACCES, EINTR ...)
  * leaves every path to be opened whole, each with its own error. */
 static load_dir batch_dir(const char *const *paths, size_t n)
@@ -609,7 +387,7 @@ static load_dir batch_dir(const char *const *paths, size_t n)
     char *dir = strndup(first, len);
     if (dir == NULL)
         return d;
-    d.fd = open_r(dir, O_PATH | O_DIRECTORY | O_CLOEXEC, 0);
+    d.fd = kvt_open_r(dir, O_PATH | O_DIRECTORY | O_CLOEXEC, 0);
     free(dir);
     d.skip = d.fd >= 0 ? len : 0;
     return d;
@@ -632,13 +410,13 @@ static int open_block(const load_dir *dir, const char *src, int want_direct, int
     }
     *direct = 0;
     if (want_direct) {
-        int fd = at >= 0 ? openat_r(at, src, fl | O_DIRECT) : open_r(src, fl | O_DIRECT, 0);
+        int fd = at >= 0 ? kvt_openat_r(at, src, fl | O_DIRECT) : kvt_open_r(src, fl | O_DIRECT, 0);
         if (fd >= 0 || errno != EINVAL) {
             *direct = fd >= 0;
             return fd;
         }
     }
-    return at >= 0 ? openat_r(at, src, fl) : open_r(src, fl, 0);
+    return at >= 0 ? kvt_openat_r(at, src, fl) : kvt_open_r(src, fl, 0);
 }
 
 /* What one open of a block saw (load_try), and what the previous open saw. */
@@ -676,7 +454,7 @@ static int check_block_file(int fd, size_t len, int checksum, load_look *lk)
 {
     struct stat st;
     lk->op = KVT_OP_STAT;
-    if (fstat_r(fd, &st) != 0)
+    if (kvt_fstat_r(fd, &st) != 0)
         return errno;
     if (!S_ISREG(st.st_mode))
         return S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
@@ -693,6 +471,28 @@ static int check_block_file(int fd, size_t len, int checksum, load_look *lk)
         return EIO;
     }
     return 0;
+}
+
+/* A record that proves the block bad (`cause`: KVT_CAUSE_IDENTITY /
+ * KVT_CAUSE_CHECKSUM) once the file itself is a regular file of `len` bytes
+ * (a wrong size says EIO first): 0 with *mismatch, or check_block_file's
+ * errno. */
+static int record_mismatch(int fd, size_t len, int checksum, load_look *lk, int cause, int *mismatch)
+{
+    int e = check_block_file(fd, len, checksum, lk);
+    if (e)
+        return e;
+    *mismatch = cause;
+    return 0;
+}
+
+/* A getxattr error that is the filesystem's (EOPNOTSUPP, EIO ...), not the
+ * block's: the miss is `xerr` (kept), unless the file itself says otherwise. */
+static int record_error(int fd, size_t len, int checksum, load_look *lk, int xerr)
+{
+    int e = check_block_file(fd, len, checksum, lk);
+    lk->op = e ? lk->op : KVT_OP_GETXATTR;
+    return e ? e : xerr;
 }
 
 /* Read the records (with `checksum`) and the data of an open block. Returns
@@ -713,7 +513,7 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
     uint32_t want = 0;
     if (checksum) {
         uint8_t rec[KVT_XATTR_BUF];
-        ssize_t r = fgetxattr_r(fd, KVT_ID_XATTR_NAME, rec, sizeof rec);
+        ssize_t r = kvt_fgetxattr_r(fd, KVT_ID_XATTR_NAME, rec, sizeof rec);
         int xerr = r < 0 ? errno : 0;
         switch (kvt_id_parse(rec, (long)r, xerr, id, &want)) {
         case KVT_ID_CRC:
@@ -722,21 +522,13 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
         case KVT_ID_ONLY:
         case KVT_ID_ABSENT:
             break;
-        case KVT_ID_MISMATCH: { /* another block's name or layout, or malformed */
-            int e = check_block_file(fd, len, checksum, lk); /* a wrong size says EIO first */
-            if (e)
-                return e;
-            *mismatch = KVT_CAUSE_IDENTITY;
-            return 0;
-        }
-        default: { /* EOPNOTSUPP, EIO, ...: not the block's fault, keep */
-            int e = check_block_file(fd, len, checksum, lk);
-            lk->op = e ? lk->op : KVT_OP_GETXATTR;
-            return e ? e : xerr;
-        }
+        case KVT_ID_MISMATCH: /* another block's name or layout, or malformed */
+            return record_mismatch(fd, len, checksum, lk, KVT_CAUSE_IDENTITY, mismatch);
+        default: /* EOPNOTSUPP, EIO, ...: not the block's fault, keep */
+            return record_error(fd, len, checksum, lk, xerr);
         }
         if (!have_rec) {
-            r = fgetxattr_r(fd, KVT_XATTR_NAME, rec, sizeof rec);
+            r = kvt_fgetxattr_r(fd, KVT_XATTR_NAME, rec, sizeof rec);
             xerr = r < 0 ? errno : 0;
             switch (kvt_xattr_parse(rec, (long)r, xerr, &want)) {
             case KVT_REC_OK:
@@ -753,18 +545,10 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
                 }
                 lk->unverified = 1; /* counted by load_one once the block is loaded */
                 break;
-            case KVT_REC_MALFORMED: { /* wrong length, or longer than the buffer (ERANGE) */
-                int e = check_block_file(fd, len, checksum, lk); /* a wrong size says EIO first */
-                if (e)
-                    return e;
-                *mismatch = KVT_CAUSE_CHECKSUM;
-                return 0;
-            }
-            default: { /* EOPNOTSUPP, EIO, ...: not the block's fault, keep */
-                int e = check_block_file(fd, len, checksum, lk);
-                lk->op = e ? lk->op : KVT_OP_GETXATTR;
-                return e ? e : xerr;
-            }
+            case KVT_REC_MALFORMED: /* wrong length, or longer than the buffer (ERANGE) */
+                return record_mismatch(fd, len, checksum, lk, KVT_CAUSE_CHECKSUM, mismatch);
+            default: /* EOPNOTSUPP, EIO, ...: not the block's fault, keep */
+                return record_error(fd, len, checksum, lk, xerr);
             }
         }
     }
@@ -789,8 +573,8 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
             return errno;
         return sighting(lk, LT_SHORT, KVT_CAUSE_SHORT); /* shrank after fstat, or a short read */
     }
-    int move = !have_rec ? (crc_copy_enabled() ? KVT_MOVE_NT : KVT_MOVE_COPY)
-                         : (!reread && crc_copy_enabled()) ? KVT_MOVE_FUSED : KVT_MOVE_CRC_COPY;
+    int move = !have_rec ? (kvt_engine_crc_copy() ? KVT_MOVE_NT : KVT_MOVE_COPY)
+                         : (!reread && kvt_engine_crc_copy()) ? KVT_MOVE_FUSED : KVT_MOVE_CRC_COPY;
     uint32_t got = 0;
     err = kvt_engine_read(fd, buf, len, direct, move, js, &got);
     if (err == KVT_READ_SHORT || err == KVT_READ_LONG) {
@@ -863,7 +647,7 @@ static int load_try(const load_dir *dir, const char *src, uint8_t *buf, size_t l
         kvt_count(condemned[lk->cause]);
         unlink_if_same(src, fd);
     }
-    close_r(fd); /* read-only: an error here (after a good read too) changes nothing */
+    kvt_close_r(fd); /* read-only: an error here (after a good read too) changes nothing */
     return err;
 }
 
@@ -948,6 +732,6 @@ void kvt_batch_lookup(const char *const *paths, size_t n, uint64_t block_size, u
 {
     struct stat st;
     for (size_t i = 0; i < n; i++)
-        out[i] = lstat_r(paths[i], &st) == 0 && S_ISREG(st.st_mode) &&
+        out[i] = kvt_lstat_r(paths[i], &st) == 0 && S_ISREG(st.st_mode) &&
                  (block_size == 0 || (uint64_t)st.st_size == block_size);
 }

@@ -1,7 +1,8 @@
 /* The block I/O engine: moves one block's bytes between an open file and the
  * caller's buffer, with the CRC32C computed while the device moves the next
- * piece (io_uring, csrc/uring.h), or piece after piece (plain pread/pwrite). fs_io.c decides what to do with a block (open, record,
- * verify, retry, publish); this file only moves bytes.
+ * piece (io_uring, uring.h), or piece after piece (plain pread/pwrite, sys.h).
+ * block.c decides what to do with a block (open, record, verify, retry,
+ * publish); this file only moves bytes.
  *
  * O_DIRECT loads go through private per-thread memory: two slots of KVT_SLOT
  * bytes on transparent huge pages. A load reads piece k+1 into one slot while
@@ -13,7 +14,7 @@
  * Checksummed O_DIRECT stores go the other way through the same slots: piece
  * k+1 is copied in (checksummed on the way) while piece k is written, so the
  * CRC is of the bytes written, and the records are set (a callback into
- * fs_io.c) while the last piece is written; the temp gets its blocks first
+ * block.c) while the last piece is written; the temp gets its blocks first
  * (fallocate) so the filesystem issues each write from this thread, not an
  * io_uring worker. Buffered loads go KVT_ENGINE_CHUNK at a time through a
  * cache-resident bounce buffer; other stores write from the caller's
@@ -21,11 +22,11 @@
  *
  * Small blocks stay on the plain calls: a 4 KiB load is one pread of the
  * block and the page past it into the bounce buffer, then one move, so with
- * fs_io.c's open, fgetxattr and close four syscalls per block. Batching them
+ * block.c's open, fgetxattr and close four syscalls per block. Batching them
  * through io_uring was measured slower (the kernel hands every fgetxattr to
  * an io-wq worker): docs/block_io.md "Small blocks". */
-#ifndef KVTIER_IO_ENGINE_H
-#define KVTIER_IO_ENGINE_H
+#ifndef KVTIER_ENGINE_H
+#define KVTIER_ENGINE_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -61,7 +62,7 @@ enum {
 int kvt_engine_read(int fd, uint8_t *dst, size_t len, int *direct, int move, kvt_job_state *js, uint32_t *crc);
 
 /* The records of a checksummed store: set(ctx, crc) sets them on the temp
- * (fs_io.c) once the block's CRC32C is known; 0, or -1 (its errno kept by
+ * (block.c) once the block's CRC32C is known; 0, or -1 (its errno kept by
  * the caller in ctx). Called once per pass over the block (again, with the
  * CRC of that pass, when a ring write is redone on the plain path). */
 typedef struct kvt_store_records {
@@ -85,15 +86,21 @@ typedef struct kvt_store_records {
 int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int fused, const kvt_store_records *rec,
                      uint32_t *crc);
 
-/* EINTR/short-transfer/O_DIRECT-refusal-safe pread/pwrite (plain path). */
-ssize_t kvt_read_full(int fd, uint8_t *p, size_t len, uint64_t off, int *direct);
-int kvt_write_full(int fd, const uint8_t *p, size_t len, uint64_t off, int *direct);
-/* Switch O_DIRECT on/off on an open fd: 0 or -1 with errno. */
-int kvt_set_direct(int fd, int on);
+/* 1 when loads and stores move with the fused copy + CRC (KVT_MOVE_FUSED):
+ * KVTIER_CRC_COPY (read once) is not 0/false/no/off, the CPU has a fused
+ * kernel (not "generic"), and the active CRC32C backend is the best CPU one
+ * (not forced to another, not DSA). */
+int kvt_engine_crc_copy(void);
 
-typedef struct kvt_engine_stats {
-    uint64_t fused_blocks, fused_bytes; /* loads moved with the fused copy + CRC */
-} kvt_engine_stats;
-void kvt_engine_info(kvt_engine_stats *out);
+/* The fused copy + CRC that moves checksummed loads into the caller's
+ * buffer (csrc/crc32c/copy.c). */
+typedef struct kvt_crc_copy_stats {
+    const char *kernel; /* kvt_crc32c_copy_best()->name */
+    int enabled;        /* KVTIER_CRC_COPY not off, a fused kernel (not "generic"), and the
+                           active CRC32C backend is the best CPU one (not forced, not DSA) */
+    uint64_t blocks;    /* checksummed loads that went through it */
+    uint64_t bytes;     /* bytes copied and checksummed by it */
+} kvt_crc_copy_stats;
+void kvt_crc_copy_info(kvt_crc_copy_stats *out);
 
 #endif

@@ -1,7 +1,9 @@
 /* DSA engine: CRCGEN and COPY_CRC descriptors over a portal (real WQ or the
- * software model), completion polling, page-fault resume, CPU redo, the
- * min-size gate, the enable-time self-check, counters, and the process-wide
- * engines behind the "dsa" and "dsa-model" CRC32C backends.
+ * software model), completion polling, page-fault resume, CPU redo (with the
+ * CPU CRC function the engine's creator hands in), the min-size gate, the
+ * enable-time self-check, counters. The process-wide engines behind the
+ * "dsa" and "dsa-model" CRC32C backends and their KVTIER_DSA* settings are
+ * backend.c.
  *
  * Descriptor rules (design.md "DSA facts"):
  *  - flags CRAV|RCR always; BOF only if the WQ has block_on_fault=1; CC only
@@ -52,6 +54,7 @@ _Static_assert(_Alignof(kvt_dsa_op) >= 64, "op aligned for the descriptor");
 
 struct kvt_dsa_engine {
     char name[16];
+    kvt_crc32c_fn cpu;    /* CPU redo (kvt_dsa_engine_create) */
     kvt_dsa_portal *portal;
     kvt_dsa_wq_info wq;
     unsigned in_flight;   /* atomic: descriptors submitted, completion not yet seen */
@@ -63,6 +66,7 @@ struct kvt_dsa_engine {
     char reason[400];
     kvt_dsa_selfcheck sc;
     uint64_t timeout_ns;  /* per-descriptor completion deadline */
+    uint64_t selfcheck_timeout_ns;
     int dead;             /* atomic: a descriptor timed out (claimed by CAS 0->1) */
     int dead_ready;       /* atomic: dead_reason written (release) */
     char dead_reason[300];
@@ -172,7 +176,7 @@ int kvt_dsa_wait_from_name(const char *name)
 /* ------------------------------------------------------------------ */
 
 kvt_dsa_engine *kvt_dsa_engine_create(const char *name, kvt_dsa_portal *portal,
-                                      const kvt_dsa_wq_info *wq)
+                                      const kvt_dsa_wq_info *wq, kvt_crc32c_fn cpu)
 {
     kvt_dsa_engine *e = calloc(1, sizeof *e);
     if (!e) {
@@ -180,6 +184,7 @@ kvt_dsa_engine *kvt_dsa_engine_create(const char *name, kvt_dsa_portal *portal,
         return NULL;
     }
     snprintf(e->name, sizeof e->name, "%s", name);
+    e->cpu = cpu;
     e->portal = portal;
     e->wq = *wq;
     if (e->wq.size == 0)
@@ -191,24 +196,8 @@ kvt_dsa_engine *kvt_dsa_engine_create(const char *name, kvt_dsa_portal *portal,
     e->sleep_ns = 2000;
     e->cache_control = 1;
     e->timeout_ns = 1000000000ull;
+    e->selfcheck_timeout_ns = 2000000000ull;
     pthread_mutex_init(&e->pool_mu, NULL);
-    const char *s = getenv("KVTIER_DSA_TIMEOUT_MS");
-    if (s && *s) {
-        char *end;
-        unsigned long long v = strtoull(s, &end, 10);
-        if (*end == '\0' && v > 0 && v < UINT64_MAX / 1000000ull)
-            e->timeout_ns = v * 1000000ull;
-    }
-    s = getenv("KVTIER_DSA_MIN_SIZE");
-    if (s && *s) {
-        char *end;
-        unsigned long long v = strtoull(s, &end, 0);
-        if (*end == '\0')
-            e->min_size = (size_t)v;
-    }
-    s = getenv("KVTIER_DSA_WAIT");
-    if (s && *s && kvt_dsa_wait_from_name(s) >= 0)
-        e->wait_mode = kvt_dsa_wait_from_name(s);
     snprintf(e->reason, sizeof e->reason, "self-check not run");
     return e;
 }
@@ -246,6 +235,15 @@ void kvt_dsa_engine_set_timeout(kvt_dsa_engine *e, uint64_t timeout_ns)
 uint64_t kvt_dsa_engine_timeout(const kvt_dsa_engine *e)
 {
     return __atomic_load_n(&e->timeout_ns, __ATOMIC_RELAXED);
+}
+void kvt_dsa_engine_set_selfcheck_timeout(kvt_dsa_engine *e, uint64_t timeout_ns)
+{
+    if (timeout_ns > 0)
+        e->selfcheck_timeout_ns = timeout_ns;
+}
+int kvt_dsa_engine_dead(const kvt_dsa_engine *e)
+{
+    return __atomic_load_n(&e->dead_ready, __ATOMIC_ACQUIRE);
 }
 
 static struct dsa_completion_record *comp_get(kvt_dsa_engine *e)
@@ -324,13 +322,20 @@ void kvt_dsa_engine_reset_counters(kvt_dsa_engine *e)
 /* Operations                                                          */
 /* ------------------------------------------------------------------ */
 
+/* The CPU CRC of an op: its engine's; an op without engine (the caller
+ * passed NULL) takes the table backend, which every build has. */
+static kvt_crc32c_fn cpu_of(const kvt_dsa_engine *e)
+{
+    return e ? e->cpu : kvt_crc32c_table;
+}
+
 static void cpu_rest(kvt_dsa_op *op)
 {
     size_t rem = op->len - op->done;
     if (rem) {
         if (op->opcode == DSA_OPCODE_COPY_CRC)
             memcpy(op->dst + op->done, op->src + op->done, rem);
-        op->crc = kvt_crc32c_best_cpu()->fn(op->crc, op->src + op->done, rem);
+        op->crc = cpu_of(op->e)(op->crc, op->src + op->done, rem);
         op->on_device = 0;
     }
     op->done = op->len;
@@ -467,7 +472,7 @@ static void start(kvt_dsa_engine *e, kvt_dsa_op *op, int opcode, void *dst, cons
     if (dst && len && (uintptr_t)dst < (uintptr_t)src + len && (uintptr_t)src < (uintptr_t)dst + len) {
         /* Overlap: undefined for memcpy, OVERLAP_BUFFERS on the device. CRC
          * of the source as it is, then a memmove, all on the CPU. */
-        op->crc = kvt_crc32c_best_cpu()->fn(op->crc, src, len);
+        op->crc = cpu_of(e)(op->crc, src, len);
         memmove(dst, src, len);
         op->done = len;
         return;
@@ -601,22 +606,16 @@ uint32_t kvt_dsa_crc(kvt_dsa_engine *e, uint32_t seed, const void *buf, size_t l
 /* See dsa.h. The counts come from what the op's completion records said
  * (op.dev_bytes): a refused, failed or timed-out descriptor's bytes are CPU
  * bytes, never offloaded ones. */
-int kvt_dsa_commit_copy_crc(void *dst, const void *src, size_t len, uint32_t *crc)
+int kvt_dsa_commit_copy_crc(kvt_dsa_engine *e, void *dst, const void *src, size_t len, uint32_t *crc)
 {
-    kvt_dsa_engine *e = kvt_dsa_acquire_active();
-    if (e == NULL)
-        return 0;
-    if (len < e->min_size) {
-        kvt_dsa_release(e);
+    if (len < e->min_size)
         return 0; /* below the gate: the CPU copy, the CRC counted below_min_size */
-    }
     kvt_dsa_op op;
     kvt_dsa_copy_crc_submit(e, &op, dst, src, len, *crc);
     *crc = kvt_dsa_wait(&op);
     CADD(e, commit_ops, 1);
     CADD(e, commit_bytes_on_device, op.dev_bytes);
     CADD(e, commit_bytes_cpu, len - op.dev_bytes);
-    kvt_dsa_release(e);
     return 1;
 }
 
@@ -649,19 +648,6 @@ static const char *sname(int st)
 {
     const char *n = kvt_dsa_status_name(st);
     return n ? n : "unknown";
-}
-
-static uint64_t selfcheck_timeout_ns(void)
-{
-    const char *s = getenv("KVTIER_DSA_SELFCHECK_TIMEOUT_MS");
-    unsigned long long ms = 2000;
-    if (s && *s) {
-        char *end;
-        unsigned long long v = strtoull(s, &end, 10);
-        if (*end == '\0' && v > 0)
-            ms = v;
-    }
-    return ms * 1000000ull;
 }
 
 #define APPEND(...)                                                        \
@@ -697,8 +683,8 @@ int kvt_dsa_engine_selfcheck(kvt_dsa_engine *e)
     }
     memset(dst, 0xA5, n);
     static const char check[] = "123456789";
-    uint32_t ref = kvt_crc32c_best_cpu()->fn(0, src, n);
-    uint64_t timeout = selfcheck_timeout_ns();
+    uint32_t ref = e->cpu(0, src, n);
+    uint64_t timeout = e->selfcheck_timeout_ns;
     e->sc.ran = 1;
     snprintf(e->reason, sizeof e->reason, "self-check failed:");
 
@@ -752,290 +738,3 @@ timeout:
     return 0;
 }
 
-/* ------------------------------------------------------------------ */
-/* Process-wide engines                                                */
-/* ------------------------------------------------------------------ */
-
-static pthread_rwlock_t g_lock = PTHREAD_RWLOCK_INITIALIZER;
-static pthread_mutex_t g_enable_mu = PTHREAD_MUTEX_INITIALIZER;
-static kvt_dsa_engine *g_eng[2];
-static kvt_dsa_model *g_model;
-static int g_tried[2];
-static char g_reason[2][1200];
-
-/* fork(): the child has no model thread and no right to the parent's WQ
- * (its PASID / dedicated-WQ ownership belong to the parent), and the locks
- * may have been held by another thread. The child forgets the engines
- * (leaked, never used) and computes on the CPU. */
-static void atfork_child(void)
-{
-    pthread_rwlock_t fresh = PTHREAD_RWLOCK_INITIALIZER;
-    pthread_mutex_t fresh_mu = PTHREAD_MUTEX_INITIALIZER;
-    memcpy(&g_lock, &fresh, sizeof fresh);
-    memcpy(&g_enable_mu, &fresh_mu, sizeof fresh_mu);
-    for (int i = 0; i < 2; i++) {
-        if (g_eng[i]) {
-            g_eng[i] = NULL;
-            snprintf(g_reason[i], sizeof g_reason[i], "%s: disabled in a fork()ed child (CPU computes)",
-                     i == KVT_DSA_MODEL ? "dsa-model" : "dsa");
-        }
-    }
-    g_model = NULL;
-}
-
-static pthread_once_t once_atfork = PTHREAD_ONCE_INIT;
-static void register_atfork(void) { pthread_atfork(NULL, NULL, atfork_child); }
-
-static void install(int which, kvt_dsa_engine *e, kvt_dsa_model *m)
-{
-    pthread_once(&once_atfork, register_atfork);
-    pthread_rwlock_wrlock(&g_lock);
-    kvt_dsa_engine *old = g_eng[which];
-    g_eng[which] = e;
-    if (which == KVT_DSA_MODEL)
-        g_model = m;
-    pthread_rwlock_unlock(&g_lock);
-    kvt_dsa_engine_destroy(old); /* no reader holds it any more */
-}
-
-static void set_reason(int which, const char *s)
-{
-    pthread_rwlock_wrlock(&g_lock);
-    snprintf(g_reason[which], sizeof g_reason[which], "%s", s);
-    g_tried[which] = 1;
-    pthread_rwlock_unlock(&g_lock);
-}
-
-int kvt_dsa_enable_device(const char *sysfs_root, const char *dev_root, const char *want)
-{
-    static kvt_dsa_discovery d; /* large; guarded by g_enable_mu */
-    char why[1200];
-    int ok = 0;
-    pthread_mutex_lock(&g_enable_mu);
-    kvt_dsa_discover(sysfs_root, dev_root, want, &d);
-    if (!d.devices_dir_present) {
-        snprintf(why, sizeof why, "no DSA devices found (%s absent)", d.devices_dir);
-        goto out;
-    }
-    int idx[KVT_DSA_MAX_WQS];
-    size_t k = kvt_dsa_candidates(&d, idx, KVT_DSA_MAX_WQS);
-    if (d.n == 0) {
-        snprintf(why, sizeof why, "no DSA devices found (no WQs under %s)", d.devices_dir);
-        goto out;
-    }
-    size_t used = (size_t)snprintf(why, sizeof why, "WQ found but not usable:");
-    for (size_t i = 0; i < d.n && used < sizeof why; i++)
-        if (!d.wqs[i].usable)
-            used += (size_t)snprintf(why + used, sizeof why - used, " %s: %s;", d.wqs[i].name,
-                                     d.wqs[i].reason);
-    for (size_t j = 0; j < k; j++) {
-        const kvt_dsa_wq_info *w = &d.wqs[idx[j]];
-        kvt_dsa_portal *p = kvt_dsa_portal_open(w);
-        if (!p) {
-            if (used < sizeof why)
-                used += (size_t)snprintf(why + used, sizeof why - used, " %s: open %s: %s;",
-                                         w->name, w->path, strerror(errno));
-            continue;
-        }
-        kvt_dsa_engine *e = kvt_dsa_engine_create("dsa", p, w);
-        if (!e) {
-            p->ops->close(p);
-            continue;
-        }
-        if (kvt_dsa_engine_selfcheck(e)) {
-            install(KVT_DSA_DEVICE, e, NULL);
-            snprintf(why, sizeof why, "enabled: dsa (%s %s size %u max_transfer_size %llu bof %d, %s)",
-                     w->name, w->mode, w->size, (unsigned long long)w->max_transfer_size,
-                     w->block_on_fault, p->kind);
-            ok = 1;
-            goto out;
-        }
-        if (used < sizeof why)
-            used += (size_t)snprintf(why + used, sizeof why - used, " %s: %s;", w->name,
-                                     kvt_dsa_engine_reason(e));
-        kvt_dsa_engine_destroy(e);
-    }
-out:
-    set_reason(KVT_DSA_DEVICE, why);
-    pthread_mutex_unlock(&g_enable_mu);
-    return ok;
-}
-
-int kvt_dsa_enable_model(const kvt_dsa_model_config *cfg, int reject_status)
-{
-    char why[1200];
-    pthread_mutex_lock(&g_enable_mu);
-    kvt_dsa_model *m = kvt_dsa_model_create(cfg);
-    if (!m) {
-        snprintf(why, sizeof why, "dsa-model: cannot create the model: %s", strerror(errno));
-        set_reason(KVT_DSA_MODEL, why);
-        pthread_mutex_unlock(&g_enable_mu);
-        return 0;
-    }
-    if (reject_status)
-        kvt_dsa_model_inject(m, KVT_DSA_FAULT_REJECT_ALL, UINT64_MAX, (uint64_t)reject_status);
-    kvt_dsa_wq_info w;
-    kvt_dsa_model_wq_info(m, &w);
-    kvt_dsa_engine *e = kvt_dsa_engine_create("dsa-model", kvt_dsa_model_portal(m), &w);
-    if (!e) {
-        kvt_dsa_model_destroy(m);
-        set_reason(KVT_DSA_MODEL, "dsa-model: out of memory");
-        pthread_mutex_unlock(&g_enable_mu);
-        return 0;
-    }
-    int ok = kvt_dsa_engine_selfcheck(e);
-    /* Kept installed either way so status and counters stay readable;
-     * the backend is available only when the self-check passed. */
-    install(KVT_DSA_MODEL, e, m);
-    if (ok)
-        snprintf(why, sizeof why, "enabled: dsa-model (software model, %s size %u max_transfer_size %llu bof %d)",
-                 w.mode, w.size, (unsigned long long)w.max_transfer_size, w.block_on_fault);
-    else
-        snprintf(why, sizeof why, "dsa-model not enabled: %s", kvt_dsa_engine_reason(e));
-    set_reason(KVT_DSA_MODEL, why);
-    pthread_mutex_unlock(&g_enable_mu);
-    return ok;
-}
-
-void kvt_dsa_disable(int which)
-{
-    pthread_mutex_lock(&g_enable_mu);
-    install(which, NULL, NULL);
-    set_reason(which, which == KVT_DSA_MODEL ? "dsa-model disabled" : "dsa disabled");
-    pthread_mutex_unlock(&g_enable_mu);
-}
-
-kvt_dsa_engine *kvt_dsa_acquire(int which)
-{
-    pthread_rwlock_rdlock(&g_lock);
-    kvt_dsa_engine *e = g_eng[which];
-    if (!e)
-        pthread_rwlock_unlock(&g_lock);
-    return e;
-}
-
-kvt_dsa_engine *kvt_dsa_acquire_active(void)
-{
-    const kvt_crc32c_backend *b = kvt_crc32c_active();
-    int which;
-    if (strcmp(b->name, "dsa") == 0)
-        which = KVT_DSA_DEVICE;
-    else if (strcmp(b->name, "dsa-model") == 0)
-        which = KVT_DSA_MODEL;
-    else
-        return NULL;
-    kvt_dsa_engine *e = kvt_dsa_acquire(which);
-    if (e && !kvt_dsa_engine_enabled(e)) {
-        kvt_dsa_release(e);
-        return NULL;
-    }
-    return e;
-}
-
-void kvt_dsa_release(kvt_dsa_engine *e)
-{
-    if (e)
-        pthread_rwlock_unlock(&g_lock);
-}
-
-kvt_dsa_model *kvt_dsa_global_model(void) { return g_model; }
-
-int kvt_dsa_global_tried(int which)
-{
-    pthread_rwlock_rdlock(&g_lock);
-    int t = g_tried[which];
-    pthread_rwlock_unlock(&g_lock);
-    return t;
-}
-
-void kvt_dsa_global_reason(int which, char *buf, size_t n)
-{
-    pthread_rwlock_rdlock(&g_lock);
-    kvt_dsa_engine *e = g_eng[which];
-    if (e && __atomic_load_n(&e->dead_ready, __ATOMIC_ACQUIRE))
-        snprintf(buf, n, "%s disabled: %s", e->name, e->dead_reason);
-    else
-        snprintf(buf, n, "%s", g_reason[which]);
-    pthread_rwlock_unlock(&g_lock);
-}
-
-static uint32_t backend_crc(int which, uint32_t crc, const void *buf, size_t len)
-{
-    kvt_dsa_engine *e = kvt_dsa_acquire(which);
-    if (!e)
-        return kvt_crc32c_best_cpu()->fn(crc, buf, len);
-    uint32_t r = kvt_dsa_crc(e, crc, buf, len);
-    kvt_dsa_release(e);
-    return r;
-}
-
-uint32_t kvt_crc32c_dsa(uint32_t crc, const void *buf, size_t len)
-{
-    return backend_crc(KVT_DSA_DEVICE, crc, buf, len);
-}
-
-uint32_t kvt_crc32c_dsa_model(uint32_t crc, const void *buf, size_t len)
-{
-    return backend_crc(KVT_DSA_MODEL, crc, buf, len);
-}
-
-static int engine_enabled(int which)
-{
-    pthread_rwlock_rdlock(&g_lock);
-    int r = kvt_dsa_engine_enabled(g_eng[which]);
-    pthread_rwlock_unlock(&g_lock);
-    return r;
-}
-
-static pthread_once_t once_device = PTHREAD_ONCE_INIT;
-static pthread_once_t once_model = PTHREAD_ONCE_INIT;
-
-static int env_is(const char *name, const char *value)
-{
-    const char *v = getenv(name);
-    return v && strcmp(v, value) == 0;
-}
-
-static void try_device_once(void)
-{
-    if (env_is("KVTIER_DSA", "off")) {
-        set_reason(KVT_DSA_DEVICE, "dsa: not probed (KVTIER_DSA=off)");
-        return;
-    }
-    if (!kvt_dsa_global_tried(KVT_DSA_DEVICE))
-        kvt_dsa_enable_device(NULL, NULL, NULL);
-}
-
-static void try_model_once(void)
-{
-    /* The model is only ever enabled explicitly. */
-    if ((env_is("KVTIER_DSA", "model") || env_is("KVTIER_CRC32C_BACKEND", "dsa-model")) &&
-        !kvt_dsa_global_tried(KVT_DSA_MODEL)) {
-        const char *lat = getenv("KVTIER_DSA_MODEL_LATENCY_NS");
-        if (lat && *lat) {
-            char *end;
-            unsigned long long v = strtoull(lat, &end, 10);
-            if (*end == '\0' && v < 1000000000ull) {
-                kvt_dsa_model_config cfg = {.size = 32, .max_transfer_size = 2u << 20,
-                                            .gen_cap = KVT_DSA_GENCAP_CACHE_CONTROL |
-                                                       KVT_DSA_GENCAP_BLOCK_ON_FAULT,
-                                            .latency_ns = (unsigned)v};
-                kvt_dsa_enable_model(&cfg, 0);
-                return;
-            }
-        }
-        kvt_dsa_enable_model(NULL, 0);
-    }
-}
-
-int kvt_dsa_backend_available(void)
-{
-    pthread_once(&once_device, try_device_once);
-    return engine_enabled(KVT_DSA_DEVICE);
-}
-
-int kvt_dsa_model_backend_available(void)
-{
-    pthread_once(&once_model, try_model_once);
-    return engine_enabled(KVT_DSA_MODEL);
-}

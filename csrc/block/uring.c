@@ -2,12 +2,13 @@
 #define _GNU_SOURCE
 #include "uring.h"
 
+#include "env.h"
+
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 #include <unistd.h>
 
 static _Atomic uint64_t stat_ops, stat_plain;
@@ -18,13 +19,10 @@ static _Atomic int setup_errno; /* the kernel's refusal */
 
 static void read_setting(void)
 {
-    const char *e = getenv("KVTIER_IO_URING");
-    if (e == NULL || e[0] == '\0')
-        setting = -1;
-    else if (!strcasecmp(e, "0") || !strcasecmp(e, "false") || !strcasecmp(e, "no") || !strcasecmp(e, "off"))
-        setting = 0;
-    else /* 1/true/yes/on (kvtier._env refuses anything else at import) */
-        setting = 1;
+    int s = kvt_env_switch("KVTIER_IO_URING");
+    /* unset or empty: -1; an off word: 0; an on word, or anything else: 1
+     * (kvtier._env refuses anything else at import) */
+    setting = s == KVT_ENV_UNSET ? -1 : s != 0;
 }
 
 void kvt_uring_note_plain(void)

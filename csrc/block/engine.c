@@ -1,6 +1,6 @@
-/* The block I/O engine (io_engine.h). */
+/* The block I/O engine (engine.h). */
 #define _GNU_SOURCE
-#include "io_engine.h"
+#include "engine.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -13,100 +13,40 @@
 #include <unistd.h>
 
 #include "crc32c.h"
-#include "dsa.h"
+#include "env.h"
 #include "policy.h"
+#include "sys.h"
 #include "uring.h"
 
 static _Atomic uint64_t stat_fused_blocks, stat_fused_bytes;
 
-void kvt_engine_info(kvt_engine_stats *out)
+/* KVTIER_CRC_COPY: 0/false/no/off turns the fused copy off (loads then
+ * checksum each piece with the active backend and copy it). Read once. */
+static pthread_once_t crc_copy_once = PTHREAD_ONCE_INIT;
+static int crc_copy_mode;
+
+static void crc_copy_read_env(void)
 {
-    out->fused_blocks = atomic_load(&stat_fused_blocks);
-    out->fused_bytes = atomic_load(&stat_fused_bytes);
+    crc_copy_mode = kvt_env_switch("KVTIER_CRC_COPY") != 0; /* unset, empty or unknown: on */
 }
 
-/* ------------------------------------------------------------------ */
-/* Plain syscalls                                                      */
-/* ------------------------------------------------------------------ */
-
-int kvt_set_direct(int fd, int on)
+/* See engine.h: not turned off, a fused kernel for this CPU, and the active
+ * CRC32C backend is the best CPU one (not forced to another, not DSA). */
+int kvt_engine_crc_copy(void)
 {
-    int fl = fcntl(fd, F_GETFL);
-    if (fl < 0)
-        return -1;
-    fl = on ? (fl | O_DIRECT) : (fl & ~O_DIRECT);
-    return fcntl(fd, F_SETFL, fl);
+    pthread_once(&crc_copy_once, crc_copy_read_env);
+    return crc_copy_mode && kvt_crc32c_copy_best()->fused && kvt_crc32c_active() == kvt_crc32c_best_cpu();
 }
 
-/* After a failed pread/pwrite (errno set): 1 to retry it, 0 to fail. EINTR is
- * retried (counted: retry_eintr, policy.h); EINVAL under O_DIRECT drops
- * O_DIRECT for the rest of the file (a filesystem refusing it at the first
- * I/O, or an unaligned tail) and retries. */
-static int retry_io(int fd, int *direct, unsigned *eintr)
+/* See engine.h. */
+void kvt_crc_copy_info(kvt_crc_copy_stats *out)
 {
-    if (errno == EINTR) {
-        if (++*eintr > KVT_RETRY_EINTR_MAX)
-            return 0; /* policy.h: then a miss (or a failed store) with EINTR */
-        kvt_count(KVT_C_RETRY_EINTR);
-        return 1;
-    }
-    if (errno == EINVAL && *direct) {
-        if (kvt_set_direct(fd, 0) != 0)
-            return 0;
-        *direct = 0;
-        return 1;
-    }
-    return 0;
+    out->kernel = kvt_crc32c_copy_best()->name;
+    out->enabled = kvt_engine_crc_copy();
+    out->blocks = atomic_load(&stat_fused_blocks);
+    out->bytes = atomic_load(&stat_fused_bytes);
 }
 
-int kvt_write_full(int fd, const uint8_t *p, size_t len, uint64_t off, int *direct)
-{
-    unsigned eintr = 0; /* in a row */
-    while (len > 0) {
-        ssize_t w = pwrite(fd, p, len, (off_t)off);
-        if (w < 0) {
-            if (retry_io(fd, direct, &eintr))
-                continue;
-            return -1;
-        }
-        if (w == 0) {
-            errno = EIO;
-            return -1;
-        }
-        eintr = 0;
-        p += w;
-        off += (uint64_t)w;
-        len -= (size_t)w;
-    }
-    return 0;
-}
-
-/* pread at least `min` and at most `max` bytes at `off` (fewer only at the end
- * of the file): one call when the first read brings `min`. Returns the bytes
- * read or -1 with errno. */
-static ssize_t read_at_least(int fd, uint8_t *p, size_t min, size_t max, uint64_t off, int *direct)
-{
-    size_t got = 0;
-    unsigned eintr = 0; /* in a row */
-    while (got < min) {
-        ssize_t r = pread(fd, p + got, max - got, (off_t)(off + got));
-        if (r < 0) {
-            if (retry_io(fd, direct, &eintr))
-                continue;
-            return -1;
-        }
-        if (r == 0)
-            break;
-        eintr = 0;
-        got += (size_t)r;
-    }
-    return (ssize_t)got;
-}
-
-ssize_t kvt_read_full(int fd, uint8_t *p, size_t len, uint64_t off, int *direct)
-{
-    return read_at_least(fd, p, len, len, off, direct);
-}
 
 /* ------------------------------------------------------------------ */
 /* Private per-thread memory                                           */
@@ -204,6 +144,19 @@ static void abandon(kvt_uring *ring)
     }
 }
 
+/* The ring for an O_DIRECT block of `len` bytes: none for one piece (one
+ * pread/pwrite needs none); NULL, counted as a plain block, when this thread
+ * has none. */
+static kvt_uring *ring_for(size_t len)
+{
+    if (len <= KVT_PIECE_MIN)
+        return NULL;
+    kvt_uring *ring = kvt_uring_get();
+    if (ring == NULL)
+        kvt_uring_note_plain();
+    return ring;
+}
+
 /* One read/write through the ring, submitted now. 0, or EAGAIN after
  * abandoning the ring (the caller redoes the block on the plain path). */
 static int ring_start(kvt_uring *ring, int write, int fd, uint8_t *buf, size_t n, uint64_t off)
@@ -237,10 +190,12 @@ static int commit_piece(uint8_t *dst, const uint8_t *src, size_t n, int move, kv
 {
     if (!kvt_job_commit_begin(js))
         return ETIMEDOUT; /* expired: not a byte of this piece enters dst */
+    const kvt_crc32c_backend *b;
     if (move == KVT_MOVE_FUSED || move == KVT_MOVE_NT) {
         *crc = kvt_crc32c_copy(*crc, dst, src, n);
-    } else if (move == KVT_MOVE_CRC_COPY && kvt_dsa_commit_copy_crc(dst, src, n, crc)) {
-        /* DSA active: one COPY_CRC op copied and checksummed the piece */
+    } else if (move == KVT_MOVE_CRC_COPY && (b = kvt_crc32c_active())->copy_crc != NULL &&
+               b->copy_crc(dst, src, n, crc)) {
+        /* the active backend copied and checksummed the piece in one op (DSA: COPY_CRC) */
     } else {
         if (move == KVT_MOVE_CRC_COPY)
             *crc = kvt_crc32c(*crc, src, n);
@@ -261,7 +216,7 @@ static int read_plain(int fd, uint8_t *dst, size_t len, uint8_t *priv, size_t pi
         int last = off + n == len;
         /* The last piece asks for KVT_SLACK more: a regular file answers a read
          * past its end short, so one pread sees where the file ends. */
-        ssize_t r = read_at_least(fd, priv, n, n + (last ? KVT_SLACK : 0), off, direct);
+        ssize_t r = kvt_read_at_least(fd, priv, n, n + (last ? KVT_SLACK : 0), off, direct);
         if (r < 0)
             return errno ? errno : EIO;
         size_t got = (size_t)r;
@@ -337,12 +292,7 @@ int kvt_engine_read(int fd, uint8_t *dst, size_t len, int *direct, int move, kvt
         uint8_t *priv = thread_priv();
         if (priv == NULL)
             return ENOMEM;
-        kvt_uring *ring = NULL;
-        if (len > KVT_PIECE_MIN) { /* one piece: one pread, no ring needed */
-            ring = kvt_uring_get();
-            if (ring == NULL)
-                kvt_uring_note_plain();
-        }
+        kvt_uring *ring = ring_for(len);
         if (ring != NULL) {
             e = read_uring(ring, fd, dst, len, priv, move, js, crc);
             if (e != EAGAIN)
@@ -393,9 +343,9 @@ static void stage(uint8_t *dst, const uint8_t *src, size_t n, int fused, uint32_
 }
 
 /* The records of a checksummed store, set once the CRC is known (rec->set,
- * fs_io.c): while the last piece is still being written on the ring, after
+ * block.c): while the last piece is still being written on the ring, after
  * the writes elsewhere. 0, or KVT_WRITE_RECORD when rec->set failed. */
-static int set_records(const kvt_store_records *rec, uint32_t crc)
+static int call_records(const kvt_store_records *rec, uint32_t crc)
 {
     return rec == NULL || rec->set(rec->ctx, crc) == 0 ? 0 : KVT_WRITE_RECORD;
 }
@@ -430,7 +380,7 @@ static int write_uring(kvt_uring *ring, int fd, const uint8_t *src, size_t len, 
         if (m > 0)
             stage(priv + (s ^ 1) * (size_t)KVT_SLOT, src + next, m, fused, crc);
         else
-            rec_err = set_records(rec, *crc); /* the CRC is complete: hidden behind the last write */
+            rec_err = call_records(rec, *crc); /* the CRC is complete: hidden behind the last write */
         int r;
         if (ring_reap(ring, &r) != 0)
             return EIO;
@@ -454,12 +404,7 @@ int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int fu
         uint8_t *priv = thread_priv();
         if (priv == NULL)
             return ENOMEM;
-        kvt_uring *ring = NULL;
-        if (len > KVT_PIECE_MIN) { /* one piece: one pwrite, no ring needed */
-            ring = kvt_uring_get();
-            if (ring == NULL)
-                kvt_uring_note_plain();
-        }
+        kvt_uring *ring = ring_for(len);
         if (ring != NULL) {
             int e = write_uring(ring, fd, src, len, priv, fused, rec, crc);
             if (e != EAGAIN)
@@ -477,7 +422,7 @@ int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int fu
             off += n;
         }
         *crc = c;
-        return set_records(rec, c);
+        return call_records(rec, c);
     }
     /* Without checksum (O_DIRECT or buffered): one write of the whole block
      * straight from the caller's buffer (vLLM's one call; chunks or a ring
@@ -501,5 +446,5 @@ int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int fu
         off += n;
     }
     *crc = c;
-    return set_records(rec, c);
+    return call_records(rec, c);
 }
