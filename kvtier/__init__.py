@@ -12,8 +12,6 @@ import importlib as _importlib
 
 from kvtier._blockio.env import check_dsa_env as _check_dsa_env
 
-_check_dsa_env()  # a KVTIER_DSA* value the C core would silently ignore: ValueError
-
 try:
     _C = _importlib.import_module("kvtier._C")
 except ImportError as _exc:  # C core missing: the fallback is explicit, never silent
@@ -21,6 +19,8 @@ except ImportError as _exc:  # C core missing: the fallback is explicit, never s
     _C_IMPORT_ERROR: "ImportError | None" = _exc
 else:
     _C_IMPORT_ERROR = None
+
+_check_dsa_env()  # a KVTIER_DSA* value the C core does not take (it kept its default): ValueError
 
 if _C is not None:
     crc32c = _C.crc32c
