@@ -5,6 +5,7 @@
     python benchmarks/capacity_bench.py --requests 8000 --scale 1 --seed 3
     python benchmarks/capacity_bench.py --scenario cpu --bounds 5,10,25
     python benchmarks/capacity_bench.py --real --procs 2     # the real tier (needs max_bytes in kvtier)
+    PYTHONPATH=. python benchmarks/capacity_bench.py --real  # ... with this checkout's kvtier
 
 The trace (seeded, :func:`make_trace`): a prefix-sharing workload of
   - a few hot system prompts (``--sys-prompts``, Zipf-popular) that every request starts with;
@@ -63,9 +64,20 @@ Scenarios: ``tier`` (no CPU tier: every lookup reaches the policy), ``cpu`` (a C
 node in front), ``restart`` (as cpu, and each node restarts once: its CPU tier and per-process
 state are lost, at evenly spaced points of the trace).
 
-The real path (``--real``) replays the same trace through kvtier.manager.FileSystemTierManager
-with max_bytes set (``--procs`` processes on one root); it needs the capacity mechanism in the
-kvtier this script imports and says so if it is missing.
+The real path (``--real``) replays the same trace (scenario tier: no CPU tier) through
+kvtier.manager.FileSystemTierManager(buf, root, model, checksum_blocks=True, max_bytes=...,
+census_interval_s=...) with ``--procs`` processes on one root (one engine node each, the
+trace's routing), twice: bound ``--real-bound`` percent of the working set, and no bound.
+``--real-seconds`` of wall time replay the trace's ``--span-s`` (the census interval and a
+touch window parameter, if the constructor has one, are scaled by the same factor). Per
+request: lookup, load the usable prefix (one job; a block evicted between lookup and load is
+a clean miss), store the rest with the answer (one job); every loaded block is compared with
+the bytes stored for its hash ("wrong" must be 0). Reported: hit (and / the offline best of
+(a)-(b) at the same bound), blocks stored and dropped, .bin files left, store and load MB/s
+(wall time of the jobs), process CPU of all workers (on - off: what the evictor and census
+cost), and the largest of the root's st_blocks usage sampled every 0.25 s against max_bytes +
+one store batch per process. It needs the capacity mechanism (``max_bytes``) in the kvtier
+it imports and says so, exit status 2, if that is missing.
 """
 from __future__ import annotations
 
@@ -856,6 +868,8 @@ def parse_args(argv=None):
     ap.add_argument("--root", default=None, help="--real: directory for the roots (default a temp dir)")
     ap.add_argument("--real-block-kib", type=int, default=64, help="--real: block size")
     ap.add_argument("--real-bound", type=float, default=25.0, help="--real: bound, percent of the working set")
+    ap.add_argument("--real-seconds", type=float, default=60.0, help="--real: wall time the trace's span is replayed in")
+    ap.add_argument("--keep", action="store_true", help="--real: keep the roots")
     return ap.parse_args(argv)
 
 
@@ -867,9 +881,209 @@ def main(argv=None) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- the real tier
+def _real_api():
+    """(FileSystemTierManager, TransferJob, the constructor's parameter names), or a reason."""
+    import inspect
+
+    try:
+        import kvtier
+        from kvtier.manager import FileSystemTierManager, TransferJob
+    except ImportError as e:
+        return None, f"kvtier is not importable: {e}"
+    params = set(inspect.signature(FileSystemTierManager.__init__).parameters)
+    if "max_bytes" not in params:
+        return None, (f"this kvtier ({os.path.dirname(kvtier.__file__)}) has no capacity bound: "
+                      f"FileSystemTierManager takes no max_bytes (issue 22; the capacity branch adds it). "
+                      f"The offline simulation needs nothing: run without --real.")
+    return (FileSystemTierManager, TransferJob, params), None
+
+
+def _pattern(h: bytes, block_size: int) -> bytes:
+    return (h * (block_size // len(h) + 1))[:block_size]
+
+
+def _du(root: str) -> int:
+    """Bytes the filesystem spends under root (st_blocks), every file and directory."""
+    tot = 0
+    stack = [root]
+    while stack:
+        d = stack.pop()
+        try:
+            with os.scandir(d) as it:
+                for e in it:
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    tot += st.st_blocks * 512
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(e.path)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return tot
+
+
+def _real_worker(proc, a, tp, root, max_bytes, t_start, speedup, q):
+    """One engine process: replay the requests routed to ``proc`` through a tier on ``root``."""
+    import numpy as np
+
+    (Mgr, Job, params), _ = _real_api()
+    trace = make_trace(tp)
+    bs = a.real_block_kib * 1024
+    nslots = max(len(p) + len(o) for p, o in zip(trace.prompt, trace.output))
+    buf = np.zeros((nslots, bs), dtype=np.uint8)
+    kw = dict(checksum_blocks=True, n_read_threads=4, n_write_threads=4, max_bytes=max_bytes)
+    if "census_interval_s" in params:
+        kw["census_interval_s"] = a.census_s / speedup
+    for name in params:  # the touch window, whatever the capacity branch calls it
+        if "touch" in name and name.endswith("_s"):
+            kw[name] = a.touch_window_s / speedup
+    mgr = Mgr(buf, root, "capacity-bench/model", **kw)
+    st = dict(proc=proc, requested=0, usable=0, stored=0, dropped=0, wrong=0, load_s=0.0, load_b=0, store_s=0.0,
+              store_b=0, load_miss=0, kw={k: v for k, v in kw.items() if k != "max_bytes"})
+    c0 = time.process_time()
+    jid = 0
+    try:
+        for r in range(len(trace.t)):
+            if trace.node[r] != proc:
+                continue
+            due = t_start + trace.t[r] / speedup
+            delay = due - time.time()
+            if delay > 0:
+                time.sleep(delay)
+            prompt = trace.prompt[r]
+            keys = [(trace.hashes[b], 0) for b in prompt]
+            hit = mgr.lookup(keys) if keys else []
+            usable = 0
+            while usable < len(hit) and hit[usable]:
+                usable += 1
+            if usable:
+                jid += 1
+                t0 = time.perf_counter()
+                mgr.submit_load(Job(jid, keys[:usable], list(range(usable))))
+                mgr.drain_jobs()
+                st["load_s"] += time.perf_counter() - t0
+                (res,) = mgr.get_finished_jobs()
+                got = len(res.successful_keys) if not res.success else usable
+                st["load_miss"] += usable - got  # evicted between lookup and load: a clean miss
+                st["load_b"] += got * bs
+                for i in range(got):
+                    if bytes(buf[i]) != _pattern(keys[i][0], bs):
+                        st["wrong"] += 1
+                usable = got
+            st["requested"] += len(prompt)
+            st["usable"] += usable
+            new = prompt[usable:] + trace.output[r]
+            if new:
+                for i, b in enumerate(new):
+                    buf[i] = np.frombuffer(_pattern(trace.hashes[b], bs), dtype=np.uint8)
+                jid += 1
+                t0 = time.perf_counter()
+                mgr.submit_store(Job(jid, [(trace.hashes[b], 0) for b in new], list(range(len(new)))))
+                mgr.drain_jobs()
+                st["store_s"] += time.perf_counter() - t0
+                (res,) = mgr.get_finished_jobs()
+                ok = len(new) if res.success else len(res.successful_keys)
+                st["stored"] += ok
+                st["dropped"] += len(new) - ok
+                st["store_b"] += ok * bs
+    finally:
+        st["cpu_s"] = time.process_time() - c0
+        mgr.shutdown()
+        q.put(st)
+
+
 def run_real(a) -> int:
-    print("capacity_bench --real: not written yet", file=sys.stderr)
-    return 2
+    api, why = _real_api()
+    if api is None:
+        print(f"capacity_bench --real: cannot run: {why}", file=sys.stderr)
+        return 2
+    import multiprocessing as mp
+    import shutil
+    import tempfile
+    import threading
+
+    tp = TraceParams(requests=a.requests, scale=a.scale, seed=a.seed, zipf=a.zipf, sys_prompts=a.sys_prompts,
+                     docs=a.docs, nodes=a.procs, sticky=a.sticky, span_s=a.span_s, max_context=a.max_context)
+    trace = make_trace(tp)
+    ws = trace.working_set()
+    bs = a.real_block_kib * 1024
+    cap_blocks = max(1, int(round(ws * a.real_bound / 100)))
+    max_bytes = cap_blocks * bs
+    batch = max(len(p) + len(o) for p, o in zip(trace.prompt, trace.output)) * bs
+    speedup = a.span_s / a.real_seconds
+    base = tempfile.mkdtemp(prefix="kvtier-capbench-", dir=a.root)
+    print(f"capacity_bench --real: {a.requests} requests, {a.procs} processes on one root under {base}, "
+          f"blocks {a.real_block_kib} KiB, working set {ws} blocks ({ws * bs / 2**20:.0f} MiB), "
+          f"bound {a.real_bound:g}% = {max_bytes / 2**20:.1f} MiB; trace time x{speedup:.0f} "
+          f"({a.span_s:.0f} s in {a.real_seconds:.0f} s); checksums on")
+    sim = replay(trace, make_policy("k", cap_blocks, trace, a))
+    best = max(replay(trace, make_policy(p, cap_blocks, trace, a)).hit for p in ("a", "b"))
+    rows = []
+    ctx = mp.get_context("fork")
+    try:
+        for label, mb in (("bound", max_bytes), ("no bound", None)):
+            root = os.path.join(base, label.replace(" ", "-"))
+            os.makedirs(root)
+            q = ctx.Queue()
+            t_start = time.time() + 2.0
+            ps = [ctx.Process(target=_real_worker, args=(i, a, tp, root, mb, t_start, speedup, q))
+                  for i in range(a.procs)]
+            for p in ps:
+                p.start()
+            samples = []
+            done = threading.Event()
+
+            def sample():
+                while not done.is_set():
+                    samples.append(_du(root))
+                    done.wait(0.25)
+
+            th = threading.Thread(target=sample, daemon=True)
+            th.start()
+            sts = [q.get() for _ in ps]
+            for p in ps:
+                p.join()
+            done.set()
+            th.join()
+            bad = [p.exitcode for p in ps if p.exitcode]
+            if bad:
+                print(f"capacity_bench --real: a worker failed (exit {bad})", file=sys.stderr)
+                return 1
+            agg = {k: sum(s[k] for s in sts) for k in ("requested", "usable", "stored", "dropped", "wrong",
+                                                        "load_s", "load_b", "store_s", "store_b", "load_miss",
+                                                        "cpu_s")}
+            agg["max_usage"] = max(samples) if samples else 0
+            agg["end_usage"] = _du(root)
+            agg["files"] = sum(f.endswith(".bin") for _, _, fs in os.walk(root) for f in fs)
+            agg["samples"] = len(samples)
+            agg["label"], agg["kw"] = label, sts[0]["kw"]
+            rows.append(agg)
+    finally:
+        if not a.keep:
+            shutil.rmtree(base, ignore_errors=True)
+    import kvtier
+
+    print(f"kvtier {os.path.dirname(kvtier.__file__)}; tier arguments: {rows[0]['kw']}")
+    print(f"offline at the same bound (tier scenario): k {sim.hit:.3f}, best of (a)-(b) {best:.3f}")
+    print(f"{'run':<9} {'hit':>6} {'/best':>6} {'stored':>7} {'dropped':>7} {'load miss':>9} {'wrong':>5} "
+          f"{'on disk':>7} {'store MB/s':>10} {'load MB/s':>9} {'CPU s':>6} {'max usage MiB':>13} {'limit MiB':>9}")
+    for g in rows:
+        hit = g["usable"] / g["requested"] if g["requested"] else 0.0
+        lim = (max_bytes + a.procs * batch) / 2**20 if g["label"] == "bound" else float("nan")
+        print(f"{g['label']:<9} {hit:6.3f} {hit / best if best else float('nan'):6.3f} {g['stored']:>7} "
+              f"{g['dropped']:>7} {g['load_miss']:>9} {g['wrong']:>5} {g['files']:>7} "
+              f"{g['store_b'] / 2**20 / g['store_s'] if g['store_s'] else 0:10.1f} "
+              f"{g['load_b'] / 2**20 / g['load_s'] if g['load_s'] else 0:9.1f} {g['cpu_s']:6.2f} "
+              f"{g['max_usage'] / 2**20:13.1f} {lim:9.1f}")
+    on, off = rows
+    print(f"bound on / off: store throughput {(on['store_b'] / on['store_s']) / (off['store_b'] / off['store_s']):.3f}, "
+          f"load {(on['load_b'] / on['load_s']) / (off['load_b'] / off['load_s']) if on['load_s'] and off['load_s'] else float('nan'):.3f}; "
+          f"CPU on - off {on['cpu_s'] - off['cpu_s']:+.2f} s (the evictor and census, all processes); "
+          f"usage sampled {on['samples']} times, max {on['max_usage'] / 2**20:.1f} MiB vs "
+          f"max_bytes + {a.procs} x one batch ({batch / 2**20:.1f} MiB) = {(max_bytes + a.procs * batch) / 2**20:.1f} MiB")
+    return 0 if all(g["wrong"] == 0 for g in rows) else 1
 
 
 if __name__ == "__main__":
