@@ -52,9 +52,18 @@ unique blocks) and unbounded:
              stores are dropped
   k-head     k without the head-newest stamps (files stamped in write order: the tail newest)
   k-rate     k without the rate limit (every hit touches)
-  k+anc      k plus: a store also touches (rate-limited) the request's prompt blocks before it
-             that are on disk (the CPU tier's hits: vLLM never asks the disk tier for those;
-             a tier would need the request's keys to do this)
+  k-sync     k's order (mtime, rate-limited touches, head-newest) evicting one block at each store
+             into a full tier: no census, no watermarks (what k's order is worth by itself)
+  k*         k, also told of the blocks the CPU tier served (touches their disk copies, rate-
+             limited): vLLM 0.33 never asks the disk tier about those (a tier would need the
+             request's keys, e.g. from vLLM's request context, to do it)
+  k+evict    k, touching a block's disk copy when a node's CPU tier evicts it
+  k+leaf     k evicting only leaves, with parent links known within a store job only (block
+             i+1 of a job is block i's child: what a tier can record by itself)
+  k+tree     k evicting only leaves, with every parent link (the first block of a store job's
+             parent too: that needs the request's previous key from vLLM)
+  a*, b*     (a), (b) told of the CPU tier's hits too (LRU over every access of the trace)
+"best" is the best of a, b, a*, b* at the same bound.
 
 Columns: hit = usable prompt blocks / prompt blocks (CPU and disk tier together: what the
 engine saves); disk = the share of prompt blocks the disk tier served; "/best" = the policy's
@@ -516,8 +525,15 @@ class Kvtier(Policy):
 
     def __init__(self, cap, n_nodes: int, census: float, touch_window: float, head_newest=True,
                  rate_limit=True, sees_cpu_hits=False, touch_on_cpu_evict=False, high=0.95, low=0.85,
-                 sync=False, name=None):
+                 sync=False, parents: Optional[str] = None, parent: Sequence[int] = (), name=None):
         super().__init__(cap)
+        # parents: None (plain mtime order), "job" (a block is a leaf unless a block stored after
+        # it in the same store job is on disk: what a tier sees by itself) or "all" (the trace's
+        # parent links, as vLLM's request context would give them): only leaves are evicted
+        self.parents = parents
+        self.parent = parent
+        self.kids = [0] * len(parent) if parents else None
+        self.par: Dict[int, int] = {}
         if name:
             self.name = name
         self.census, self.window = census, touch_window
@@ -564,7 +580,7 @@ class Kvtier(Policy):
         if old:
             self._touch_job(old, now, node)
         i = 0
-        for b in blocks:
+        for j, b in enumerate(blocks):
             if b in mt:
                 continue
             if len(mt) >= self.cap:
@@ -578,15 +594,29 @@ class Kvtier(Policy):
             last[b] = now
             heapq.heappush(self.heap, (m, b))
             self.stored += 1
+            if self.parents:
+                p = self.parent[b] if self.parents == "all" else (blocks[j - 1] if j else -1)
+                if p >= 0:
+                    self.kids[p] += 1
+                    self.par[b] = p
 
     def _evict_oldest(self):
-        mt, heap = self.mtime, self.heap
+        mt, heap, kids = self.mtime, self.heap, self.kids
         while True:
             m, b = heapq.heappop(heap)
-            if mt.get(b) == m:
-                del mt[b]
-                self.evicted += 1
-                return
+            if mt.get(b) != m:
+                continue
+            if kids is not None and kids[b]:
+                continue  # not a leaf: pushed again when its last child goes
+            del mt[b]
+            self.evicted += 1
+            if kids is not None:
+                p = self.par.pop(b, -1)
+                if p >= 0:
+                    kids[p] -= 1
+                    if kids[p] == 0 and p in mt:
+                        heapq.heappush(heap, (mt[p], p))
+            return
 
     def tick(self, now):
         if self.sync:
@@ -606,7 +636,8 @@ class Kvtier(Policy):
         return len(self.mtime)
 
 
-POLICIES = ["a", "b", "a*", "b*", "c", "d", "e", "k", "k-head", "k-rate", "k-sync", "k*", "k+evict"]
+POLICIES = ["a", "b", "a*", "b*", "c", "d", "e", "k", "k-head", "k-rate", "k-sync", "k*", "k+evict", "k+leaf",
+            "k+tree"]
 BASELINES = ("a lru", "b chain", "a* lru", "b* chain")  # the offline LRUs: "best" is the best of them
 
 
@@ -633,6 +664,8 @@ def make_policy(which: str, cap: Optional[int], trace: Trace, a) -> Policy:
             "k-sync": dict(sync=True),
             "k*": dict(sees_cpu_hits=True),
             "k+evict": dict(touch_on_cpu_evict=True),
+            "k+leaf": dict(parents="job", parent=trace.parent),
+            "k+tree": dict(parents="all", parent=trace.parent),
         }
         if which not in variants:
             raise ValueError(f"unknown policy {which!r}")

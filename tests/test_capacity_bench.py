@@ -74,6 +74,19 @@ def test_chain_lru_never_holds_a_block_without_its_parent(cb, tiny):
         pol = Checked(int(ws * frac), tiny.parent)
         r = cb.replay(tiny, pol)
         assert r.evicted > 0 and max(checked) == int(ws * frac)
+    # kvtier with every parent link (k+tree) keeps the same closure, at each census
+    k = cb.Kvtier(int(ws * 0.05), tiny.n_nodes, census=10.0, touch_window=60.0, parents="all", parent=tiny.parent)
+    ticks = []
+    real_tick = k.tick
+
+    def tick(now):
+        real_tick(now)
+        held = k.cached()
+        assert all(tiny.parent[b] < 0 or tiny.parent[b] in held for b in held)
+        ticks.append(now)
+
+    k.tick = tick
+    assert cb.replay(tiny, k).evicted > 0 and len(ticks) == len(tiny.t)
 
 
 def test_lru_and_fifo_on_a_hand_made_trace(cb):
@@ -108,6 +121,10 @@ def test_kvtier_stamps_the_head_newest_within_a_job(cb):
     assert cb.replay(tr, head).usable == 2  # X evicted A2 (mtime t - 2 us), the oldest
     plain = cb.Kvtier(3, 1, census=10.0, touch_window=60.0, sync=True, head_newest=False)
     assert cb.replay(tr, plain).usable == 0  # X evicted A0 (mtime t), as per-file LRU does
+    for parents in ("job", "all"):  # A0 and A1 have a child on disk: X evicts the leaf A2
+        leaf = cb.Kvtier(3, 1, census=10.0, touch_window=60.0, sync=True, head_newest=False, parents=parents,
+                         parent=tr.parent)
+        assert cb.replay(tr, leaf).usable == 2, parents
 
 
 def test_kvtier_touches_once_per_window_per_process(cb):
@@ -171,5 +188,6 @@ def test_the_script_prints_every_policy_for_every_bound(tmp_path):
     text = out.stdout
     for sc in ("tier", "cpu", "restart"):
         assert f"== scenario {sc}:" in text
-    for name in ("a lru", "b chain", "c fifo", "d llm-d", "e vllm-fs", "k kvtier", "k-head", "k-rate", "k-sync", "k*"):
+    for name in ("a lru", "b chain", "c fifo", "d llm-d", "e vllm-fs", "k kvtier", "k-head", "k-rate", "k-sync", "k*",
+                 "k+evict", "k+leaf", "k+tree", "a* lru", "b* chain"):
         assert text.count(f"\n{name:<10} |") == 3, name
