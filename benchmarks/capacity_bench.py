@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """What a capacity bound's eviction order is worth: usable-prefix hit rate by policy (issue 22, item 6).
 
-    python benchmarks/capacity_bench.py                      # offline: all scenarios, ~20 s
+    python benchmarks/capacity_bench.py                      # offline: scenarios tier and cpu, ~15 s CPU
+    python benchmarks/capacity_bench.py --scenario all       # ... and restart
     python benchmarks/capacity_bench.py --requests 8000 --scale 1 --seed 3
     python benchmarks/capacity_bench.py --scenario cpu --bounds 5,10,25
     python benchmarks/capacity_bench.py --real --procs 2     # the real tier (needs max_bytes in kvtier)
@@ -889,7 +890,7 @@ def parse_args(argv=None):
     ap.add_argument("--span-s", type=float, default=4 * 3600.0, help="simulated duration of the trace")
     ap.add_argument("--bounds", default="10,25,50", help="percent of the working set")
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--scenario", default="all", help="tier, cpu, restart (comma list) or all")
+    ap.add_argument("--scenario", default="tier,cpu", help="tier, cpu, restart (comma list) or all")
     ap.add_argument("--cpu-frac", type=float, default=0.02, help="CPU tier per node, share of the working set")
     ap.add_argument("--census-s", type=float, default=10.0, help="evictor interval (kvtier census, llm-d crawl)")
     ap.add_argument("--touch-window-s", type=float, default=60.0, help="kvtier: one touch per block per process per window")

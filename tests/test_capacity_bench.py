@@ -183,7 +183,7 @@ def test_block_hash_is_vllms_hash_block_tokens(cb, monkeypatch):
 
 def test_the_script_prints_every_policy_for_every_bound(tmp_path):
     out = subprocess.run([sys.executable, SCRIPT, "--requests", "120", "--scale", "0.2", "--bounds", "10,50",
-                          "--span-s", "1200"], capture_output=True, text=True, timeout=300)
+                          "--span-s", "1200", "--scenario", "all"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     text = out.stdout
     for sc in ("tier", "cpu", "restart"):
