@@ -104,7 +104,7 @@ import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 TOKENS_PER_BLOCK = 16
 VOCAB = 128_256  # Llama-3 vocabulary
@@ -937,9 +937,10 @@ def _pattern(h: bytes, block_size: int) -> bytes:
     return (h * (block_size // len(h) + 1))[:block_size]
 
 
-def _du(root: str) -> int:
-    """Bytes the filesystem spends under root (st_blocks), every file and directory."""
-    tot = 0
+def _du(root: str) -> Tuple[int, int]:
+    """(bytes of regular files, bytes of directories) the filesystem spends under root
+    (st_blocks * 512); kvtier's census counts the first."""
+    files = dirs = 0
     stack = [root]
     while stack:
         d = stack.pop()
@@ -950,12 +951,14 @@ def _du(root: str) -> int:
                         st = e.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         continue
-                    tot += st.st_blocks * 512
                     if e.is_dir(follow_symlinks=False):
+                        dirs += st.st_blocks * 512
                         stack.append(e.path)
+                    else:
+                        files += st.st_blocks * 512
         except (FileNotFoundError, NotADirectoryError):
             continue
-    return tot
+    return files, dirs
 
 
 def _real_worker(proc, a, tp, root, max_bytes, t_start, speedup, q):
@@ -968,11 +971,11 @@ def _real_worker(proc, a, tp, root, max_bytes, t_start, speedup, q):
     nslots = max(len(p) + len(o) for p, o in zip(trace.prompt, trace.output))
     buf = np.zeros((nslots, bs), dtype=np.uint8)
     kw = dict(checksum_blocks=True, n_read_threads=4, n_write_threads=4, max_bytes=max_bytes)
-    if "census_interval_s" in params:
-        kw["census_interval_s"] = a.census_s / speedup
-    for name in params:  # the touch window, whatever the capacity branch calls it
-        if "touch" in name and name.endswith("_s"):
-            kw[name] = a.touch_window_s / speedup
+    hi, lo = (float(x) for x in a.watermarks.split(","))
+    for name, v in (("census_interval_s", a.census_s / speedup), ("touch_window_s", a.touch_window_s / speedup),
+                    ("evict_high", hi), ("evict_low", lo)):
+        if name in params:
+            kw[name] = v
     mgr = Mgr(buf, root, "capacity-bench/model", **kw)
     st = dict(proc=proc, requested=0, usable=0, stored=0, dropped=0, wrong=0, load_s=0.0, load_b=0, store_s=0.0,
               store_b=0, load_miss=0, kw={k: v for k, v in kw.items() if k != "max_bytes"})
@@ -1024,6 +1027,17 @@ def _real_worker(proc, a, tp, root, max_bytes, t_start, speedup, q):
                 st["store_b"] += ok * bs
     finally:
         st["cpu_s"] = time.process_time() - c0
+        try:
+            snap = mgr.metrics.counters.snapshot()
+        except AttributeError:
+            snap = {}
+        st["evicted"] = int(sum(v for k, v in snap.items() if k.startswith("evicted_") and "bytes" not in k))
+        st["stores_dropped_jobs"] = int(snap.get("stores_dropped", 0))
+        rc = getattr(getattr(mgr, "capacity", None), "rc", None)
+        st["evictor_cpu_s"] = float(getattr(rc, "evictor_cpu_s", 0.0) or 0.0)
+        st["passes"] = int(getattr(rc, "passes", 0) or 0)
+        c = getattr(rc, "last_census", None)
+        st["census"] = (c.files, c.scan_finished - c.scan_started, c.cpu_s) if c is not None else None
         mgr.shutdown()
         q.put(st)
 
@@ -1051,7 +1065,7 @@ def run_real(a) -> int:
     print(f"capacity_bench --real: {a.requests} requests, {a.procs} processes on one root under {base}, "
           f"blocks {a.real_block_kib} KiB, working set {ws} blocks ({ws * bs / 2**20:.0f} MiB), "
           f"bound {a.real_bound:g}% = {max_bytes / 2**20:.1f} MiB; trace time x{speedup:.0f} "
-          f"({a.span_s:.0f} s in {a.real_seconds:.0f} s); checksums on")
+          f"({a.span_s:.0f} s in {a.real_seconds:.0f} s); checksums on; load average {os.getloadavg()[0]:.1f}")
     sim = replay(trace, make_policy("k", cap_blocks, trace, a))
     best = max(replay(trace, make_policy(p, cap_blocks, trace, a)).hit for p in ("a", "b"))
     rows = []
@@ -1072,7 +1086,7 @@ def run_real(a) -> int:
             def sample():
                 while not done.is_set():
                     samples.append(_du(root))
-                    done.wait(0.25)
+                    done.wait(0.1)
 
             th = threading.Thread(target=sample, daemon=True)
             th.start()
@@ -1087,9 +1101,12 @@ def run_real(a) -> int:
                 return 1
             agg = {k: sum(s[k] for s in sts) for k in ("requested", "usable", "stored", "dropped", "wrong",
                                                         "load_s", "load_b", "store_s", "store_b", "load_miss",
-                                                        "cpu_s")}
-            agg["max_usage"] = max(samples) if samples else 0
-            agg["end_usage"] = _du(root)
+                                                        "cpu_s", "evicted", "evictor_cpu_s", "passes",
+                                                        "stores_dropped_jobs")}
+            agg["max_usage"] = max((f for f, _ in samples), default=0)
+            agg["max_usage_dirs"] = max((f + d for f, d in samples), default=0)
+            agg["censuses"] = [s["census"] for s in sts if s["census"]]
+            agg["end_usage"] = _du(root)[0]
             agg["files"] = sum(f.endswith(".bin") for _, _, fs in os.walk(root) for f in fs)
             agg["samples"] = len(samples)
             agg["label"], agg["kw"] = label, sts[0]["kw"]
@@ -1099,23 +1116,35 @@ def run_real(a) -> int:
             shutil.rmtree(base, ignore_errors=True)
     import kvtier
 
-    print(f"kvtier {os.path.dirname(kvtier.__file__)}; tier arguments: {rows[0]['kw']}")
+    print(f"kvtier {os.path.dirname(kvtier.__file__)}; tier arguments: {rows[0]['kw']}; "
+          f"load average at the end {os.getloadavg()[0]:.1f}")
     print(f"offline at the same bound (tier scenario): k {sim.hit:.3f}, best of (a)-(b) {best:.3f}")
     print(f"{'run':<9} {'hit':>6} {'/best':>6} {'stored':>7} {'dropped':>7} {'load miss':>9} {'wrong':>5} "
           f"{'on disk':>7} {'store MB/s':>10} {'load MB/s':>9} {'CPU s':>6} {'max usage MiB':>13} {'limit MiB':>9}")
     for g in rows:
         hit = g["usable"] / g["requested"] if g["requested"] else 0.0
         lim = (max_bytes + a.procs * batch) / 2**20 if g["label"] == "bound" else float("nan")
-        print(f"{g['label']:<9} {hit:6.3f} {hit / best if best else float('nan'):6.3f} {g['stored']:>7} "
+        rel = f"{hit / best:6.3f}" if best and g["label"] == "bound" else f"{'-':>6}"
+        print(f"{g['label']:<9} {hit:6.3f} {rel} {g['stored']:>7} "
               f"{g['dropped']:>7} {g['load_miss']:>9} {g['wrong']:>5} {g['files']:>7} "
               f"{g['store_b'] / 2**20 / g['store_s'] if g['store_s'] else 0:10.1f} "
               f"{g['load_b'] / 2**20 / g['load_s'] if g['load_s'] else 0:9.1f} {g['cpu_s']:6.2f} "
               f"{g['max_usage'] / 2**20:13.1f} {lim:9.1f}")
     on, off = rows
+    if on["evicted"]:
+        print(f"evictor: {on['evicted']} blocks evicted in {on['passes']} passes, evictor CPU {on['evictor_cpu_s']:.2f} s "
+              f"= {on['evictor_cpu_s'] / on['evicted'] * 1e6:.0f} us per evicted block "
+              f"({on['evictor_cpu_s'] / a.real_seconds:.1%} of one core over the run)")
+    for files, scan_s, cpu_s in on["censuses"]:
+        if files:
+            print(f"census: last scan {files} files in {scan_s * 1e3:.1f} ms ({cpu_s * 1e3:.1f} ms CPU): "
+                  f"{scan_s / files * 1e6:.1f} s per million files by linear extrapolation")
+    print(f"usage: largest sample (regular files, what the census counts) {on['max_usage'] / 2**20:.1f} MiB, "
+          f"with directories {on['max_usage_dirs'] / 2**20:.1f} MiB; at the end {on['end_usage'] / 2**20:.1f} MiB")
     print(f"bound on / off: store throughput {(on['store_b'] / on['store_s']) / (off['store_b'] / off['store_s']):.3f}, "
           f"load {(on['load_b'] / on['load_s']) / (off['load_b'] / off['load_s']) if on['load_s'] and off['load_s'] else float('nan'):.3f}; "
           f"CPU on - off {on['cpu_s'] - off['cpu_s']:+.2f} s (the evictor and census, all processes); "
-          f"usage sampled {on['samples']} times, max {on['max_usage'] / 2**20:.1f} MiB vs "
+          f"usage sampled {on['samples']} times (every 0.1 s), max {on['max_usage'] / 2**20:.1f} MiB vs "
           f"max_bytes + {a.procs} x one batch ({batch / 2**20:.1f} MiB) = {(max_bytes + a.procs * batch) / 2**20:.1f} MiB")
     return 0 if all(g["wrong"] == 0 for g in rows) else 1
 
