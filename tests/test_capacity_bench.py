@@ -191,3 +191,24 @@ def test_the_script_prints_every_policy_for_every_bound(tmp_path):
     for name in ("a lru", "b chain", "c fifo", "d llm-d", "e vllm-fs", "k kvtier", "k-head", "k-rate", "k-sync", "k*",
                  "k+evict", "k+leaf", "k+tree", "a* lru", "b* chain"):
         assert text.count(f"\n{name:<10} |") == 3, name
+
+
+def test_real_replay_runs_or_says_why(cb, tmp_path):
+    # with this tree's kvtier: without max_bytes it says so and exits 2; with it, a tiny replay
+    # through two processes on one root loads only the bytes stored for each hash (exit 0)
+    env = dict(os.environ, PYTHONPATH=os.path.join(HERE, os.pardir))
+    out = subprocess.run([sys.executable, SCRIPT, "--real", "--requests", "60", "--scale", "0.2", "--span-s", "600",
+                          "--real-seconds", "2", "--real-block-kib", "16", "--root", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, env=env)
+    import inspect
+
+    from kvtier.manager import FileSystemTierManager  # this tree's (run from the root, as the subprocess)
+
+    if "max_bytes" not in inspect.signature(FileSystemTierManager.__init__).parameters:
+        assert out.returncode == 2 and "has no capacity bound" in out.stderr and "run without --real" in out.stderr
+        return
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = [ln.split() for ln in out.stdout.splitlines() if ln.startswith(("bound    ", "no bound "))]
+    assert len(rows) == 2
+    assert rows[0][6] == "0" and rows[1][7] == "0"  # the "wrong" column of both runs
+    assert os.listdir(tmp_path) == []  # the roots are removed
