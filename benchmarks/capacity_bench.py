@@ -85,7 +85,7 @@ a clean miss), store the rest with the answer (one job); every loaded block is c
 the bytes stored for its hash ("wrong" must be 0). Reported: hit (and / the offline best of
 (a)-(b) at the same bound), blocks stored and dropped, .bin files left, store and load MB/s
 (wall time of the jobs), process CPU of all workers (on - off: what the evictor and census
-cost), and the largest of the root's st_blocks usage sampled every 0.25 s against max_bytes +
+cost), and the largest of the root's st_blocks usage sampled every 0.1 s against max_bytes +
 one store batch per process. It needs the capacity mechanism (``max_bytes``) in the kvtier
 it imports and says so, exit status 2, if that is missing.
 """
@@ -903,6 +903,7 @@ def parse_args(argv=None):
     ap.add_argument("--real-block-kib", type=int, default=64, help="--real: block size")
     ap.add_argument("--real-bound", type=float, default=25.0, help="--real: bound, percent of the working set")
     ap.add_argument("--real-seconds", type=float, default=60.0, help="--real: wall time the trace's span is replayed in")
+    ap.add_argument("--real-repeat", type=int, default=1, help="--real: pairs of runs (bound, no bound), order alternating")
     ap.add_argument("--keep", action="store_true", help="--real: keep the roots")
     return ap.parse_args(argv)
 
@@ -1071,8 +1072,12 @@ def run_real(a) -> int:
     rows = []
     ctx = mp.get_context("fork")
     try:
-        for label, mb in (("bound", max_bytes), ("no bound", None)):
-            root = os.path.join(base, label.replace(" ", "-"))
+        plan = []
+        for i in range(a.real_repeat):  # alternate which goes first
+            pair = [("bound", max_bytes), ("no bound", None)]
+            plan += pair if i % 2 == 0 else pair[::-1]
+        for n_run, (label, mb) in enumerate(plan):
+            root = os.path.join(base, f"{n_run}-{label.replace(' ', '-')}")
             os.makedirs(root)
             q = ctx.Queue()
             t_start = time.time() + 2.0
@@ -1130,12 +1135,24 @@ def run_real(a) -> int:
               f"{g['store_b'] / 2**20 / g['store_s'] if g['store_s'] else 0:10.1f} "
               f"{g['load_b'] / 2**20 / g['load_s'] if g['load_s'] else 0:9.1f} {g['cpu_s']:6.2f} "
               f"{g['max_usage'] / 2**20:13.1f} {lim:9.1f}")
-    on, off = rows
+    def merged(label):
+        rs = [g for g in rows if g["label"] == label]
+        m = {k: sum(g[k] for g in rs) for k in rs[0] if isinstance(rs[0][k], (int, float))}
+        m["max_usage"] = max(g["max_usage"] for g in rs)
+        m["max_usage_dirs"] = max(g["max_usage_dirs"] for g in rs)
+        m["end_usage"] = max(g["end_usage"] for g in rs)
+        m["censuses"] = [c for g in rs for c in g["censuses"]]
+        m["label"] = label
+        return m
+
+    on, off = merged("bound"), merged("no bound")
+    if a.real_repeat > 1:
+        print(f"(the lines below add up the {a.real_repeat} runs of each)")
     if on["evicted"]:
         print(f"evictor: {on['evicted']} blocks evicted in {on['passes']} passes, evictor CPU {on['evictor_cpu_s']:.2f} s "
               f"= {on['evictor_cpu_s'] / on['evicted'] * 1e6:.0f} us per evicted block "
-              f"({on['evictor_cpu_s'] / a.real_seconds:.1%} of one core over the run)")
-    for files, scan_s, cpu_s in on["censuses"]:
+              f"({on['evictor_cpu_s'] / (a.real_seconds * a.real_repeat):.1%} of one core over the run)")
+    for files, scan_s, cpu_s in on["censuses"][-1:]:
         if files:
             print(f"census: last scan {files} files in {scan_s * 1e3:.1f} ms ({cpu_s * 1e3:.1f} ms CPU): "
                   f"{scan_s / files * 1e6:.1f} s per million files by linear extrapolation")
