@@ -86,8 +86,15 @@ the bytes stored for its hash ("wrong" must be 0). Reported: hit (and / the offl
 (a)-(b) at the same bound), blocks stored and dropped, .bin files left, store and load MB/s
 (wall time of the jobs), process CPU of all workers (on - off: what the evictor and census
 cost), and the largest of the root's st_blocks usage sampled every 0.1 s against max_bytes +
-one store batch per process. It needs the capacity mechanism (``max_bytes``) in the kvtier
-it imports and says so, exit status 2, if that is missing.
+one store batch per process; from the tier itself: blocks evicted, the evictor's CPU
+(per evicted block and as a share of one core) and the last census (files, time; the
+per-million-files figure is a linear extrapolation). ``--real-repeat N`` runs N pairs, the
+order alternating. Compressing the time line compresses the census interval and touch
+window too, but not the time a census takes (kvtier spaces censuses by at least 50 times
+the scan time): with a short ``--real-seconds`` the evictor falls behind and stores are
+dropped at the bound; the offline k at the same bound is printed for comparison. It needs
+the capacity mechanism (``max_bytes``) in the kvtier it imports and says so, exit status 2,
+if that is missing.
 """
 from __future__ import annotations
 
