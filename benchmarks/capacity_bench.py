@@ -45,12 +45,14 @@ unique blocks) and unbounded:
              within ``--atime-window-s`` (3600 s in llm-d); atime as ``relatime`` keeps it (the
              first read after a write, then once a day); at 100% stores fail
   e vllm-fs  vLLM 0.33's fs tier on a full disk: nothing is evicted, stores fail once full
-  k kvtier   kvtier's policy (issue 22; as the capacity branch builds it): LRU by persisted
-             mtime; a load or lookup hit touches the block, at most once per block per
-             ``--touch-window-s`` per process; a job's blocks are stamped head-newest
-             (mtime = now - i us for position i); every ``--census-s`` the evictor deletes the
-             oldest mtimes when usage is above 0.95 of the bound, down to 0.85; at the bound
-             stores are dropped
+  k kvtier   kvtier's policy (issue 22, kvtier/_tier/capacity.py): LRU by persisted mtime; a
+             load or lookup hit touches the block, at most once per block per
+             ``--touch-window-s`` per process; a store stamps every block of its job
+             head-newest (mtime = now - i us for position i); a pass every ``--census-s``, or
+             at once when a writer asks (a job taking usage over the high watermark, a
+             dropped job), evicts the oldest mtimes down to the low watermark when usage is
+             above the high one (``--watermarks``, 0.95 -> 0.85), after a dropped job whatever
+             the usage; a store job that would take usage over the bound is dropped whole
   k-head     k without the head-newest stamps (files stamped in write order: the tail newest)
   k-rate     k without the rate limit (every hit touches)
   k-sync     k's order (mtime, rate-limited touches, head-newest) evicting one block at each store
@@ -76,25 +78,25 @@ state are lost, at evenly spaced points of the trace).
 
 The real path (``--real``) replays the same trace (scenario tier: no CPU tier) through
 kvtier.manager.FileSystemTierManager(buf, root, model, checksum_blocks=True, max_bytes=...,
-census_interval_s=...) with ``--procs`` processes on one root (one engine node each, the
-trace's routing), twice: bound ``--real-bound`` percent of the working set, and no bound.
-``--real-seconds`` of wall time replay the trace's ``--span-s`` (the census interval and a
-touch window parameter, if the constructor has one, are scaled by the same factor). Per
-request: lookup, load the usable prefix (one job; a block evicted between lookup and load is
-a clean miss), store the rest with the answer (one job); every loaded block is compared with
-the bytes stored for its hash ("wrong" must be 0). Reported: hit (and / the offline best of
-(a)-(b) at the same bound), blocks stored and dropped, .bin files left, store and load MB/s
-(wall time of the jobs), process CPU of all workers (on - off: what the evictor and census
-cost), and the largest of the root's st_blocks usage sampled every 0.1 s against max_bytes +
-one store batch per process; from the tier itself: blocks evicted, the evictor's CPU
-(per evicted block and as a share of one core) and the last census (files, time; the
-per-million-files figure is a linear extrapolation). ``--real-repeat N`` runs N pairs, the
-order alternating. Compressing the time line compresses the census interval and touch
-window too, but not the time a census takes (kvtier spaces censuses by at least 50 times
-the scan time): with a short ``--real-seconds`` the evictor falls behind and stores are
-dropped at the bound; the offline k at the same bound is printed for comparison. It needs
-the capacity mechanism (``max_bytes``) in the kvtier it imports and says so, exit status 2,
-if that is missing.
+census_interval_s=..., touch_window_s=..., evict_high/evict_low=``--watermarks``) with
+``--procs`` processes on one root (one engine node each, the trace's routing), twice: bound
+``--real-bound`` percent of the working set, and no bound. ``--real-seconds`` of wall time
+replay the trace's ``--span-s`` (the census interval and the touch window are scaled by the
+same factor). Per request: lookup key by key up to the first miss (as vLLM asks), load the
+usable prefix (one job; a block evicted between lookup and load is a clean miss), store the
+rest with the answer (one job); every loaded block is compared with the bytes stored for
+its hash ("wrong" must be 0). Reported: hit (and / the offline best of (a)-(b) at the same
+bound), blocks stored and dropped, .bin files left, store and load MB/s (wall time of the
+jobs), process CPU of all workers (on - off: what the evictor and census cost), and the
+largest of the root's st_blocks usage sampled every 0.1 s against max_bytes + one store
+batch per process; from the tier itself: blocks evicted, the evictor's CPU (per evicted
+block and as a share of one core) and the last census (files, time; the per-million-files
+figure is a linear extrapolation). ``--real-repeat N`` runs N pairs, the order alternating.
+Compressing the time line compresses the census interval and touch window too, but not the
+time a census takes (kvtier spaces censuses by at least 50 times the scan time): with a
+short ``--real-seconds`` the evictor falls behind and stores are dropped at the bound; the
+offline k at the same bound is printed for comparison. It needs the capacity mechanism
+(``max_bytes``) in the kvtier it imports and says so, exit status 2, if that is missing.
 """
 from __future__ import annotations
 
@@ -526,8 +528,10 @@ class LlmD(Policy):
 
 
 class Kvtier(Policy):
-    """(k) kvtier: LRU by persisted mtime, rate-limited touches, head-newest job stamps,
-    census-interval eviction between watermarks, stores dropped at the bound."""
+    """(k) kvtier as the capacity branch builds it (kvtier/_tier/capacity.py): LRU by
+    persisted mtime, rate-limited touches on hits, head-newest stamps of every block of a
+    store job, passes at the census interval or when a writer asks, eviction from the high
+    to the low watermark, whole store jobs dropped at the bound."""
 
     name = "k kvtier"
 
@@ -553,6 +557,7 @@ class Kvtier(Policy):
         self.heap: list = []
         self.last = [dict() for _ in range(n_nodes)]  # per process: block -> last touch
         self.next = census
+        self.request: Optional[str] = None  # a pass asked for by a writer ("capacity", "drop")
 
     def __contains__(self, b):
         return b in self.mtime
@@ -584,29 +589,30 @@ class Kvtier(Policy):
 
     def store(self, blocks, now, node, prefix=()):
         mt, last = self.mtime, self.last[node]
-        old = [b for b in blocks if b in mt]
-        if old:
-            self._touch_job(old, now, node)
-        i = 0
+        if not self.sync:
+            # admission of the whole job (kvtier reserves its bytes: every block of it, on
+            # disk already or not): over the bound it is dropped and a pass is asked for now;
+            # over the high watermark a pass is asked for (kvtier/_tier/capacity.py admit)
+            if len(mt) + len(blocks) > self.cap:
+                self.dropped += sum(1 for b in blocks if b not in mt)
+                self.request = "drop"
+                return
+            if len(mt) + len(blocks) > self.high and not self.request:
+                self.request = "capacity"
         for j, b in enumerate(blocks):
-            if b in mt:
-                continue
-            if len(mt) >= self.cap:
-                if not self.sync:
-                    self.dropped += 1
-                    continue
-                self._evict_oldest()
-            m = self._stamp(i, now)
-            i += 1
+            m = self._stamp(j, now)  # a store stamps every block of its job, head newest
+            if b not in mt:
+                if self.sync and len(mt) >= self.cap:
+                    self._evict_oldest()
+                self.stored += 1
+                if self.parents:
+                    p = self.parent[b] if self.parents == "all" else (blocks[j - 1] if j else -1)
+                    if p >= 0:
+                        self.kids[p] += 1
+                        self.par[b] = p
             mt[b] = m
             last[b] = now
             heapq.heappush(self.heap, (m, b))
-            self.stored += 1
-            if self.parents:
-                p = self.parent[b] if self.parents == "all" else (blocks[j - 1] if j else -1)
-                if p >= 0:
-                    self.kids[p] += 1
-                    self.par[b] = p
 
     def _evict_oldest(self):
         mt, heap, kids = self.mtime, self.heap, self.kids
@@ -627,13 +633,21 @@ class Kvtier(Policy):
             return
 
     def tick(self, now):
+        """The evictor: a pass (census, then eviction) every ``census`` seconds, or at once
+        when a writer asked for one (kvtier spaces requested passes by 50 x the scan time:
+        0 here). A pass evicts down to the low watermark when usage is above the high one,
+        or after a dropped store whatever the usage (kvtier/_tier/capacity.py one_pass)."""
         if self.sync:
             return
-        while now >= self.next:
-            self.next += self.census
-            mt, heap = self.mtime, self.heap
-            if len(mt) < self.high:
-                continue
+        req, self.request = self.request, None
+        if now >= self.next:
+            self.next = now + self.census
+        elif not req:
+            return
+        else:
+            self.next = now + self.census
+        mt = self.mtime
+        if len(mt) > self.high or req == "drop":
             while len(mt) > self.low:
                 self._evict_oldest()
 
@@ -900,17 +914,22 @@ def parse_args(argv=None):
     ap.add_argument("--scenario", default="tier,cpu", help="tier, cpu, restart (comma list) or all")
     ap.add_argument("--cpu-frac", type=float, default=0.02, help="CPU tier per node, share of the working set")
     ap.add_argument("--census-s", type=float, default=10.0, help="evictor interval (kvtier census, llm-d crawl)")
-    ap.add_argument("--touch-window-s", type=float, default=60.0, help="kvtier: one touch per block per process per window")
-    ap.add_argument("--watermarks", default="0.95,0.85", help="kvtier: evict above HIGH down to LOW (shares of the bound)")
+    ap.add_argument("--touch-window-s", type=float, default=60.0,
+                    help="kvtier: one touch per block per process per window")
+    ap.add_argument("--watermarks", default="0.95,0.85",
+                    help="kvtier: evict above HIGH down to LOW (shares of the bound)")
     ap.add_argument("--atime-window-s", type=float, default=3600.0, help="llm-d: skip files accessed this recently")
-    ap.add_argument("--block-mib", type=float, default=2.0, help="bytes per block for the GiB column (Llama-3.1-8B: 2 MiB)")
+    ap.add_argument("--block-mib", type=float, default=2.0,
+                    help="bytes per block for the GiB column (Llama-3.1-8B: 2 MiB)")
     ap.add_argument("--real", action="store_true", help="replay through the real tier (needs max_bytes in kvtier)")
     ap.add_argument("--procs", type=int, default=2, help="--real: processes on one root")
     ap.add_argument("--root", default=None, help="--real: directory for the roots (default a temp dir)")
     ap.add_argument("--real-block-kib", type=int, default=64, help="--real: block size")
     ap.add_argument("--real-bound", type=float, default=25.0, help="--real: bound, percent of the working set")
-    ap.add_argument("--real-seconds", type=float, default=60.0, help="--real: wall time the trace's span is replayed in")
-    ap.add_argument("--real-repeat", type=int, default=1, help="--real: pairs of runs (bound, no bound), order alternating")
+    ap.add_argument("--real-seconds", type=float, default=60.0,
+                    help="--real: wall time the trace's span is replayed in")
+    ap.add_argument("--real-repeat", type=int, default=1,
+                    help="--real: pairs of runs (bound, no bound), order alternating")
     ap.add_argument("--keep", action="store_true", help="--real: keep the roots")
     return ap.parse_args(argv)
 
@@ -999,9 +1018,8 @@ def _real_worker(proc, a, tp, root, max_bytes, t_start, speedup, q):
                 time.sleep(delay)
             prompt = trace.prompt[r]
             keys = [(trace.hashes[b], 0) for b in prompt]
-            hit = mgr.lookup(keys) if keys else []
-            usable = 0
-            while usable < len(hit) and hit[usable]:
+            usable = 0  # one key at a time, up to the first miss, as vLLM's scheduler asks
+            while usable < len(keys) and mgr.lookup(keys[usable:usable + 1])[0]:
                 usable += 1
             if usable:
                 jid += 1
@@ -1156,8 +1174,8 @@ def run_real(a) -> int:
     if a.real_repeat > 1:
         print(f"(the lines below add up the {a.real_repeat} runs of each)")
     if on["evicted"]:
-        print(f"evictor: {on['evicted']} blocks evicted in {on['passes']} passes, evictor CPU {on['evictor_cpu_s']:.2f} s "
-              f"= {on['evictor_cpu_s'] / on['evicted'] * 1e6:.0f} us per evicted block "
+        print(f"evictor: {on['evicted']} blocks evicted in {on['passes']} passes, evictor CPU "
+              f"{on['evictor_cpu_s']:.2f} s = {on['evictor_cpu_s'] / on['evicted'] * 1e6:.0f} us per evicted block "
               f"({on['evictor_cpu_s'] / (a.real_seconds * a.real_repeat):.1%} of one core over the run)")
     for files, scan_s, cpu_s in on["censuses"][-1:]:
         if files:
@@ -1165,11 +1183,15 @@ def run_real(a) -> int:
                   f"{scan_s / files * 1e6:.1f} s per million files by linear extrapolation")
     print(f"usage: largest sample (regular files, what the census counts) {on['max_usage'] / 2**20:.1f} MiB, "
           f"with directories {on['max_usage_dirs'] / 2**20:.1f} MiB; at the end {on['end_usage'] / 2**20:.1f} MiB")
-    print(f"bound on / off: store throughput {(on['store_b'] / on['store_s']) / (off['store_b'] / off['store_s']):.3f}, "
-          f"load {(on['load_b'] / on['load_s']) / (off['load_b'] / off['load_s']) if on['load_s'] and off['load_s'] else float('nan'):.3f}; "
+    def rate(g, op):
+        return g[f"{op}_b"] / g[f"{op}_s"] if g[f"{op}_s"] else float("nan")
+
+    print(f"bound on / off: store throughput {rate(on, 'store') / rate(off, 'store'):.3f}, "
+          f"load {rate(on, 'load') / rate(off, 'load'):.3f}; "
           f"CPU on - off {on['cpu_s'] - off['cpu_s']:+.2f} s (the evictor and census, all processes); "
           f"usage sampled {on['samples']} times (every 0.1 s), max {on['max_usage'] / 2**20:.1f} MiB vs "
-          f"max_bytes + {a.procs} x one batch ({batch / 2**20:.1f} MiB) = {(max_bytes + a.procs * batch) / 2**20:.1f} MiB")
+          f"max_bytes + {a.procs} x one batch ({batch / 2**20:.1f} MiB) = "
+          f"{(max_bytes + a.procs * batch) / 2**20:.1f} MiB")
     return 0 if all(g["wrong"] == 0 for g in rows) else 1
 
 

@@ -138,16 +138,21 @@ def test_kvtier_touches_once_per_window_per_process(cb):
     assert (free.usable, free.evicted) == (2, 1)  # C evicts B
 
 
-def test_kvtier_evicts_at_the_census_between_watermarks_and_drops_at_the_bound(cb):
+def test_kvtier_evicts_between_watermarks_and_drops_whole_jobs_at_the_bound(cb):
     k = cb.Kvtier(100, 1, census=10.0, touch_window=60.0)  # 0.95 -> 0.85
-    k.store(list(range(96)), 1.0, 0)
-    assert len(k) == 96 and k.evicted == 0  # no census yet
-    k.store(list(range(96, 110)), 2.0, 0)
-    assert len(k) == 100 and k.dropped == 10  # hard limit: dropped, not blocked
-    k.tick(10.0)
+    k.store(list(range(90)), 1.0, 0)
+    k.tick(2.0)
+    assert len(k) == 90 and k.evicted == 0  # below the high watermark, no census due
+    k.store(list(range(90, 100)), 2.0, 0)  # admitted (100 <= the bound), over the high watermark
+    k.store(list(range(100, 105)), 3.0, 0)  # would pass the bound: dropped whole, not blocked
+    assert len(k) == 100 and k.dropped == 5 and k.evicted == 0
+    k.tick(3.5)  # the pass the writers asked for
     assert len(k) == 85 and k.evicted == 15
     # the oldest stamps went first: the first job's tail (head-newest: block i at t - i us)
-    assert set(range(81, 96)).isdisjoint(k.cached()) and set(range(81)) <= k.cached()
+    assert set(range(75, 90)).isdisjoint(k.cached()) and set(range(75)) | set(range(90, 100)) == k.cached()
+    # a job is admitted on all its blocks, those on disk too: 85 + 16 > 100
+    k.store(list(range(70, 86)), 4.0, 0)
+    assert k.dropped == 5 + 11 and len(k) == 85
 
 
 def test_llmd_skips_recently_accessed_files_and_fails_stores_when_full(cb):
