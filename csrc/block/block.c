@@ -508,7 +508,7 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
     /* Records first: a block without CRC record needs no CRC at all. The
      * identity record first: written by kvtier it carries the CRC too (one
      * xattr per load); user.vllm.kv_crc32c only without it (stored by vLLM)
-     * or with an 8-byte one (the identity alone). */
+     * (stored by vLLM). */
     int have_rec = 0;
     uint32_t want = 0;
     if (checksum) {
@@ -519,7 +519,6 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
         case KVT_ID_CRC:
             have_rec = 1;
             break;
-        case KVT_ID_ONLY:
         case KVT_ID_ABSENT:
             break;
         case KVT_ID_MISMATCH: /* another block's name or layout, or malformed */

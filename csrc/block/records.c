@@ -36,10 +36,8 @@ int kvt_id_parse(const void *rec, long r, int err, const uint8_t id[KVT_ID_LEN],
             return KVT_ID_MISMATCH;
         return KVT_ID_ERROR;
     }
-    if ((r != KVT_ID_LEN && r != KVT_ID_REC_LEN) || memcmp(rec, id, KVT_ID_LEN) != 0)
+    if (r != KVT_ID_REC_LEN || memcmp(rec, id, KVT_ID_LEN) != 0)
         return KVT_ID_MISMATCH;
-    if (r == KVT_ID_LEN)
-        return KVT_ID_ONLY;
     *crc = kvt_get_be32((const uint8_t *)rec + KVT_ID_LEN);
     return KVT_ID_CRC;
 }

@@ -17,8 +17,7 @@
  * kvtier stored reads one xattr: 12 bytes, the identity (8 bytes big-endian,
  * kvt_block_identity()) then the CRC32C (4 bytes big-endian, the value of
  * user.vllm.kv_crc32c, which a store still sets for vLLM's reader). A
- * record of 8 bytes (the identity alone) is read too: the CRC then comes from
- * user.vllm.kv_crc32c. vLLM ignores this xattr. */
+ * record of any other length is an identity failure. vLLM ignores this xattr. */
 #define KVT_ID_XATTR_NAME "user.kvtier.id"
 #define KVT_ID_LEN 8
 #define KVT_ID_REC_LEN 12
@@ -50,13 +49,12 @@ int kvt_xattr_parse(const void *rec, long r, int err, uint32_t *crc);
  * fuzzed with kvt_xattr_parse. `r` is what fgetxattr(fd, KVT_ID_XATTR_NAME,
  * rec, KVT_XATTR_BUF) returned and `err` the errno when r < 0; `id` the
  * identity of the block being loaded. Returns KVT_ID_CRC (12 bytes, the
- * identity `id`: *crc = the CRC32C it carries), KVT_ID_ONLY (8 bytes, the
- * identity `id`: the CRC is in KVT_XATTR_NAME), KVT_ID_ABSENT (ENODATA:
+ * identity `id`: *crc = the CRC32C it carries), KVT_ID_ABSENT (ENODATA:
  * stored by vLLM), KVT_ID_MISMATCH (another identity, or a length other than
- * 8 or 12, or ERANGE: longer than the buffer), KVT_ID_ERROR (any other errno:
+ * 12, or ERANGE: longer than the buffer), KVT_ID_ERROR (any other errno:
  * the filesystem's, the block is kept). Reads at most min(r, KVT_XATTR_BUF)
  * bytes of rec. */
-enum { KVT_ID_CRC = 0, KVT_ID_ONLY = 1, KVT_ID_ABSENT = 2, KVT_ID_MISMATCH = 3, KVT_ID_ERROR = 4 };
+enum { KVT_ID_CRC = 0, KVT_ID_ABSENT = 2, KVT_ID_MISMATCH = 3, KVT_ID_ERROR = 4 };
 int kvt_id_parse(const void *rec, long r, int err, const uint8_t id[KVT_ID_LEN], uint32_t *crc);
 
 static inline uint32_t kvt_get_be32(const uint8_t in[4])

@@ -18,7 +18,6 @@
  *          other    -> KVT_REC_ERROR (the filesystem's error, block kept)
  * identity record (user.kvtier.id), against the expected identity ID:
  *   r == 12, starts with ID -> KVT_ID_CRC, crc = big-endian bytes 8..11
- *   r == 8, equals ID       -> KVT_ID_ONLY
  *   other r >= 0            -> KVT_ID_MISMATCH
  *   r < 0: ENODATA -> KVT_ID_ABSENT, ERANGE -> KVT_ID_MISMATCH, other -> KVT_ID_ERROR
  * A *crc written on anything but KVT_REC_OK / KVT_ID_CRC is also a failure.
@@ -74,9 +73,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         else if (size == 12 && same) {
             want = KVT_ID_CRC;
             want_crc = ((uint32_t)v[8] << 24) | ((uint32_t)v[9] << 16) | ((uint32_t)v[10] << 8) | v[11];
-        } else if (size == 8 && same)
-            want = KVT_ID_ONLY;
-        else
+        } else
             want = KVT_ID_MISMATCH;
     }
 
