@@ -3,7 +3,7 @@
  * table (name, kind, valid values, default). A reader gets "unset" (or
  * empty: the default), the value, or "not valid" (it keeps its default);
  * kvt_env_problem() says why a value is not valid, which the binding's
- * env_check() hands to kvtier/_env.py to report at import.
+ * env_check() hands to kvtier/_blockio/env.py to report at import.
  * Plain C11, no Python. */
 #ifndef KVTIER_ENV_H
 #define KVTIER_ENV_H

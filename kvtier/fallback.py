@@ -54,7 +54,7 @@ if _c_core_built() and not _imported_by_kvtier():
     )
 
 # --- block I/O ---
-# Pure-Python twin of csrc/fs_io.c: same protocols, same errors, same on-disk
+# Pure-Python twin of csrc/block/block.c: same protocols, same errors, same on-disk
 # bytes (design.md "On-disk contract"). Used when the C core is missing or
 # KVTIER_IO_BACKEND=python. Signatures match kvtier._C.
 
@@ -75,9 +75,9 @@ from kvtier._blockio.records import XATTR_LEN, XATTR_NAME  # noqa: F401 (XATTR_N
 
 IO_CHUNK = 256 * 1024
 """Bytes per read/write call; each chunk is checksummed next to its I/O (as the C engine's
-buffered pieces, io_engine.h KVT_ENGINE_CHUNK)."""
+buffered pieces, csrc/block/engine.h KVT_ENGINE_CHUNK)."""
 DIO_ALIGN = 4096
-"""The C core's O_DIRECT rule (fs_io.c store_try / load_try): O_DIRECT for a block whose
+"""The C core's O_DIRECT rule (block.c store_try / load_try): O_DIRECT for a block whose
 length is a multiple of this (what every filesystem's O_DIRECT accepts) and, where the I/O
 moves the caller's memory itself, whose address is too; not the filesystem's reported
 minimum (statx STATX_DIOALIGN, often 512), so both backends pick the same mode and count
@@ -157,7 +157,7 @@ def _try_direct(fd, mv, bounce=False):
 
 def _condemned_message(err, cause, size_seen, size_expected, size_kept=None):
     """The message of an error, saying why a condemned block was, or why a file
-    of another size than the block size was kept (csrc/module.c
+    of another size than the block size was kept (csrc/py/blockio.c
     raise_batch_error)."""
     if size_kept is not None and cause is None:
         head = (f"block size mismatch (kept): the file has {size_seen} bytes, the block size asked for is "
@@ -189,7 +189,7 @@ def _batch_error(err, path, index, checksum_failed, num_retried=0, operation="",
 
 
 def _retry_io(op, fd, mv, off, direct):
-    """op(fd, mv, off) -> bytes moved, with the retry rule of fs_io.c retry_io:
+    """op(fd, mv, off) -> bytes moved, with the retry rule of block.c retry_io:
     EINTR is retried by Python itself (PEP 475); EINVAL under O_DIRECT (the
     filesystem refusing it, or an unaligned offset after a short I/O) drops
     O_DIRECT for the rest of the file and retries buffered. Returns
@@ -289,7 +289,7 @@ def _open_tmp(tmp, flags):
     """Create a store's temp; on ENOENT make its parents and open again, and while ENOENT
     persists once they were made, or making them fails with ENOENT or EEXIST (a shared
     filesystem's name cache), again after 2, 4 ... 512 ms (policy.RETRY_ENOENT_STORE, as
-    csrc/fs_io.c open_tmp)."""
+    csrc/block/block.c open_tmp)."""
     parent = _os.path.dirname(tmp)
     for tries in range(_policy.RETRY_ENOENT_STORE + 2):
         try:
@@ -326,7 +326,7 @@ def _lacks_crc_record(dest):
     user.vllm.kv_crc32c, and its identity record absent or without CRC): a load
     reads it unverified, or in strict mode never (P17). Any other answer (a
     record, EOPNOTSUPP, EIO) says no: the block is left as it is
-    (csrc/fs_io.c lacks_crc_record)."""
+    (csrc/block/block.c lacks_crc_record)."""
     try:
         if len(_retry_eintr(lambda: _os.getxattr(dest, _rec.ID_XATTR_NAME, follow_symlinks=False))) == _rec.ID_REC_LEN:
             return False
@@ -375,13 +375,13 @@ def _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, w
     try:
         try:
             # O_DIRECT: with a checksum each chunk goes through a page-aligned bounce buffer
-            # (as io_engine.c's private slots: the bytes written are the bytes checksummed),
+            # (as csrc/block/engine.c's private slots: the bytes written are the bytes checksummed),
             # whatever mv's address; without, one write straight from mv, only if it is aligned
             direct = use_o_direct and _try_direct(fd, mv, bounce=bool(checksum))
             if use_o_direct and not checksum and _dio_usable(mv, bounce=True) and not _dio_usable(mv):
-                _count_into(counts, "buffered_unaligned")  # the buffer's address keeps O_DIRECT off (as fs_io.c)
+                _count_into(counts, "buffered_unaligned")  # the buffer's address keeps O_DIRECT off (as block.c)
             crc = 0
-            if not checksum:  # one write of the whole block (as io_engine.c)
+            if not checksum:  # one write of the whole block (as csrc/block/engine.c)
                 direct = _op("write", _write_full, fd, mv, 0, direct)
             bounce = _bounce_take() if checksum and direct else None
             try:
@@ -584,7 +584,7 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=F
                 b = bounce if n == IO_CHUNK else bounce[:n]
                 # EINTR retried by os.preadv (PEP 475); EINVAL under O_DIRECT: buffered (_retry_io)
                 got, direct = _op("read", _retry_io, _preadv_into, fd, b, off, direct)
-                if got == 0:  # end of file: a short read (as fs_io.c read_full)
+                if got == 0:  # end of file: a short read (as block.c read_full)
                     return None, True, unverified
                 if got < n:  # a partial read: finish it the general way
                     more, direct = _op("read", _read_full, fd, b[got:], off + got, direct)
@@ -622,7 +622,7 @@ class _Verdict(Exception):
 
 
 def _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retried_out, size_out):
-    """One open of a block (csrc/fs_io.c load_try). Returns _LT_OK, or _LT_SHORT /
+    """One open of a block (csrc/block/block.c load_try). Returns _LT_OK, or _LT_SHORT /
     _LT_SIZE for a first sighting (``size_out[0]``: the file's size); raises
     _Verdict (judged: condemned or kept) or OSError with ``kvt_op`` (kept)."""
     # O_NOFOLLOW: a block is never a symlink (ELOOP, kept). O_NONBLOCK: a FIFO or

@@ -33,7 +33,7 @@ enum { KVT_CHECK_OFF = 0, KVT_CHECK_ON = 1, KVT_CHECK_STRICT = 2 };
  * 2 ms, 4 ms ... 512 ms (about 1 s in all). */
 #define KVT_RETRY_ENOENT_STORE 9
 
-/* Per-call counters; names in KVT_COUNT_NAMES, same order (kvtier/policy.py
+/* Per-call counters; names in KVT_COUNT_NAMES, same order (kvtier/_blockio/policy.py
  * COUNT_NAMES mirrors them). */
 enum {
     KVT_C_UNVERIFIED = 0,   /* loaded without a CRC record (checksum on) */

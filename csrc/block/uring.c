@@ -21,7 +21,7 @@ static void read_setting(void)
 {
     int s = kvt_env_switch("KVTIER_IO_URING");
     /* unset or empty: -1; an off word: 0; an on word, or anything else: 1
-     * (kvtier._env refuses anything else at import) */
+     * (kvtier._blockio.env refuses anything else at import) */
     setting = s == KVT_ENV_UNSET ? -1 : s != 0;
 }
 

@@ -64,7 +64,7 @@ static void install(int which, kvt_dsa_engine *e, kvt_dsa_model *m)
 
 /* KVTIER_DSA_TIMEOUT_MS, KVTIER_DSA_MIN_SIZE, KVTIER_DSA_WAIT and
  * KVTIER_DSA_SELFCHECK_TIMEOUT_MS on a new engine (env.h: a value that does
- * not parse leaves the default; kvtier._env refuses it at import). */
+ * not parse leaves the default; kvtier._blockio.env refuses it at import). */
 static kvt_dsa_engine *engine_new(const char *name, kvt_dsa_portal *p, const kvt_dsa_wq_info *w)
 {
     kvt_dsa_engine *e = kvt_dsa_engine_create(name, p, w, kvt_crc32c_best_cpu()->fn);

@@ -48,7 +48,7 @@ from kvtier._blockio.records import XATTR_NAME as XATTR
 from kvtier._tier.mountinfo import MountEntry, mount_of
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
-# csrc/fs_io.c opens O_DIRECT only for page-aligned buffers and lengths (a multiple of 4096),
+# csrc/block/block.c opens O_DIRECT only for page-aligned buffers and lengths (a multiple of 4096),
 # and on EINVAL retries buffered
 KVTIER_DIO_ALIGN = 4096
 RENAMES = 150  # rename-over-a-name rounds a reader races (local)
