@@ -302,3 +302,26 @@ def test_scrub_reports_a_directory_at_a_block_path(tmp_path):
         (f,) = d["findings"]
         assert f["path"] == d_bin and f["status"] == "error" and "a directory at a block path" in f["detail"]
         assert not f["removed"] and os.path.isdir(os.path.join(d_bin, "inner"))
+
+
+@pytest.mark.parametrize("progress", [[], ["--no-progress"]])
+def test_scrub_of_a_directory_without_a_cache_says_so_and_fails(tmp_path, capsys, progress):
+    """An empty or mistyped (but existing) directory is not a clean cache: exit 2, a message
+    naming the path on stderr, nothing on stdout. A tier's root with its config.json but no
+    block yet is a cache: 0 blocks, exit 0."""
+    empty = tmp_path / "empty"
+    (empty / "unrelated").mkdir(parents=True)
+    (empty / "notes.txt").write_text("x")
+    assert main(["scrub", str(empty), *progress]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "no kvtier or vLLM cache found" in err and str(empty) in err
+    assert "%" not in err  # no progress-bar fragment before the error
+    assert main(["scrub", str(empty), "--strict", "--json", *progress]) == 2
+    capsys.readouterr()
+
+    root = tmp_path / "root"
+    (root / "m_0123456789ab").mkdir(parents=True)
+    (root / "m_0123456789ab" / "config.json").write_text("{}")
+    assert main(["scrub", str(root), "--json", *progress]) == 0
+    assert json.loads(capsys.readouterr().out)["blocks"] == 0

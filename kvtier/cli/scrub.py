@@ -481,18 +481,34 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _has_cache_marker(root: str) -> bool:
+    """Whether ``root`` or a directory just below it holds a tier's config.json / kvtier.json."""
+    names = ("config.json", "kvtier.json")
+    try:
+        subdirs = [e.path for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return False
+    return any(os.path.isfile(os.path.join(d, n)) for d in [root, *subdirs] for n in names)
+
+
 def cmd_scrub(args: argparse.Namespace) -> int:
     """Run ``kvtier scrub`` for parsed ``args`` (root, block_size, remove, json, no_progress).
 
     Prints the report (text or JSON) on stdout.  Returns the exit status: 0 clean, 1 if a
     corrupt or wrong-size block was found (also when it was removed), 2 if ROOT is not a
-    directory or ``--block-size`` is not positive (message on stderr).
+    directory, holds no cache (no block and no config.json / kvtier.json in ROOT or one
+    level below: a mistyped path) or ``--block-size`` is not positive (message on stderr).
     """
     try:
         d = scrub(args.root, args.block_size, args.remove, not args.no_progress,
                   adopt=getattr(args, "adopt", False), strict=getattr(args, "strict", False))
     except (OSError, ValueError) as e:
         print(f"kvtier scrub: {e}", file=sys.stderr)
+        return 2
+    if d["blocks"] == 0 and not _has_cache_marker(args.root):
+        print(f"kvtier scrub: no kvtier or vLLM cache found in {args.root!r} (no .bin block, no "
+              "config.json or kvtier.json in it or one level below): is ROOT the tier's root_dir?",
+              file=sys.stderr)
         return 2
     print(json.dumps(d, indent=2) if args.json else format_report(d))
     return 0 if d["clean"] else 1
