@@ -408,7 +408,7 @@ def make_contenders(vio, floor, vfloor=None):
                      lambda p, v, o, bs, d: vio.batch_store_block(p, v, o, bs, d))
     # off/on: the bounce (private memory, then the commit copy); off.d/on.d: the direct
     # landing (straight into the row, the read in one commit section: what the tier
-    # chooses on a local filesystem, kvtier/landing.py). Stores do not depend on it.
+    # chooses on a local filesystem, kvtier/_tier/landing.py). Stores do not depend on it.
     for name, ck, land in (("off", False, "bounce"), ("on", True, "bounce"), ("off.d", False, "direct"),
                            ("on.d", True, "direct")):
         def ld(p, v, o, bs, d, ck=ck, land=land):

@@ -244,7 +244,7 @@ class BlockIO:
         memory and enter ``view`` only in commit sections; an expired job
         stops with OSError ETIMEDOUT (``num_succeeded`` = blocks fully loaded)
         and writes nothing more (module docstring, "Deadlines").
-        ``landing="direct"`` (:mod:`kvtier.landing`): an O_DIRECT block into a
+        ``landing="direct"`` (:mod:`kvtier._tier.landing`): an O_DIRECT block into a
         page-aligned ``view`` slice, and an unchecksummed buffered one, are read
         straight into ``view`` (checksummed there: no copy), the whole read inside
         one commit section, so an expiry meanwhile is reported once the read

@@ -215,12 +215,12 @@ class FileSystemTierManager:
         durable: bool = False,  # fdatasync temp + fsync dir on store
         io_timeout_s: Optional[float] = None,  # deadline of a job, startup probe (default 120 s)
         lookup_timeout_s: Optional[float] = None,  # deadline of a lookup (default 2 s)
-        load_landing: str = "auto",  # where loads land: auto, direct, bounce (kvtier/landing.py)
+        load_landing: str = "auto",  # where loads land: auto, direct, bounce (kvtier/_tier/landing.py)
     ) -> None:
         # ---- configuration checks: no I/O until all of them pass ----
         cfg = TierConfig(n_read_threads, n_write_threads, checksum_blocks, use_o_direct, durable,
                          sweep_stale_temps_after, io_timeout_s, lookup_timeout_s)
-        from kvtier import landing as _landing
+        from kvtier._tier import landing as _landing
 
         _landing.check_mode(load_landing)
         label = tier_label(tier_idx, tier_type)

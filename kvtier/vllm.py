@@ -188,7 +188,7 @@ class KvtierTier(SecondaryTierManager):
 
         tc = TierConfig(**{k: cfg[k] for k in TierConfig.__dataclass_fields__})  # the keys both shells take
         check_bool("enable_kv_events", cfg["enable_kv_events"])
-        from kvtier import landing as _landing
+        from kvtier._tier import landing as _landing
 
         _landing.check_mode(cfg["load_landing"])
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -230,7 +230,7 @@ class KvtierTier(SecondaryTierManager):
             write_block_info(os.path.dirname(config_path), bs)  # kvtier.json, for `kvtier scrub`
             landed.extend(_landing.resolve(cfg["load_landing"], root_dir))  # mountinfo: under the deadline too
 
-        landed: List[str] = []  # (load landing, why): kvtier/landing.py
+        landed: List[str] = []  # (load landing, why): kvtier/_tier/landing.py
 
         started = start(root_dir, rank_path, tc, write_config)  # under the deadline: a silent root is named
         self.last_sweep = started.last_sweep

@@ -1,4 +1,4 @@
-"""The load landing (kvtier/landing.py, docs/block_io.md "Load landing"): landing="direct"
+"""The load landing (kvtier/_tier/landing.py, docs/block_io.md "Load landing"): landing="direct"
 reads a block straight into the caller's row inside one commit section; the tier chooses
 it per mount class (a local filesystem: direct; FUSE and other network/user-space ones:
 bounce) with the tier key ``load_landing`` and ``KVTIER_LOAD_LANDING`` to override."""
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvtier import io as kio
-from kvtier import landing
+from kvtier._tier import landing
 
 BS = 1 << 20
 

@@ -63,7 +63,7 @@ typedef struct kvt_batch_result {
  * commit section, so a job expired meanwhile is reported only once the read
  * returned (JobState.expire waits for a load's section): for filesystems
  * whose I/O the kernel bounds (a local disk, tmpfs), never for one where a
- * read can hang (FUSE, NFS ...: the tier chooses, kvtier/landing.py). A
+ * read can hang (FUSE, NFS ...: the tier chooses, kvtier/_tier/landing.py). A
  * re-read after a mismatch and a checksummed buffered block go through the
  * private buffer in both (buffered: measured cheaper, docs/block_io.md).
  * Returns 0 on success, -1 on failure with *res filled. */

@@ -210,7 +210,7 @@ class TierEngine:
         self.path_of = path_of
         self.checksum = checksum
         self.use_o_direct = use_o_direct
-        self.landing = landing  # where loads land: kvtier/landing.py
+        self.landing = landing  # where loads land: kvtier/_tier/landing.py
         self.durable = durable
         self.counters = counters if counters is not None else Counters()
         self.counters.stuck_gauge = lambda: self.stuck_threads

@@ -1,6 +1,6 @@
 """Where a load's bytes land (``kvtier.io.batch_load_block(landing=)``), chosen per tier root.
 
-    from kvtier.landing import resolve
+    from kvtier._tier.landing import resolve
     mode, why = resolve("auto", "/mnt/cache")   # ("direct", "ext4: a local filesystem ...")
 
 Two modes, both keeping the deadline guarantee (no byte enters a caller's row after its
@@ -56,7 +56,7 @@ def resolve(setting: str, root: "str | os.PathLike") -> Tuple[str, str]:
         env = env.strip().lower()
         if env != "auto":
             return env, f"{ENV}={env}"
-    from kvtier.mountinfo import mount_of
+    from kvtier._tier.mountinfo import mount_of
 
     m = mount_of(root)
     if m is None:
