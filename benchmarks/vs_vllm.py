@@ -325,20 +325,68 @@ class CLoop:
             raise OSError(-r, os.strerror(-r), paths[0])
 
 
-def aligned_pool(nbytes: int) -> np.ndarray:
+PRIMARY_MODES = ("shm", "anon", "huge")
+
+
+def aligned_pool(nbytes: int, mode: str = "shm") -> "tuple[np.ndarray, str]":
+    """The caller's buffer and a note on what it is. shm (the default): as vLLM 0.33's
+    SharedOffloadRegion allocates its CPU tier (vllm/v1/kv_offload/cpu/
+    shared_offload_region.py): a /dev/shm file opened O_CREAT|O_EXCL|O_RDWR 0600,
+    ftruncate'd, mmap'ed MAP_SHARED read/write, unlinked (vLLM unlinks once every
+    worker mapped it), pre-faulted with MADV_POPULATE_WRITE; its pages are the shmem
+    mount's (4 KiB unless /sys/kernel/mm/transparent_hugepage/shmem_enabled gives huge
+    ones). anon: anonymous MAP_PRIVATE memory with MADV_NOHUGEPAGE (4 KiB pages).
+    huge: anonymous memory, 2 MiB aligned, MADV_HUGEPAGE (transparent huge pages; not
+    MAP_HUGETLB, which needs a reserved pool); the note says how much THP gave."""
     import mmap
 
-    m = mmap.mmap(-1, nbytes)
-    a = np.frombuffer(m, dtype=np.uint8)
+    if mode == "shm":
+        path = f"/dev/shm/kvt_vs_vllm_{os.getpid()}.mmap"
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            m = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+            os.unlink(path)
+        m.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23), 0, nbytes)
+        a = np.frombuffer(m, dtype=np.uint8)
+        try:
+            with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+                thp = f.read().split("[")[1].split("]")[0]
+        except (OSError, IndexError):
+            thp = "?"
+        note = f"shm: MAP_SHARED /dev/shm file as vLLM's SharedOffloadRegion, shmem THP [{thp}]"
+    elif mode == "anon":
+        m = mmap.mmap(-1, nbytes)
+        m.madvise(mmap.MADV_NOHUGEPAGE)
+        a = np.frombuffer(m, dtype=np.uint8)
+        note = "anon: anonymous MAP_PRIVATE, MADV_NOHUGEPAGE (4 KiB pages)"
+    elif mode == "huge":
+        m = mmap.mmap(-1, nbytes + 2 * MiB)
+        whole = np.frombuffer(m, dtype=np.uint8)
+        off = (-whole.ctypes.data) % (2 * MiB)
+        m.madvise(mmap.MADV_HUGEPAGE, off, nbytes)
+        a = whole[off:off + nbytes]
+        note = "huge: anonymous, 2 MiB aligned, MADV_HUGEPAGE (THP)"
+    else:
+        raise ValueError(f"--primary must be one of {', '.join(PRIMARY_MODES)}, not {mode!r}")
     a[:] = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
-    return a
+    if mode == "huge":
+        try:
+            with open("/proc/self/smaps_rollup") as f:
+                thp_kb = next(int(ln.split()[1]) for ln in f if ln.startswith("AnonHugePages:"))
+            note += f": AnonHugePages of the process now {thp_kb // 1024} MiB of {nbytes // MiB} MiB asked"
+        except (OSError, StopIteration, ValueError):
+            pass
+    return a, note
 
 
 class Pool:
     """Walks a large buffer block by block (cold caller memory)."""
 
-    def __init__(self, nbytes):
-        self.a = aligned_pool(nbytes)
+    def __init__(self, nbytes, mode: str = "shm"):
+        self.a, self.note = aligned_pool(nbytes, mode)
         self.mv = memoryview(self.a)  # what every contender gets (vLLM's io takes a memoryview)
         self.next = 0
 
@@ -358,9 +406,13 @@ def make_contenders(vio, floor, vfloor=None):
     if vio is not None:
         c["vllm"] = (lambda p, v, o, bs, d: vio.batch_load_block(p, v, o, bs, d),
                      lambda p, v, o, bs, d: vio.batch_store_block(p, v, o, bs, d))
-    for name, ck in (("off", False), ("on", True)):
-        def ld(p, v, o, bs, d, ck=ck):
-            return kio.batch_load_block(p, v, o, bs, d, ck, job_state=bytearray(8))
+    # off/on: the bounce (private memory, then the commit copy); off.d/on.d: the direct
+    # landing (straight into the row, the read in one commit section: what the tier
+    # chooses on a local filesystem, kvtier/_tier/landing.py). Stores do not depend on it.
+    for name, ck, land in (("off", False, "bounce"), ("on", True, "bounce"), ("off.d", False, "direct"),
+                           ("on.d", True, "direct")):
+        def ld(p, v, o, bs, d, ck=ck, land=land):
+            return kio.batch_load_block(p, v, o, bs, d, ck, job_state=bytearray(8), landing=land)
 
         def st(p, v, o, bs, d, ck=ck):
             return kio.batch_store_block(p, v, o, bs, d, ck, job_state=bytearray(8))
@@ -741,6 +793,9 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=40, help="timed calls per contender and cell (default 40)")
     ap.add_argument("--pool-mib", type=int, default=512, help="caller buffer walked block by block (MiB)")
     ap.add_argument("--small-blocks", type=int, default=10000, help="blocks of 4 KiB in the batch cell")
+    ap.add_argument("--primary", default="shm", choices=PRIMARY_MODES,
+                    help="the caller's buffer: shm (default: a MAP_SHARED /dev/shm file, as vLLM's CPU tier), "
+                         "anon (anonymous 4 KiB pages), huge (anonymous, transparent huge pages)")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and calls (a smoke run)")
     ap.add_argument("--only", default="direct,tmpfs,hot,small,pool",
                     help="cells to run, comma separated (hot needs tmpfs; segments is not in the default)")
@@ -756,7 +811,7 @@ def main(argv=None) -> int:
     vio, vnote = load_vllm_io(work)
     if vio is None:
         vnote = f"{vnote}: vLLM column skipped"
-    pool = Pool(args.pool_mib * MiB)
+    pool = Pool(args.pool_mib * MiB, args.primary)
     floor = CLoop("floor", FLOOR_C, work, pool)
     vfloor, vfnote = build_vfloor(work, disk, pool)
     contenders = make_contenders(vio, floor, vfloor)
@@ -764,6 +819,7 @@ def main(argv=None) -> int:
     print(f"machine: {machine()}")
     print(f"kvtier {kvtier.__version__}: io backend {kio.backend}, CRC32C {_C.active_backend()}, "
           f"fused copy {_C.crc_copy_status()['kernel']}, engine: {engine_info()}; kvtier with a job state")
+    print(f"caller's buffer (--primary): {pool.note}")
     print(f"peer: {vnote}")
     print(f"verified floor: {vfnote}" if vfloor else f"verified floor: vfloor column skipped: {vfnote}")
     print(f"disk dir: {disk} ({fs_type(disk)}); load average at start: {os.getloadavg()}")

@@ -817,7 +817,7 @@ def batch_store_block(tmp_paths, dest_paths, buffers, /, use_o_direct=True, chec
 
 
 def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False, *, counts=None, job_state=None,
-                     offsets=None, block_size=None, job_state_cas=None):
+                     offsets=None, block_size=None, job_state_cas=None, landing="bounce"):
     """Pure-Python kvtier._C.batch_load_block: same arguments, protocol,
     return value (blocks re-read once after a first mismatch, int) and errors
     (docs/design.md "Error policy": EBADMSG + checksum_failed and EIO with
@@ -834,7 +834,11 @@ def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False
     re-read got in its buffer, with a job state too (copied in a commit
     section, not counted), as the C core does. With ``offsets`` and
     ``block_size``, ``buffers`` is one buffer and block i its slice at
-    ``offsets[i]``."""
+    ``offsets[i]``. ``landing="direct"`` (as the C core's): an O_DIRECT block
+    into a page-aligned buffer, and an unchecksummed buffered one, are loaded
+    straight into its buffer, the whole block inside one commit section."""
+    if landing not in ("bounce", "direct"):
+        raise ValueError(f"batch_load_block(): landing must be 'bounce' or 'direct', not {landing!r}")
     _args.check_list(source_paths, "source_paths")
     if offsets is None:
         _args.check_list(buffers, "buffers")
@@ -852,7 +856,8 @@ def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False
         # page-aligned, so O_DIRECT stays usable; unmapped when the last view of
         # it (an exception's traceback may hold one) is gone
         private = memoryview(_mmap.mmap(-1, max(max((len(mv) for mv in views), default=0), 1)))
-    return _load_batch(source_paths, srcs, views, use_o_direct, checksum, crc_fn, word, private, counts)
+    return _load_batch(source_paths, srcs, views, use_o_direct, checksum, crc_fn, word, private, counts,
+                       landing == "direct")
 
 
 def _commit_copy(word, mv, src, add):
@@ -869,7 +874,15 @@ def _commit_copy(word, mv, src, add):
     return done
 
 
-def _load_batch(source_paths, srcs, views, use_o_direct, checksum, crc_fn, word, private, counts):
+def _lands_direct(mv, use_o_direct, checksum):
+    """The direct landing applies to this block: O_DIRECT into a page-aligned
+    buffer, or buffered without checksum (as the C core's read_verify)."""
+    if use_o_direct and _dio_usable(mv):
+        return True
+    return not checksum
+
+
+def _load_batch(source_paths, srcs, views, use_o_direct, checksum, crc_fn, word, private, counts, direct=False):
     retried_total = 0
     mine: dict = {}
     _tls.counts = mine  # _retry_eintr counts into it
@@ -878,15 +891,30 @@ def _load_batch(source_paths, srcs, views, use_o_direct, checksum, crc_fn, word,
             retried_out = [False]
             if word is not None and not word.live():
                 raise _expired(source_paths[i], i, retried_total)
-            dst = mv if word is None else private[: len(mv)]
+            in_place = word is not None and direct and _lands_direct(mv, use_o_direct, checksum)
+            dst = mv if word is None or in_place else private[: len(mv)]
+            if in_place and not word.step(_js.LIVE, _js.COMMITTING):  # the block's one commit section
+                raise _expired(source_paths[i], i, retried_total)
             try:
-                _load_one(src, dst, bool(use_o_direct), checksum, crc_fn, mine, retried_out)
+                try:
+                    _load_one(src, dst, bool(use_o_direct), checksum, crc_fn, mine, retried_out)
+                except BaseException:
+                    if in_place:
+                        in_place = False
+                        word.step(_js.COMMITTING, _js.LIVE)
+                    raise
+                if in_place:
+                    in_place = False
+                    if not word.step(_js.COMMITTING, _js.LIVE, _js.BLOCK):  # counted as the section ends
+                        raise _expired(source_paths[i], i, retried_total + retried_out[0])
+                    retried_total += retried_out[0]
+                    continue
             except _Verdict as v:
                 # A block condemned on its data leaves the bytes read (its re-read) in its
                 # buffer, as the C core's copy + CRC does (it writes the buffer before the CRC
                 # is known): copied in a commit section, not counted; once the job is no
                 # longer live, nothing is written and it is the deadline's error.
-                if v.data_read and word is not None and not _commit_copy(word, mv, dst, 0):
+                if v.data_read and word is not None and dst is not mv and not _commit_copy(word, mv, dst, 0):
                     raise _expired(source_paths[i], i, retried_total + retried_out[0]) from None
                 raise _batch_error(v.err, source_paths[i], i, v.cause in ("checksum", "identity"),
                                    retried_total + retried_out[0], v.op, v.cause, v.size, len(mv),

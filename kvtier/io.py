@@ -213,6 +213,7 @@ class BlockIO:
         job_state: "JobState | None" = None,
         *,
         counts: "dict | None" = None,
+        landing: str = "bounce",
     ) -> int:
         """Load file ``paths[i]`` into ``view[offsets[i] : offsets[i] +
         block_size]`` for each i (``view`` writable, C-contiguous; a torch CPU
@@ -242,13 +243,23 @@ class BlockIO:
         ``job_state`` (see batch_store_block) bytes are read into private
         memory and enter ``view`` only in commit sections; an expired job
         stops with OSError ETIMEDOUT (``num_succeeded`` = blocks fully loaded)
-        and writes nothing more (module docstring, "Deadlines")."""
+        and writes nothing more (module docstring, "Deadlines").
+        ``landing="direct"`` (:mod:`kvtier._tier.landing`): an O_DIRECT block into a
+        page-aligned ``view`` slice, and an unchecksummed buffered one, are read
+        straight into ``view`` (checksummed there: no copy), the whole read inside
+        one commit section, so an expiry meanwhile is reported once the read
+        returned: only where the kernel bounds the I/O (a local disk, tmpfs);
+        ``"bounce"`` (the default) as above."""
         checksum = _policy.check_mode(checksum)
         _check_bool(use_o_direct, "use_o_direct")
         paths, mv, offsets, block_size = _check_blocks(paths, view, offsets, block_size, writable=True)
         kw = _job_state_arg(job_state, self.backend)
         if counts is not None:
             kw["counts"] = counts
+        if landing != "bounce":
+            if landing != "direct":
+                raise ValueError(f"landing must be 'bounce' or 'direct', not {landing!r}")
+            kw["landing"] = landing
         return self.impl.batch_load_block(paths, mv, use_o_direct, checksum, offsets=offsets, block_size=block_size,
                                           **kw)
 

@@ -215,10 +215,14 @@ class FileSystemTierManager:
         durable: bool = False,  # fdatasync temp + fsync dir on store
         io_timeout_s: Optional[float] = None,  # deadline of a job, startup probe (default 120 s)
         lookup_timeout_s: Optional[float] = None,  # deadline of a lookup (default 2 s)
+        load_landing: str = "auto",  # where loads land: auto, direct, bounce (kvtier/_tier/landing.py)
     ) -> None:
         # ---- configuration checks: no I/O until all of them pass ----
         cfg = TierConfig(n_read_threads, n_write_threads, checksum_blocks, use_o_direct, durable,
                          sweep_stale_temps_after, io_timeout_s, lookup_timeout_s)
+        from kvtier._tier import landing as _landing
+
+        _landing.check_mode(load_landing)
         label = tier_label(tier_idx, tier_type)
         if metrics is not None:
             if not isinstance(metrics, TieringMetricsTracker):
@@ -253,6 +257,7 @@ class FileSystemTierManager:
         def write_config() -> None:
             self.file_mapper.write_run_config()
             self.file_mapper.write_block_info(self.block_size)
+            self.load_landing, self.load_landing_why = _landing.resolve(load_landing, self.root_dir)  # mountinfo
 
         try:  # every filesystem touch of the constructor is in start(), under the deadline
             started = start(self.root_dir, rank_path, cfg, write_config)
@@ -276,7 +281,7 @@ class FileSystemTierManager:
         self._engine = TierEngine(
             self._view, self.block_size, self._path_of, use_o_direct=self.use_o_direct,
             counters=self.metrics.counters, thread_name="kvtier_fs", root=self.root_dir,
-            before_job=self._root_guard.check, **cfg.engine_args())
+            before_job=self._root_guard.check, landing=self.load_landing, **cfg.engine_args())
 
     # ------------------------------------------------------------------ config
     @classmethod

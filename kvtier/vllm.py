@@ -71,7 +71,7 @@ FS_KEYS: Dict[str, Any] = {"root_dir": None, "n_read_threads": 16, "n_write_thre
 #: kvtier's own keys, with their defaults.
 KVTIER_KEYS: Dict[str, Any] = {"checksum_blocks": True, "durable": False, "use_o_direct": True,
                                "sweep_stale_temps_after": None, "io_timeout_s": None,
-                               "lookup_timeout_s": None}
+                               "lookup_timeout_s": None, "load_landing": "auto"}
 
 #: Engine counters (:data:`kvtier._tier.counters.COUNTERS`) that vLLM derives itself from the
 #: JobResults (read/write bytes and time, job failures): never emitted again by this tier.
@@ -188,6 +188,9 @@ class KvtierTier(SecondaryTierManager):
 
         tc = TierConfig(**{k: cfg[k] for k in TierConfig.__dataclass_fields__})  # the keys both shells take
         check_bool("enable_kv_events", cfg["enable_kv_events"])
+        from kvtier._tier import landing as _landing
+
+        _landing.check_mode(cfg["load_landing"])
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(cfg["locality"]) if cfg["locality"] is not None else None
         self.checksum_blocks: Union[bool, str] = cfg["checksum_blocks"]
@@ -225,10 +228,14 @@ class KvtierTier(SecondaryTierManager):
             os.makedirs(os.path.dirname(config_path), exist_ok=True)
             write_json_if_absent(config_path, self.file_mapper.get_run_config())  # bytes as vLLM's
             write_block_info(os.path.dirname(config_path), bs)  # kvtier.json, for `kvtier scrub`
+            landed.extend(_landing.resolve(cfg["load_landing"], root_dir))  # mountinfo: under the deadline too
+
+        landed: List[str] = []  # (load landing, why): kvtier/_tier/landing.py
 
         started = start(root_dir, rank_path, tc, write_config)  # under the deadline: a silent root is named
         self.last_sweep = started.last_sweep
         self.use_o_direct = started.use_o_direct
+        self.load_landing, self.load_landing_why = landed
         if started.o_direct_refused_on is not None:
             logger.warning("O_DIRECT is not supported at %r (%s); using buffered I/O for the '%s' KV "
                            "offload tier.", root_dir, started.o_direct_refused_on, tier_type)
@@ -241,7 +248,8 @@ class KvtierTier(SecondaryTierManager):
         root_guard = RootGuard(root_dir, rank_path, started.root_id, write_config, counters, self.tier_label)
         self._engine = TierEngine(flat, bs, self.file_mapper.get_file_name, use_o_direct=self.use_o_direct,
                                   counters=counters, thread_name="kvtier_vllm", root=root_dir,
-                                  before_job=root_guard.check, **tc.engine_args())
+                                  before_job=root_guard.check, landing=self.load_landing,
+                                  **tc.engine_args())
         self._reported: Dict[str, float] = {}  # counters at the last get_stats()
         self._metrics = metrics(self.checksum_blocks)
         self._discarded: List[JobResult] = []

@@ -502,7 +502,7 @@ static int record_error(int fd, size_t len, int checksum, load_look *lk, int xer
  * an errno value (lk: the call, a sighting, a condemnation). A re-read
  * (`reread`) is buffered and checksummed by the active backend. */
 static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checksum, const uint8_t *id, int reread,
-                       kvt_job_state *js, int *mismatch, load_look *lk)
+                       kvt_job_state *js, int landing, int *mismatch, load_look *lk)
 {
     *mismatch = 0;
     /* Records first: a block without CRC record needs no CRC at all. The
@@ -556,7 +556,34 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
 
     int err;
     lk->op = KVT_OP_READ;
-    if (!have_rec && js == NULL && (!*direct || ((uintptr_t)buf & 4095u) == 0)) {
+    int fits = !*direct || ((uintptr_t)buf & 4095u) == 0; /* buf fit for the read as it is */
+    if (landing == KVT_LAND_DIRECT && !reread && fits && (*direct || !have_rec)) {
+        /* The direct landing (block.h): straight into buf, inside one commit
+         * section around the read; the size checked first (one fstat), the
+         * CRC taken over buf. */
+        err = check_block_file(fd, len, checksum, lk);
+        if (err)
+            return err;
+        if (!kvt_job_commit_begin(js)) {
+            lk->op = KVT_OP_NONE;
+            return ETIMEDOUT; /* expired: not a byte of this block enters buf */
+        }
+        lk->op = KVT_OP_READ;
+        uint32_t got = 0;
+        err = kvt_engine_read_into(fd, buf, len, direct, have_rec, &got);
+        if (!kvt_job_commit_end(js) && !err) {
+            lk->op = KVT_OP_NONE;
+            return ETIMEDOUT; /* the section was expired (not a load's way): not counted */
+        }
+        if (err == KVT_READ_SHORT)
+            return sighting(lk, LT_SHORT, KVT_CAUSE_SHORT); /* shrank after fstat, or a short read */
+        if (err)
+            return err; /* a read error is the filesystem's, not the block's */
+        if (have_rec && got != want)
+            *mismatch = KVT_CAUSE_CHECKSUM;
+        return 0;
+    }
+    if (!have_rec && js == NULL && fits) {
         /* Nothing to verify, no deadline, and buf fit for the read (buffered,
          * or page aligned under O_DIRECT; else through the engine's private
          * slots below): straight into buf (one read), as vLLM does; the size
@@ -607,7 +634,7 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
  * errno value with lk filled (lk->kind: a first short read / wrong size,
  * lk->cause: condemned, the file removed). */
 static int load_try(const load_dir *dir, const char *src, uint8_t *buf, size_t len, int use_o_direct, int checksum,
-                    const uint8_t *id, kvt_job_state *js, load_look *lk, int *retried)
+                    const uint8_t *id, kvt_job_state *js, int landing, load_look *lk, int *retried)
 {
     lk->kind = LT_OK;
     lk->cause = KVT_CAUSE_NONE;
@@ -626,7 +653,7 @@ static int load_try(const load_dir *dir, const char *src, uint8_t *buf, size_t l
     int err = 0;
     for (int attempt = 0;; attempt++) {
         int mismatch = 0;
-        err = read_verify(fd, buf, len, &direct, checksum, id, attempt > 0, js, &mismatch, lk);
+        err = read_verify(fd, buf, len, &direct, checksum, id, attempt > 0, js, landing, &mismatch, lk);
         if (err || !mismatch)
             break;
         if (attempt == 1) {
@@ -658,7 +685,7 @@ static int load_try(const load_dir *dir, const char *src, uint8_t *buf, size_t l
  * EIO). *retried = 1 if re-read after a mismatch. The common path is open, fgetxattr (with checksums: the
  * identity record, which carries the CRC), the reads, close. */
 static int load_one(const load_dir *dir, const char *src, uint8_t *buf, size_t len, int use_o_direct, int checksum,
-                    kvt_job_state *js, int *op, int *cause, int *retried, unsigned long long *size,
+                    kvt_job_state *js, int landing, int *op, int *cause, int *retried, unsigned long long *size,
                     int *size_kept)
 {
     *retried = 0;
@@ -668,7 +695,7 @@ static int load_one(const load_dir *dir, const char *src, uint8_t *buf, size_t l
     load_look lk = {LT_OK, LT_OK, KVT_CAUSE_NONE, KVT_OP_NONE, 0, 0, KVT_SIZE_KEPT_NONE};
     int err = 0;
     for (int transient = 0, sightings = 0;;) {
-        err = load_try(dir, src, buf, len, use_o_direct, checksum, id, js, &lk, retried);
+        err = load_try(dir, src, buf, len, use_o_direct, checksum, id, js, landing, &lk, retried);
         if (err == 0 || lk.cause)
             break;
         if (lk.kind != LT_OK) { /* a first short read / wrong size: reopen and look again */
@@ -694,14 +721,14 @@ static int load_one(const load_dir *dir, const char *src, uint8_t *buf, size_t l
 }
 
 int kvt_batch_load(const char *const *src_paths, void *const *bufs, const size_t *lens, size_t n, int use_o_direct,
-                   int checksum, kvt_job_state *js, kvt_batch_result *res)
+                   int checksum, kvt_job_state *js, int landing, kvt_batch_result *res)
 {
     batch_begin(res, n);
     load_dir dir = batch_dir(src_paths, n);
     for (size_t i = 0; i < n; i++) {
         int op = KVT_OP_NONE, cause = 0, retried = 0, size_kept = 0;
         unsigned long long size = 0;
-        int e = load_one(&dir, src_paths[i], (uint8_t *)bufs[i], lens[i], use_o_direct, checksum, js, &op, &cause,
+        int e = load_one(&dir, src_paths[i], (uint8_t *)bufs[i], lens[i], use_o_direct, checksum, js, landing, &op, &cause,
                          &retried, &size, &size_kept);
         res->retried += (size_t)retried;
         if (!e && !kvt_job_block_done(js)) {

@@ -56,14 +56,25 @@ typedef struct kvt_batch_result {
  * piece); a store renames inside one. A job no longer LIVE stops the batch
  * with ETIMEDOUT at that block (a store's temp removed, no byte of a load
  * written after the state left LIVE); index = blocks fully done.
+ * `landing` (loads, KVT_LAND_*): where a load's bytes land. KVT_LAND_BOUNCE,
+ * as above. KVT_LAND_DIRECT: an O_DIRECT block into a page-aligned buffer,
+ * and an unchecksummed buffered block, are read straight into bufs[i]
+ * (checksummed there: one CRC pass, no copy), the whole read inside one
+ * commit section, so a job expired meanwhile is reported only once the read
+ * returned (JobState.expire waits for a load's section): for filesystems
+ * whose I/O the kernel bounds (a local disk, tmpfs), never for one where a
+ * read can hang (FUSE, NFS ...: the tier chooses, kvtier/_tier/landing.py). A
+ * re-read after a mismatch and a checksummed buffered block go through the
+ * private buffer in both (buffered: measured cheaper, docs/block_io.md).
  * Returns 0 on success, -1 on failure with *res filled. */
+enum { KVT_LAND_BOUNCE = 0, KVT_LAND_DIRECT = 1 };
 int kvt_batch_store(const char *const *tmp_paths, const char *const *dest_paths,
                     const void *const *bufs, const size_t *lens, size_t n,
                     int use_o_direct, int checksum, int durable, kvt_job_state *js,
                     kvt_batch_result *res);
 int kvt_batch_load(const char *const *src_paths, void *const *bufs,
                    const size_t *lens, size_t n, int use_o_direct, int checksum,
-                   kvt_job_state *js, kvt_batch_result *res);
+                   kvt_job_state *js, int landing, kvt_batch_result *res);
 /* Process-wide counters since load: checksum mismatches retried (re-read
  * once) and blocks condemned (mismatch again: EBADMSG, removed). */
 void kvt_checksum_stats(uint64_t *retries, uint64_t *condemned);

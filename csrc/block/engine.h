@@ -61,6 +61,18 @@ enum {
  * errno of a failed read. */
 int kvt_engine_read(int fd, uint8_t *dst, size_t len, int *direct, int move, kvt_job_state *js, uint32_t *crc);
 
+/* The direct landing (block.h KVT_LAND_DIRECT): read exactly len bytes of
+ * `fd` at offset 0 straight into dst, the caller's row (O_DIRECT when
+ * *direct: dst page aligned; cleared if the filesystem refuses it), with
+ * *crc = their CRC32C when `crc_on` (the active backend, a pass over dst).
+ * O_DIRECT blocks of more than KVT_PIECE_MIN through io_uring in the
+ * halving pieces of kvt_engine_read, one read in flight, piece k checksummed
+ * in dst while piece k+1 is read; else one read, then the pass. No private
+ * memory, no copy, no commit points: block.c holds the job's commit section
+ * around the whole call, and the file's size is checked before (fstat).
+ * Returns 0, KVT_READ_SHORT, or the errno of a failed read. */
+int kvt_engine_read_into(int fd, uint8_t *dst, size_t len, int *direct, int crc_on, uint32_t *crc);
+
 /* The records of a checksummed store: set(ctx, crc) sets them on the temp
  * (block.c) once the block's CRC32C is known; 0, or -1 (its errno kept by
  * the caller in ctx). Called once per pass over the block (again, with the

@@ -326,7 +326,7 @@ PyDoc_STRVAR(batch_store_block_doc,
 PyDoc_STRVAR(batch_load_block_doc,
 "batch_load_block($module, source_paths, buffers, /, use_o_direct=True,\n"
 "                 checksum=False, *, job_state=None, counts=None, offsets=None,\n"
-"                 block_size=None)\n--\n\n"
+"                 block_size=None, landing='bounce')\n--\n\n"
 "Load each file source_paths[i] into buffers[i] (writable, C-contiguous; its\n"
 "length in bytes is the block size). O_DIRECT when use_o_direct and the\n"
 "buffer address and length meet the filesystem's alignment, else buffered.\n"
@@ -366,7 +366,13 @@ PyDoc_STRVAR(batch_load_block_doc,
 "and verified is counted in the word (blocks << 2 | phase). A job no longer\n"
 "LIVE at a commit point stops the batch with OSError(ETIMEDOUT),\n"
 "num_succeeded = the blocks counted; no byte is written into a buffer after\n"
-"that.");
+"that.\n\n"
+"landing: 'bounce' (the default: as above) or 'direct': an O_DIRECT block\n"
+"into a page-aligned buffer, and an unchecksummed buffered one, are read\n"
+"straight into buffers[i] (checksummed there, no copy), the whole read in\n"
+"one commit section: a job expired meanwhile is reported once the read\n"
+"returned. Only where the kernel bounds the I/O (a local disk, tmpfs);\n"
+"docs/block_io.md \"Load landing\".");
 
 PyDoc_STRVAR(checksum_stats_doc,
 "checksum_stats($module, /)\n--\n\n"
@@ -605,9 +611,11 @@ static int add_counts(PyObject *counts, const kvt_counts *c)
  * (loads). */
 static int parse_io_flags(PyObject *kwnames, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t npos,
                           const char *fname, int *use_o_direct, int *checksum, int *durable, PyObject **job_state,
-                          PyObject **counts, PyObject **offsets, PyObject **block_size)
+                          PyObject **counts, PyObject **offsets, PyObject **block_size, int *landing)
 {
     *job_state = NULL;
+    if (landing)
+        *landing = KVT_LAND_BOUNCE;
     *counts = NULL;
     *offsets = NULL;
     *block_size = NULL;
@@ -643,6 +651,17 @@ static int parse_io_flags(PyObject *kwnames, PyObject *const *args, Py_ssize_t n
         } else if (PyUnicode_CompareWithASCIIString(name, "block_size") == 0) {
             *block_size = args[nargs + k] == Py_None ? NULL : args[nargs + k];
             continue;
+        } else if (landing && PyUnicode_CompareWithASCIIString(name, "landing") == 0) {
+            PyObject *v = args[nargs + k];
+            if (PyUnicode_Check(v) && PyUnicode_CompareWithASCIIString(v, "bounce") == 0)
+                *landing = KVT_LAND_BOUNCE;
+            else if (PyUnicode_Check(v) && PyUnicode_CompareWithASCIIString(v, "direct") == 0)
+                *landing = KVT_LAND_DIRECT;
+            else {
+                PyErr_Format(PyExc_ValueError, "%s(): landing must be 'bounce' or 'direct', not %R", fname, v);
+                return -1;
+            }
+            continue;
         } else if (PyUnicode_CompareWithASCIIString(name, "counts") == 0) {
             PyObject *c = args[nargs + k];
             if (c != Py_None && !PyDict_Check(c)) {
@@ -677,7 +696,7 @@ static PyObject *kvt_py_batch_store_block(PyObject *mod, PyObject *const *args, 
     int use_o_direct, checksum, durable;
     PyObject *js_obj, *counts, *offsets, *bs_obj;
     if (parse_io_flags(kwnames, args, nargs, 3, "batch_store_block", &use_o_direct, &checksum, &durable, &js_obj,
-                       &counts, &offsets, &bs_obj) < 0)
+                       &counts, &offsets, &bs_obj, NULL) < 0)
         return NULL;
     if (kvt_py_check_list(args[0], "tmp_paths") < 0 || kvt_py_check_list(args[1], "dest_paths") < 0 ||
         (offsets ? kvt_py_check_list(offsets, "offsets") : kvt_py_check_list(args[2], "buffers")) < 0)
@@ -739,10 +758,10 @@ done:
 static PyObject *kvt_py_batch_load_block(PyObject *mod, PyObject *const *args, Py_ssize_t nargs,
                                          PyObject *kwnames)
 {
-    int use_o_direct, checksum;
+    int use_o_direct, checksum, landing;
     PyObject *js_obj, *counts, *offsets, *bs_obj;
     if (parse_io_flags(kwnames, args, nargs, 2, "batch_load_block", &use_o_direct, &checksum, NULL, &js_obj,
-                       &counts, &offsets, &bs_obj) < 0)
+                       &counts, &offsets, &bs_obj, &landing) < 0)
         return NULL;
     if (kvt_py_check_list(args[0], "source_paths") < 0 ||
         (offsets ? kvt_py_check_list(offsets, "offsets") : kvt_py_check_list(args[1], "buffers")) < 0)
@@ -769,7 +788,7 @@ static PyObject *kvt_py_batch_load_block(PyObject *mod, PyObject *const *args, P
     kvt_batch_result res;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = kvt_batch_load(a.ca, a.bufs, a.lens, (size_t)n, use_o_direct, checksum, js, &res);
+    rc = kvt_batch_load(a.ca, a.bufs, a.lens, (size_t)n, use_o_direct, checksum, js, landing, &res);
     Py_END_ALLOW_THREADS
     if (add_counts(counts, &res.counts) < 0)
         goto done;

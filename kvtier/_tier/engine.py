@@ -191,7 +191,7 @@ class TierEngine:
                  counters: Optional[Counters] = None, thread_name: str = "kvtier_fs",
                  io_timeout_s: float = DEFAULT_IO_TIMEOUT_S, root: str = "",
                  before_job: Optional[Callable[[], None]] = None,
-                 lookup_timeout_s: Optional[float] = None, io: Any = None) -> None:
+                 lookup_timeout_s: Optional[float] = None, io: Any = None, landing: str = "bounce") -> None:
         self.io_timeout_s = check_timeout(io_timeout_s)
         self.io = _kio if io is None else io
         self._forks, self._pid = _forks, os.getpid()
@@ -210,6 +210,7 @@ class TierEngine:
         self.path_of = path_of
         self.checksum = checksum
         self.use_o_direct = use_o_direct
+        self.landing = landing  # where loads land: kvtier/_tier/landing.py
         self.durable = durable
         self.counters = counters if counters is not None else Counters()
         self.counters.stuck_gauge = lambda: self.stuck_threads
@@ -601,7 +602,7 @@ class TierEngine:
             if job.is_promotion:
                 ret = kio.batch_load_block(job.paths, view, job.offsets, self.block_size,
                                            use_o_direct=self.use_o_direct, checksum=self.checksum,
-                                           counts=counts, **js)
+                                           counts=counts, landing=self.landing, **js)
                 retries = int(ret or 0)
             else:
                 extra = {"durable": True} if self.durable else {}

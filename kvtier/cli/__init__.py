@@ -136,6 +136,13 @@ def _print_info(d: dict) -> None:
         else:
             print(f"                O_DIRECT slots (loads, checksummed stores): 2 x 2 MiB per I/O thread on 4 KiB pages (THP "
                   f"{thp or 'not in this kernel'}): loads lose the speed of one segment per piece")
+    env_landing = os.environ.get("KVTIER_LOAD_LANDING", "")
+    print(f"Load landing:   tier key load_landing (auto, direct, bounce){f'; KVTIER_LOAD_LANDING={env_landing}' if env_landing else ''}; "
+          "auto: direct on ext4/xfs/btrfs/f2fs/tmpfs/ramfs, else bounce")
+    print("                bounce: read into private memory, copied into the row (one more copy of every byte); "
+          "a hung read never writes the row")
+    print("                direct: read straight into the row (no copy); an expiry is reported only once the "
+          "read returned (kernel-bounded I/O only)")
     if d.get("crc_copy_error"):
         print(f"CRC copy:       error: {d['crc_copy_error']}")
     elif cp is None:
