@@ -66,6 +66,7 @@ def batch_load_block(
     counts: Optional[dict[str, int]] = None,
     offsets: Optional[Union[list[int], tuple[int, ...]]] = None,
     block_size: Optional[int] = None,
+    landing: Literal["bounce", "direct"] = "bounce",
 ) -> int:
     """Returns the number of blocks re-read once after a first checksum
     mismatch. Raises OSError with num_succeeded: int, checksum_failed: bool,

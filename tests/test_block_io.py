@@ -995,7 +995,7 @@ def test_c_signatures():
          "counts=None, offsets=None, block_size=None)")
     assert str(inspect.signature(C.batch_load_block)) == \
         ("(source_paths, buffers, /, use_o_direct=True, checksum=False, *, job_state=None, counts=None, "
-         "offsets=None, block_size=None)")
+         "offsets=None, block_size=None, landing='bounce')")
     assert str(inspect.signature(C.batch_lookup)) == "(paths, block_size=0, /)"
 
 
