@@ -219,10 +219,9 @@ class FileSystemTierManager:
     ) -> None:
         # ---- configuration checks: no I/O until all of them pass ----
         cfg = TierConfig(n_read_threads, n_write_threads, checksum_blocks, use_o_direct, durable,
-                         sweep_stale_temps_after, io_timeout_s, lookup_timeout_s)
+                         sweep_stale_temps_after, io_timeout_s, lookup_timeout_s, load_landing)
         from kvtier._tier import landing as _landing
 
-        _landing.check_mode(load_landing)
         label = tier_label(tier_idx, tier_type)
         if metrics is not None:
             if not isinstance(metrics, TieringMetricsTracker):

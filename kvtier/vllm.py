@@ -190,7 +190,6 @@ class KvtierTier(SecondaryTierManager):
         check_bool("enable_kv_events", cfg["enable_kv_events"])
         from kvtier._tier import landing as _landing
 
-        _landing.check_mode(cfg["load_landing"])
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(cfg["locality"]) if cfg["locality"] is not None else None
         self.checksum_blocks: Union[bool, str] = cfg["checksum_blocks"]
@@ -228,7 +227,7 @@ class KvtierTier(SecondaryTierManager):
             os.makedirs(os.path.dirname(config_path), exist_ok=True)
             write_json_if_absent(config_path, self.file_mapper.get_run_config())  # bytes as vLLM's
             write_block_info(os.path.dirname(config_path), bs)  # kvtier.json, for `kvtier scrub`
-            landed.extend(_landing.resolve(cfg["load_landing"], root_dir))  # mountinfo: under the deadline too
+            landed[:] = _landing.resolve(tc.load_landing, root_dir)  # mountinfo: under the deadline too
 
         landed: List[str] = []  # (load landing, why): kvtier/_tier/landing.py
 

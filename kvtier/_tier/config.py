@@ -3,7 +3,7 @@
 :class:`kvtier.manager.FileSystemTierManager` (keyword arguments) and
 :class:`kvtier.vllm.KvtierTier` (a vLLM tier entry) build one :class:`TierConfig` from
 their keys: the engine's thread counts, the checksum mode, O_DIRECT, durability, the
-stale-temp sweep and the two deadlines. Each shell keeps what only it has (the manager's
+stale-temp sweep, the two deadlines and where loads land. Each shell keeps what only it has (the manager's
 FileMapper fields and metrics, vLLM's ``root_dir``, ``locality`` and events). A new key
 both shells take goes here (a field, its check in :meth:`TierConfig.__post_init__`, and
 the engine or startup call that uses it).
@@ -47,6 +47,7 @@ class TierConfig:
     sweep_stale_temps_after: Optional[float] = None
     io_timeout_s: Optional[float] = None
     lookup_timeout_s: Optional[float] = None
+    load_landing: str = "auto"
 
     def __post_init__(self) -> None:
         _check_threads("n_read_threads", self.n_read_threads)
@@ -58,6 +59,9 @@ class TierConfig:
         if self.lookup_timeout_s is not None:
             check_timeout(self.lookup_timeout_s, "lookup_timeout_s")
         check_mode(self.checksum_blocks, "checksum_blocks")
+        from kvtier._tier.landing import check_mode as check_landing
+
+        check_landing(self.load_landing)
         if self.sweep_stale_temps_after is not None:
             from kvtier._tier.sweep import check_sweep_after
 
