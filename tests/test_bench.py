@@ -73,6 +73,21 @@ def test_bench_plot_into_a_missing_directory_fails_before_running(tmp_path, caps
     assert list(tmp_path.iterdir()) == []  # nothing was run
 
 
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_bench_root_that_is_not_a_directory_is_named_as_such(tmp_path, capsys, kind):
+    """--root MISSING (or a file) says so and exits 2, creating nothing; before, the error named
+    a random temp path under it (issue #24 item 13)."""
+    root = tmp_path / "nope"
+    if kind == "file":
+        root.write_bytes(b"x")
+    rc = main(["bench", "--vllm", "off", "--min-pass-s", "0", "--preset", "tiny", "--blocks", "4", "--root", str(root),
+               "--no-progress"])
+    err = capsys.readouterr().err
+    what = "does not exist" if kind == "missing" else "is not a directory"
+    assert rc == 2 and err.strip() == f"kvtier bench: --root {str(root)!r} {what}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([] if kind == "missing" else ["nope"])
+
+
 def test_bench_prints_the_table_then_writes_the_plot(tmp_path, capsys):
     png = tmp_path / "b.png"
     rc = main(["bench", "--vllm", "off", "--min-pass-s", "0", "--preset", "tiny", "--blocks", "4", "--jobs", "1", "--repeat", "1",

@@ -550,7 +550,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     Returns the exit status: 0 every byte verified and every job succeeded; 1 mismatched
     bytes or failed jobs; 2 bad arguments (``--jobs`` not comma-separated ints, a
     non-positive size, ``--plot`` without matplotlib or into a missing / read-only
-    directory) or an OSError setting up the cache (message names the errno text and path).
+    directory, a ``--root`` that does not exist or is not a directory) or an OSError setting up
+    the cache (message names the errno text and path).
     """
     if args.node_b:
         from kvtier.cli.bench_nodes import cmd_two_clients
@@ -580,6 +581,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not os.path.isdir(d_plot) or not os.access(d_plot, os.W_OK):
             print(f"kvtier bench: --plot: directory {d_plot!r} does not exist or is not writable", file=sys.stderr)
             return 2
+    if args.root is not None and not os.path.isdir(args.root):  # else the error names a temp under it
+        what = "is not a directory" if os.path.exists(args.root) else "does not exist"
+        print(f"kvtier bench: --root {args.root!r} {what}", file=sys.stderr)
+        return 2
     try:
         d = run_bench(args.preset, args.tokens, args.blocks, jobs, args.root, checks, args.threads,
                       not args.no_o_direct, args.repeat, args.seed, not args.no_progress, args.keep,
