@@ -12,6 +12,8 @@ import sys
 import pytest
 
 from fusefault.mount import mount_fusefault
+from ci import unavailable
+from kvtier._tier.mountinfo import mount_of
 from mounts import mount_loop, mount_tmpfs
 
 PROBES = ["filesystem", "writable", "user_xattr", "o_direct", "rename_excl", "space", "fsync"]
@@ -148,7 +150,40 @@ def test_full_filesystem_fails_naming_enospc():
         assert check(d, "o_direct")["status"] == "fail"
         assert check(d, "o_direct")["data"]["errno"] == errno.ENOSPC
         assert d["kvtier"]["runs"] is False
+        assert all(c["fix"].startswith("free space or inodes on ROOT's filesystem") for c in fails), \
+            [(c["name"], c["fix"]) for c in fails]  # not "fix the filesystem error above"
         assert sorted(os.listdir(root)) == ["fill"]
+
+
+def test_a_1_mib_filesystem_warns_that_the_fsync_probe_did_not_fit_and_still_runs_kvtier():
+    """On a 1 MiB tmpfs the 1 MiB fsync probe file cannot be written: a warning naming ENOSPC
+    with the space fix, not a capability failure; its probe files are written one at a time
+    (they were five at once, filling the filesystem so that kvtier's own probe failed after
+    it): kvtier's probe passes (issue #24 item 15)."""
+    with mount_tmpfs(size="1m") as root:
+        code, d, err = doctor(root)
+        assert "Traceback" not in err
+        f = check(d, "fsync")
+        assert f["status"] == "warn" and f["detail"].startswith("not measured: no room for its 1 MiB probe file (ENOSPC")
+        assert f["data"]["errno"] == errno.ENOSPC and f["fix"].startswith("free space or inodes")
+        assert not [c["name"] for c in d["checks"] if c["status"] == "fail"]
+        assert d["kvtier"]["io"] == "O_DIRECT" and d["kvtier"]["checksums"] is True and d["kvtier"]["runs"] is True
+        assert code == 1 and d["status"] == "warn"
+        assert os.listdir(root) == []
+
+
+def test_dev_shm_warns_that_it_is_the_ram_of_vllms_cpu_tier():
+    """/dev/shm is where vLLM's CPU tier maps its blocks from: a cache there competes with it
+    for RAM; doctor says so (a warning with the fix), unlike another tmpfs (issue #24 item 15)."""
+    m = mount_of("/dev/shm")
+    if m is None or m.kind != "tmpfs" or m.mount_point != "/dev/shm":
+        unavailable("/dev/shm mounted as its own tmpfs")
+    code, d, err = doctor("/dev/shm")
+    f = check(d, "filesystem")
+    assert f["status"] == "warn" and f["detail"].endswith("; /dev/shm: RAM shared with vLLM's CPU tier")
+    assert "SharedOffloadRegion" in f["fix"] and f["fix"].startswith("use a tmpfs of its own with a size")
+    with mount_tmpfs() as root:
+        assert check(doctor(root)[1], "filesystem")["status"] == "pass"
 
 
 def test_fusefault_passthrough_and_faults(tmp_path):

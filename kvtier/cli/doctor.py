@@ -54,6 +54,7 @@ KVTIER_DIO_ALIGN = 4096
 RENAMES = 150  # rename-over-a-name rounds a reader races (local)
 MIN_FREE = 1 << 30  # bytes: less is a warning
 MIN_INODES = 10000
+FSYNC_PROBE_BYTES = 1 << 20  # the fsync probe's file (as a 1 MiB block)
 SLOW_FSYNC_S = 0.05  # median fdatasync+dir fsync above this: durable=True is slow here
 
 #: Mount options per filesystem kind: (advice, "tested" | "documentation").
@@ -232,6 +233,11 @@ def check_filesystem(m: Optional[MountEntry]) -> Check:
     if "ro" in m.options.split(","):
         return Check("filesystem", FAIL, detail + ": mounted read-only", "mount it read-write", d)
     status, fix = PASS, ""
+    if m.kind == "tmpfs" and m.mount_point == "/dev/shm":
+        status, fix = WARN, ("use a tmpfs of its own with a size (mount -t tmpfs -o size=64g tmpfs /mnt/kv) or a "
+                             "disk: /dev/shm is the RAM vLLM's CPU tier maps its blocks from (SharedOffloadRegion), "
+                             "so a cache here competes with that tier and the machine for memory")
+        detail += "; /dev/shm: RAM shared with vLLM's CPU tier"
     if m.kind == "nfs":
         vers = m.option("vers") or "?"
         d["nfs_version"] = vers
@@ -446,14 +452,16 @@ def check_space(root: str) -> Check:
 
 
 def check_fsync(work: str, rounds: int = 5) -> Check:
-    data = secrets.token_bytes(1 << 20)
+    data = secrets.token_bytes(FSYNC_PROBE_BYTES)
     times = []
     dfd = os.open(work, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for i in range(rounds):
-            fd = os.open(os.path.join(work, f"fsync.{i}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644)
+            path = os.path.join(work, f"fsync.{i}")
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644)
             try:
-                os.write(fd, data)
+                if os.write(fd, data) != len(data):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
                 t0 = time.perf_counter()
                 os.fdatasync(fd)
                 try:
@@ -462,8 +470,14 @@ def check_fsync(work: str, rounds: int = 5) -> Check:
                     if e.errno not in (errno.EINVAL, errno.EBADF):
                         raise
                 times.append(time.perf_counter() - t0)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                return Check("fsync", WARN, f"not measured: no room for its {FSYNC_PROBE_BYTES >> 20} MiB probe file "
+                             f"({_err(e)} on {path})", _writable_fix(e.errno), {"errno": e.errno})
             finally:
                 os.close(fd)
+                os.unlink(path)  # one probe file at a time: needs 1 MiB free, not 5
     finally:
         os.close(dfd)
     med = statistics.median(times)
@@ -575,8 +589,8 @@ def run_doctor(root: str, peer: Optional[str] = None, wait: float = 5.0) -> dict
         try:
             r = fn(*a)
         except OSError as e:  # an error the probe did not expect: kvtier would meet it too
-            r = Check(check_name, FAIL, f"{_err(e)} on {e.filename or a[0]}",
-                      "fix the filesystem error above (see the client's log)", {"errno": e.errno})
+            r = Check(check_name, FAIL, f"{_err(e)} on {e.filename or a[0]}", _writable_fix(e.errno),
+                      {"errno": e.errno})
         checks.extend(r if isinstance(r, list) else [r])
 
     try:
@@ -595,8 +609,7 @@ def run_doctor(root: str, peer: Optional[str] = None, wait: float = 5.0) -> dict
             kv["checksums"] = bool(kio.probe_xattr(work))
         except OSError as e:  # e.g. ENOSPC on a full filesystem: a failed check, not a traceback
             checks.append(Check("kvtier_probe", FAIL, f"kvtier's own I/O probe failed: {_err(e)} on "
-                                f"{e.filename or work}", "fix the filesystem error above (free space, "
-                                "permissions, the client's log)", {"errno": e.errno}))
+                                f"{e.filename or work}", _writable_fix(e.errno), {"errno": e.errno}))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return _finish(root, peer, m, checks, kv)
