@@ -102,8 +102,12 @@ def test_copy_without_xattrs_loads_counted_unverified_strict_refuses_scrub_repor
     t.shutdown()
 
     t, buf = make_tier(copy, checksum="strict")
-    r = run(t, "l3", keys(), list(range(N, 2 * N)), True)
+    with caplog.at_level(logging.WARNING, logger="kvtier._tier.engine"):
+        caplog.clear()
+        r = run(t, "l3", keys(), list(range(N, 2 * N)), True)
     assert not r.success and r.error.errno == errno.ENODATA and len(r.successful_keys) == 0
+    (line,) = [rec.getMessage() for rec in caplog.records if "job 'l3'" in rec.getMessage()]
+    assert f"no checksum record (strict: a miss, the file kept): '{blocks[0]}'" in line, line  # not "No data available"
     assert t.metrics.counters.snapshot()["unverified_miss"] == 1
     assert all(p.exists() for p in blocks)  # a miss keeps the file
     t.shutdown()
@@ -347,3 +351,34 @@ def test_scrub_reports_a_block_stored_under_another_keys_name(tmp_path):
     assert a not in r.stdout.split("\n", 3)[-1]  # the original is fine
     r = subprocess.run(cli + ["--remove"], capture_output=True, text=True)
     assert not os.path.exists(b) and os.path.exists(a)
+
+
+def test_a_full_filesystem_logs_one_store_failure_a_minute_with_the_count_held_back(caplog):
+    """Every store job fails on a full filesystem: one WARNING per interval (60 s) per tier,
+    and the next one says how many were held back; before, one line per failed job (1,220
+    lines in 20 s; issue #24 item 14)."""
+    from mounts import mount_tmpfs
+
+    with mount_tmpfs(size="256k") as root:
+        t, buf = make_tier(root)
+        fd = os.open(os.path.join(root, "fill"), os.O_CREAT | os.O_WRONLY)  # the rest of the filesystem
+        with pytest.raises(OSError) as ei:
+            while True:
+                os.write(fd, b"\0" * 4096)
+        os.close(fd)
+        assert ei.value.errno == errno.ENOSPC
+        fill(buf, 3)
+        with caplog.at_level(logging.WARNING, logger="kvtier._tier.engine"):
+            for i in range(20):
+                r = run(t, f"s{i}", keys(1, base=i), [0], False)
+                assert not r.success and r.error.errno == errno.ENOSPC
+            lines = [rec.getMessage() for rec in caplog.records if "failed at block" in rec.getMessage()]
+            assert len(lines) == 1 and lines[0].startswith("store job 's0' failed at block 0 of 1"), lines
+            t._engine.warnings.interval = 0.0  # the interval has passed
+            r = run(t, "s20", keys(1, base=20), [0], False)
+        lines = [rec.getMessage() for rec in caplog.records if "failed at block" in rec.getMessage()]
+        assert len(lines) == 2 and lines[1].startswith("store job 's20' failed at block 0 of 1"), lines
+        assert lines[1].endswith("(and 19 more failed store job message(s) in the last %.0f s, not logged)"
+                                 % float(lines[1].rsplit(" in the last ", 1)[1].split(" s,")[0])), lines[1]
+        assert t.metrics.counters.snapshot()["store_failures"] == 21  # every failure still counted
+        t.shutdown()

@@ -64,6 +64,36 @@ logger = logging.getLogger(__name__)
 WARN_INTERVAL = 60.0
 
 
+class RateLimitedWarnings:
+    """At most one WARNING per ``interval`` seconds for each kind of message of a tier; the
+    messages held back meanwhile are counted, and the next one logged says how many (so a
+    full filesystem failing every store job logs one line a minute, not one a job)."""
+
+    def __init__(self, interval: float = WARN_INTERVAL) -> None:
+        self.interval = interval
+        self._lock = threading.Lock()  # pool threads log concurrently
+        self._last: Dict[str, float] = {}
+        self._held: Dict[str, int] = {}
+
+    def warn(self, kind: str, msg: str, *args: Any) -> bool:
+        """Log ``msg % args`` at WARNING unless a ``kind`` message was logged less than
+        ``interval`` ago (then counted); True if logged."""
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(kind)
+            if last is not None and now - last < self.interval:
+                self._held[kind] = self._held.get(kind, 0) + 1
+                return False
+            self._last[kind] = now
+            held = self._held.pop(kind, 0)
+        if held:
+            msg += " (and %d more %s message(s) in the last %.0f s, not logged)"
+            args += (held, kind, now - last)
+        logger.warning(msg, *args)
+        return True
+
+
+
 # ---------------------------------------------------------------------- jobs
 
 def check_no_duplicates(job_id: Hashable, keys: Sequence[Any], paths: Sequence[str], offsets: Sequence[int],
@@ -201,10 +231,9 @@ class TierEngine:
             self.lookup_timeout_s = min(self.io_timeout_s, DEFAULT_LOOKUP_TIMEOUT_S)
         else:  # io_timeout_s=0: no job deadline, but a lookup's caller still waits at most 2 s
             self.lookup_timeout_s = DEFAULT_LOOKUP_TIMEOUT_S
-        self._warned_lookup = -WARN_INTERVAL
+        self.warnings = RateLimitedWarnings()  # job failures, lookups answered at once, unverified loads
         self.root = root
         self.before_job = before_job
-        self._warned_unverified = -WARN_INTERVAL
         self.view = view
         self.block_size = block_size
         self.path_of = path_of
@@ -568,12 +597,10 @@ class TierEngine:
                                        what="lookup", path=self.root or (paths[0] if paths else ""))
         except TimeoutError as e:
             self.counters.add("lookup_timeouts")
-            now = time.monotonic()
             if getattr(e, "started", True):
                 logger.warning("%s; lookups answer misses until it returns", e)
-            elif now - self._warned_lookup >= WARN_INTERVAL:  # at most once a minute
-                self._warned_lookup = now
-                logger.warning("%s: answered as misses at once", e)
+            else:
+                self.warnings.warn("lookup", "%s: answered as misses at once", e)
             return [False] * len(paths)
         return [bool(x) for x in found]
 
@@ -625,18 +652,22 @@ class TierEngine:
             e.__traceback__ = None
             e = e.__cause__ or e.__context__
         t1 = time.monotonic()
-        if err is not None:  # a job already reported (deadline, shutdown): its late outcome at debug
-            late = job.state is not None and job.state.state == EXPIRED
-            logger.log(logging.DEBUG if late else logging.WARNING, "%s job %r %s at block %d of %d (%s): %s",
-                       "load" if job.is_promotion else "store", job.job_id,
-                       "(already reported failed) ended late" if late else "failed", n_ok, n,
-                       getattr(err, "operation", "") or "-", err)
-        if counts.get("unverified") and t1 - self._warned_unverified >= WARN_INTERVAL:
-            self._warned_unverified = t1  # rate-limited: at most one per interval per tier
-            logger.warning("loaded %d block(s) without a CRC32C record (stored by vLLM or with checksums "
-                           "off, or copied without xattrs): unverified; counted as 'unverified'; "
-                           "checksum_blocks='strict' makes them misses, 'kvtier scrub --adopt' records "
-                           "checksums for them", counts["unverified"])
+        if err is not None:
+            op = "load" if job.is_promotion else "store"
+            why = err
+            if job.is_promotion and self.checksum == "strict" and getattr(err, "errno", None) == errno.ENODATA:
+                why = f"no checksum record (strict: a miss, the file kept): {getattr(err, 'filename', '')!r}"
+            if job.state is not None and job.state.state == EXPIRED:  # already reported (deadline, shutdown)
+                logger.debug("%s job %r (already reported failed) ended late at block %d of %d (%s): %s",
+                             op, job.job_id, n_ok, n, getattr(err, "operation", "") or "-", why)
+            else:  # rate-limited per kind: a full or sick filesystem fails every job
+                self.warnings.warn(f"failed {op} job", "%s job %r failed at block %d of %d (%s): %s", op,
+                                   job.job_id, n_ok, n, getattr(err, "operation", "") or "-", why)
+        if counts.get("unverified"):
+            self.warnings.warn("unverified load", "loaded %d block(s) without a CRC32C record (stored by vLLM "
+                               "or with checksums off, or copied without xattrs): unverified; counted as "
+                               "'unverified'; checksum_blocks='strict' makes them misses, 'kvtier scrub "
+                               "--adopt' records checksums for them", counts["unverified"])
         return Finished(job.job_id, job.is_promotion, job.keys, n_ok, t1 - t0,
                         t1 - job.submitted_at, err, checksum_failed, retries, counts)
 
