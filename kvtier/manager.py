@@ -140,7 +140,8 @@ class FileSystemTierManager:
         model_name ... canonical_format: the FileMapper fields (vLLM 0.33's names) (:class:`FileMapper`).
         block_size: bytes per block (checked against a 2-D buffer's row stride).
         n_read_threads / n_write_threads: read- and write-priority threads, >= 1.
-        checksum_blocks: False, True or ``"strict"``.  True / "strict": record CRC32C in
+        checksum_blocks: True (the default, as the vLLM tier's), ``"strict"`` or False.
+            True / "strict": record CRC32C in
             xattr ``user.vllm.kv_crc32c`` and the identity record ``user.kvtier.id`` (which
             carries the CRC too) on store, verify them on load (one xattr read for a
             block kvtier stored).  A block without a CRC record (stored by vLLM
@@ -205,7 +206,7 @@ class FileSystemTierManager:
         block_size: Optional[int] = None,
         n_read_threads: int = 16,
         n_write_threads: int = 16,
-        checksum_blocks: bool = False,
+        checksum_blocks: "bool | str" = True,
         use_o_direct: bool = True,
         tier_idx: int = 0,
         tier_type: str = "kvtier",

@@ -548,7 +548,7 @@ def test_o_direct_refused_falls_back_with_warning(ramfs_dir, caplog):
     # ramfs refuses O_DIRECT (tmpfs accepts it since Linux 6.6)
     target = ramfs_dir
     with caplog.at_level(logging.WARNING, logger="kvtier.manager"):
-        m = mk(rand_buf(), target)
+        m = mk(rand_buf(), target, checksum_blocks=False)  # ramfs: no user xattrs
     try:
         assert m.use_o_direct is False
         # the standalone manager's tier is kvtier's, not vLLM's "fs" tier

@@ -41,7 +41,7 @@ class TierConfig:
 
     n_read_threads: int = 16
     n_write_threads: int = 16
-    checksum_blocks: Union[bool, str] = False
+    checksum_blocks: Union[bool, str] = True
     use_o_direct: bool = True
     durable: bool = False
     sweep_stale_temps_after: Optional[float] = None
