@@ -382,3 +382,23 @@ def test_a_full_filesystem_logs_one_store_failure_a_minute_with_the_count_held_b
                                  % float(lines[1].rsplit(" in the last ", 1)[1].split(" s,")[0])), lines[1]
         assert t.metrics.counters.snapshot()["store_failures"] == 21  # every failure still counted
         t.shutdown()
+
+
+def test_the_standalone_tier_with_every_default_refuses_a_flipped_byte(tmp_path):
+    """FileSystemTierManager with only its required arguments checksums (as the vLLM tier):
+    a block with one flipped byte is a failed load, not wrong bytes (it defaulted to
+    checksum_blocks=False: the flipped byte loaded as success; issue #24 item 7)."""
+    buf = np.zeros((N * 2, BS), dtype=np.uint8)
+    t = FileSystemTierManager(buf, str(tmp_path), "m")
+    try:
+        assert t.checksum_blocks is True
+        want = fill(buf, 5)
+        assert run(t, "s", keys(), list(range(N)), False).success
+        (bad,) = [p for p in tmp_path.rglob("*.bin") if p.stat().st_size == BS][:1]
+        flip_byte(bad)
+        r = run(t, "l", keys(), list(range(N, 2 * N)), True)
+        assert not r.success and r.error.errno == errno.EBADMSG
+        k = len(r.successful_keys)
+        assert np.array_equal(buf[N:N + k], want[:k]) and not bad.exists()  # condemned after its re-read
+    finally:
+        t.shutdown()
