@@ -235,7 +235,8 @@ class FileSystemTierManager:
         self._readonly = self._view.readonly
         self._primary = primary  # keep the exporter alive (dropped by shutdown())
         self.file_mapper = FileMapper(
-            root_dir, model_name, tokens_per_hash, blocks_per_file, tp_size, pp_size,
+            os.path.abspath(os.fspath(root_dir)),  # resolved once: a later chdir moves nothing
+            model_name, tokens_per_hash, blocks_per_file, tp_size, pp_size,
             pcp_size, dcp_size, rank, dtype, kv_cache_groups, inference_engine, parallel_agnostic,
             replicated_layout, canonical_format,
         )

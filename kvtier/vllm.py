@@ -216,6 +216,7 @@ class KvtierTier(SecondaryTierManager):
         from kvtier._tier.startup import RootGuard, start
         from kvtier.file_mapper import write_json_if_absent, write_block_info
 
+        label_root, root_dir = root_dir, os.path.abspath(root_dir)  # resolved once: a later chdir moves nothing
         self.file_mapper = FileMapper.from_offloading_spec(
             root_dir=root_dir, offloading_spec=offloading_spec,
             blocks_per_file=offloading_spec.blocks_per_chunk, parallel_agnostic=True)
@@ -238,7 +239,7 @@ class KvtierTier(SecondaryTierManager):
         if started.o_direct_refused_on is not None:
             logger.warning("O_DIRECT is not supported at %r (%s); using buffered I/O for the '%s' KV "
                            "offload tier.", root_dir, started.o_direct_refused_on, tier_type)
-        self.tier_label = self._find_tier_label(offloading_spec, tier_type, root_dir)
+        self.tier_label = self._find_tier_label(offloading_spec, tier_type, label_root)  # as the config spells it
 
         self._flat = flat
         from kvtier._tier.counters import Counters

@@ -402,3 +402,23 @@ def test_the_standalone_tier_with_every_default_refuses_a_flipped_byte(tmp_path)
         assert np.array_equal(buf[N:N + k], want[:k]) and not bad.exists()  # condemned after its re-read
     finally:
         t.shutdown()
+
+
+def test_a_relative_root_is_resolved_once_a_later_chdir_moves_nothing(tmp_path, monkeypatch):
+    """FileSystemTierManager(buf, "kv", ...) then os.chdir elsewhere: the blocks go under, and
+    load from, the "kv" of the directory the tier started in (issue #24 item 9)."""
+    first, other = tmp_path / "first", tmp_path / "other"
+    first.mkdir(), other.mkdir()
+    monkeypatch.chdir(first)
+    t, buf = make_tier("kv")
+    try:
+        assert t.root_dir == str(first / "kv")
+        monkeypatch.chdir(other)
+        want = fill(buf, 6)
+        assert run(t, "s", keys(), list(range(N)), False).success
+        assert len(list((first / "kv").rglob("*.bin"))) == N and os.listdir(other) == []
+        assert run(t, "l", keys(), list(range(N, 2 * N)), True).success
+        assert np.array_equal(buf[N:2 * N], want)
+        assert t.metrics.counters.snapshot()["root_lost"] == 0
+    finally:
+        t.shutdown()

@@ -787,3 +787,26 @@ def test_shutdown_with_a_stuck_load_returns_at_the_deadline_and_frees_the_rest(v
     assert not worker.is_alive()
     gc.collect()
     region.mmap_obj.close()  # BufferError while anything of the tier still exports it
+
+
+def test_a_relative_root_dir_is_resolved_once_a_later_chdir_moves_nothing(harness, tmp_path, monkeypatch):
+    """root_dir "kv" (relative) then os.chdir elsewhere: blocks still go under the directory
+    "kv" named when the tier started, and load from there; the tier label still matches the
+    config as written (issue #24 item 9: a later chdir silently started a new tree)."""
+    first, other = tmp_path / "first", tmp_path / "other"
+    first.mkdir(), other.mkdir()
+    monkeypatch.chdir(first)
+    h = harness([tier_config("kvtier", "kv")])
+    tier = h.tiers[0]
+    assert tier.root_dir == str(first / "kv") and tier.tier_label == "1:kvtier"
+    monkeypatch.chdir(other)
+    ks, data = keys_and_data(2)
+    h.store(ks, data)
+    h.wait_tiers()
+    assert sorted(p.stat().st_size for p in (first / "kv").rglob("*.bin")) == [BS, BS]
+    assert os.listdir(other) == []
+    h.reset()
+    rc = h.ctx()
+    h.lookup_all(ks, rc)
+    assert h.load(ks, rc) == data
+    h.finish(rc)
