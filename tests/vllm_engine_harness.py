@@ -77,14 +77,11 @@ class _HostEvent:
 
 
 def _rows_of(handler, ptrs) -> List[tuple]:
-    """(CPU tier view, row index) of each pointer into the CPU tier (one per row)."""
-    rows = {}
-    for p in ptrs:
-        for base, stride, n in handler._kvtier_cpu_rows:
-            if base <= p < base + stride * n:
-                rows[(base, (p - base) // stride)] = stride
-                break
-    return [(base + r * stride, stride) for (base, r), stride in sorted(rows.items())]
+    """(address, size) of each CPU tier row the pointers fall in, once each, in the order
+    of the descriptors (vLLM's: per layer, the blocks in request order)."""
+    base, stride, n = handler._kvtier_cpu_rows
+    rows = dict.fromkeys((p - base) // stride for p in ptrs if base <= p < base + stride * n)
+    return [(base + r * stride, stride) for r in rows]
 
 
 def _log_rows(handler, what: str, ptrs) -> None:
@@ -134,7 +131,9 @@ def install_cpu_copy() -> None:
             init(self, gpu_tensors, cpu_tensors, *args, **kw)
         finally:
             del torch.Tensor.is_cuda  # torch's own again
-        self._kvtier_cpu_rows = [(t.data_ptr(), t.stride(0), t.shape[0]) for t in cpu_tensors]
+        # the CPU tier's rows (a row = one chunk of every layer: the views start at the row)
+        self._kvtier_cpu_rows = (min(t.data_ptr() for t in cpu_tensors), cpu_tensors[0].stride(0),
+                                 cpu_tensors[0].shape[0])
         # 3. the copy op vLLM selected (_select_swap_blocks_fn), replaced by a CPU copy
         self._swap_blocks_batch = functools.partial(_cpu_swap_blocks_batch, handler=self)
 
