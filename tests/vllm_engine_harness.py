@@ -191,8 +191,9 @@ def make_model(path: str, seed: int = 0) -> str:
 
 def make_model_in_venv(path: str) -> str:
     """:func:`make_model` by the venv's python (transformers and torch are there)."""
-    subprocess.run([venv_python(), os.path.abspath(__file__), "model", path], check=True, cwd=ROOT,
-                   env=engine_env(os.path.dirname(path)), stdout=subprocess.DEVNULL)
+    env = dict(engine_env(os.path.dirname(path)), TQDM_DISABLE="1")  # no "Writing model shards" bar
+    subprocess.run([venv_python(), os.path.abspath(__file__), "model", path], check=True, cwd=ROOT, env=env,
+                   stdout=subprocess.DEVNULL)
     return path
 
 
