@@ -4,6 +4,7 @@
     kvtier bench           store/load real-model KV blocks through the tier, checksum off vs on
     kvtier scrub ROOT      verify every block of a cache against its CRC32C and size
     kvtier doctor ROOT     check a mount before using it as a cache root (xattrs, O_DIRECT, caches)
+    kvtier evict ROOT      one capacity pass: census the root, evict the oldest blocks (docs/capacity.md)
 """
 from __future__ import annotations
 
@@ -187,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     _bench.add_parser(sub)
     _scrub.add_parser(sub)
     _doctor.add_parser(sub)
+    from kvtier._tier import capacity as _capacity
+
+    _capacity.add_parser(sub)  # kvtier evict
     # --- end tier helper ---
     return p
 

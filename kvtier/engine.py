@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 from kvtier import policy as _policy
+from kvtier._tier import capacity as _capacity
 
 from kvtier.deadline import DEFAULT_IO_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, OffThread, check_timeout, timed_out
 
@@ -93,6 +94,7 @@ COUNTERS: Dict[str, str] = {
     "root_lost": "times the tier root was found deleted or replaced while running (restored)",
 }
 COUNTERS.update(_policy.COUNT_DOCS)  # the error policy's counters (kvtier.policy)
+COUNTERS.update(_capacity.COUNTER_DOCS)  # a bounded root's (kvtier._tier.capacity, docs/capacity.md)
 
 #: Prefix of the snapshot keys of failed I/O calls: ``io_error:<operation>:<ERRNO>``
 #: (operation: kvtier.policy.OPERATIONS, or "none" for an error of no call, e.g. a
@@ -125,6 +127,7 @@ class Counters:
         self._lock = threading.Lock()
         self._v: Dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self.stuck_gauge: Optional[Callable[[], int]] = None  # set by the engine: its stuck threads
+        self.capacity_gauges: Optional[Callable[[], Dict[str, float]]] = None  # a bounded root's levels
 
     def count_job(self, is_promotion: bool, success: bool, n_keys: int, n_ok: int,
                   block_bytes: int, io_time: Optional[float], checksum_failed: bool = False,
@@ -180,6 +183,8 @@ class Counters:
             snap = dict(self._v)
         gauge = self.stuck_gauge
         snap["stuck_threads"] = gauge() if gauge is not None else 0
+        if self.capacity_gauges is not None:
+            snap.update(self.capacity_gauges())
         return snap
 
 
@@ -223,6 +228,7 @@ class Job:
     started_at: float = 0.0
     returned: bool = False  # its I/O call returned (set under the engine's lock)
     view: Any = None  # the engine's view, taken with the job and dropped when its I/O call returns
+    reserved: bool = False  # a store admitted by a bounded root's capacity (its bytes reserved)
 
 
 @dataclass(frozen=True)
@@ -307,8 +313,9 @@ class TierEngine:
                  counters: Optional[Counters] = None, thread_name: str = "kvtier_fs",
                  io_timeout_s: float = DEFAULT_IO_TIMEOUT_S, root: str = "",
                  before_job: Optional[Callable[[], None]] = None,
-                 lookup_timeout_s: Optional[float] = None) -> None:
+                 lookup_timeout_s: Optional[float] = None, capacity: Any = None) -> None:
         self.io_timeout_s = check_timeout(io_timeout_s)
+        self.capacity = capacity  # kvtier._tier.capacity.Handle of a bounded root, or None
         self._forks, self._pid = _forks, os.getpid()
         if lookup_timeout_s is not None:
             self.lookup_timeout_s = check_timeout(lookup_timeout_s, "lookup_timeout_s")
@@ -417,6 +424,14 @@ class TierEngine:
             if self._stuck >= self.max_stuck:  # the filesystem holds the cap of threads
                 self._refuse(job)
                 return
+            if self.capacity is not None and not is_promotion:  # a bounded root: dropped, never queued
+                err = self.capacity.admit(len(keys), self.block_size)
+                if err is not None:
+                    result = Finished(job_id, False, keys, 0, 0.0, 0.0, err)
+                    self._count(job, result)
+                    self._finished.append(result)
+                    return
+                job.reserved = True
             self._inflight += 1
             (self._load_q if is_promotion else self._store_q).append(job)
             self._cond.notify()
@@ -472,6 +487,7 @@ class TierEngine:
         ``shutdown(wait=False)`` once the last running I/O call has returned, nothing of
         the engine holds the buffer (its exporter, e.g. an mmap, can be closed)."""
         with self._cond:
+            self._unreserve(self._store_q)
             discarded = [j.job_id for j in list(self._load_q) + list(self._store_q)]
             self._inflight -= len(discarded)
             for jid in discarded:
@@ -655,6 +671,7 @@ class TierEngine:
 
     def _refuse(self, job: Job) -> None:
         """Fail ``job`` at once: the cap of stuck threads is reached (lock held)."""
+        self._unreserve([job])
         err = OSError(errno.EAGAIN, f"{self._stuck} threads of this tier are stuck in the filesystem past "
                       f"their deadline (cap {self.max_stuck}): job not started", self.root or job.paths[0])
         result = Finished(job.job_id, job.is_promotion, job.keys, 0, 0.0, time.monotonic() - job.submitted_at,
@@ -670,6 +687,13 @@ class TierEngine:
             while q:
                 self._inflight -= 1
                 self._refuse(q.popleft())
+
+    def _unreserve(self, jobs: Sequence[Job]) -> None:
+        """Admitted stores that will never run give their reservation back."""
+        for j in jobs:
+            if j.reserved and self.capacity is not None:
+                j.reserved = False
+                self.capacity.unrun(len(j.keys), self.block_size)
 
     def lookup(self, paths: Sequence[str], block_size: int = 0) -> List[bool]:
         """Whether each path is a regular file (of ``block_size`` bytes when not 0; one
@@ -692,7 +716,10 @@ class TierEngine:
                 self._warned_lookup = now
                 logger.warning("%s: answered as misses at once", e)
             return [False] * len(paths)
-        return [bool(x) for x in found]
+        found = [bool(x) for x in found]
+        if self.capacity is not None:  # hits refresh recency, on the capacity thread
+            self.capacity.touch_later([p for p, f in zip(paths, found) if f])
+        return found
 
     # ------------------------------------------------------------------ the job
     def run_job(self, job: Job) -> Finished:
@@ -736,6 +763,11 @@ class TierEngine:
             n_ok = 0
         finally:  # the buffer is released with the call: nothing of the job keeps it
             view = job.view = None
+        if self.capacity is not None:  # a bounded root: ledger, recency stamps, ENOSPC -> evict now
+            try:
+                self.capacity.after_job(job.is_promotion, job.paths, n_ok, self.block_size, err, counts)
+            except Exception:
+                logger.exception("capacity bookkeeping after a job failed")
         e, seen = err, set()
         while e is not None and id(e) not in seen:  # a traceback's frames (the fallback's) hold the buffer
             seen.add(id(e))

@@ -228,6 +228,13 @@ class FileSystemTierManager:
         lookup_timeout_s: deadline in seconds of :meth:`lookup`, 0 = none; None (default):
             2 s (:data:`kvtier.deadline.DEFAULT_LOOKUP_TIMEOUT_S`), or ``io_timeout_s`` when
             that is shorter and not 0.
+        max_bytes: bound of the whole root (docs/capacity.md): None (off, default), bytes,
+            a size ``"500G"`` (K/M/G/T = powers of 1024) or ``"90%"`` of the filesystem.
+            A store job that would pass it is dropped (ENOSPC, ``stores_dropped``); the
+            root's one evictor removes the oldest blocks from ``evict_high`` down to
+            ``evict_low`` (fractions of max_bytes, 0.95 / 0.85), censusing the root every
+            ``census_interval_s`` (10 s); loads and lookup hits refresh a block's mtime at
+            most once per ``touch_window_s`` (60 s).
 
     Raises, before any I/O: TypeError / ValueError for bad arguments (wrong types,
     thread counts < 1, block size not matching the buffer, bad FileMapper fields),
@@ -271,6 +278,11 @@ class FileSystemTierManager:
         durable: bool = False,  # fdatasync temp + fsync dir on store
         io_timeout_s: float = DEFAULT_IO_TIMEOUT_S,  # deadline of a job, startup probe
         lookup_timeout_s: Optional[float] = None,  # deadline of a lookup (default 2 s)
+        max_bytes: Any = None,  # capacity bound of the root (kvtier/_tier/capacity.py, docs/capacity.md)
+        evict_high: float = 0.95,
+        evict_low: float = 0.85,
+        census_interval_s: float = 10.0,
+        touch_window_s: float = 60.0,
     ) -> None:
         # ---- configuration checks: no I/O until all of them pass ----
         for name, v in (("n_read_threads", n_read_threads), ("n_write_threads", n_write_threads)):
@@ -287,6 +299,9 @@ class FileSystemTierManager:
         from kvtier.policy import check_mode
 
         check_mode(checksum_blocks, "checksum_blocks")
+        from kvtier._tier import capacity as _capacity
+
+        cap_config = _capacity.check_config(max_bytes, evict_high, evict_low, census_interval_s, touch_window_s)
         if sweep_stale_temps_after is not None:  # validate before any I/O
             from kvtier.sweep import check_sweep_after
             check_sweep_after(sweep_stale_temps_after)
@@ -350,6 +365,10 @@ class FileSystemTierManager:
             )
         self._root_lock = threading.Lock()
         self._export_dsa_counters()
+        self.capacity = None  # the root's bound: kvtier._tier.capacity.Handle (docs/capacity.md)
+        if cap_config is not None:
+            self.capacity = _capacity.attach(self.root_dir, cap_config, self.metrics.counters)
+            self.metrics.counters.capacity_gauges = self.capacity.gauges
 
         # ---- the engine: pools, jobs, results; counts into the tracker's counters ----
         self._engine = TierEngine(
@@ -357,7 +376,7 @@ class FileSystemTierManager:
             n_write_threads=n_write_threads, checksum=checksum_blocks,
             use_o_direct=self.use_o_direct, durable=durable, counters=self.metrics.counters,
             thread_name="kvtier_fs", io_timeout_s=io_timeout_s, root=self.root_dir,
-            before_job=self._check_root, lookup_timeout_s=lookup_timeout_s)
+            before_job=self._check_root, lookup_timeout_s=lookup_timeout_s, capacity=self.capacity)
 
     # ------------------------------------------------------------------ root
     def _root_identity(self) -> Optional[Tuple[int, int, int, int]]:
@@ -543,6 +562,8 @@ class FileSystemTierManager:
         references are gone; after ``shutdown(wait=False)``, only once every I/O call
         that was running has returned (a stuck thread keeps the buffer until then)."""
         discarded = self._engine.shutdown(wait)
+        if self.capacity is not None:
+            self.capacity.close()
         self._view = self._primary = None
         if self._owns_metrics:
             self.metrics.close()
