@@ -256,6 +256,12 @@ def test_a_store_over_the_bound_is_dropped_at_once_and_counted(tmp_path, io_back
         snap = t.metrics.counters.snapshot()
         assert snap["stores_dropped"] == 1 and snap["store_failures"] == 1
         assert snap["capacity_max_bytes"] == 20 * BS + 16384
+        from prometheus_client import generate_latest
+
+        text = generate_latest(t.metrics.registry).decode()
+        assert 'kvtier:kv_offload_tiering_stores_dropped_total{tier="1:kvtier"} 1.0' in text
+        assert f'kvtier:kv_offload_tiering_capacity_max_bytes{{tier="1:kvtier"}} {float(20 * BS + 16384)}' in text
+        assert 'kvtier:kv_offload_tiering_evictions_total{reason="enospc",tier="1:kvtier"} 0.0' in text
     finally:
         t.shutdown()
 
@@ -503,3 +509,63 @@ def test_kvtier_evict_refuses_while_a_live_evictor_holds_the_lock(tmp_path):
     finally:
         a.kill()
         a.wait()
+
+
+# ---------------------------------------------------------------------- vLLM
+
+@pytest.mark.vllm
+def test_vllm_tier_with_a_bound_emits_removed_events_and_misses(tmp_path):
+    from ci import unavailable
+
+    try:
+        from vllm.plugins import load_general_plugins
+        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    except ImportError as e:
+        unavailable(f"vLLM 0.33 is not importable ({e})")
+    load_general_plugins()
+    if "kvtier" not in SecondaryTierFactory._registry:
+        unavailable("kvtier's vllm.general_plugins entry point is not installed (pip install -e .)")
+    from vllm_harness import Harness, key
+
+    bs = 8192
+    root = str(tmp_path / "kv")
+    conf = {"type": "kvtier", "root_dir": root, "n_read_threads": 2, "n_write_threads": 2, "enable_kv_events": True,
+            "max_bytes": "1G", "census_interval_s": 3600, "use_o_direct": False}
+    h = Harness([conf], block_bytes=bs, events=True)
+    try:
+        tier = h.tiers[0]
+        rng = np.random.default_rng(5)
+        a = [key(i, salt=1) for i in range(6)]
+        b = [key(i, salt=2) for i in range(6)]
+        da = [rng.integers(0, 256, bs, dtype=np.uint8).tobytes() for _ in a]
+        db = [rng.integers(0, 256, bs, dtype=np.uint8).tobytes() for _ in b]
+        h.store(a, da)
+        h.wait_tiers()
+        time.sleep(0.01)
+        h.store(b, db)
+        h.wait_tiers()
+        h.reset()  # the CPU tier forgets them: lookups go to the files
+        stored = [e for e in h.manager.take_events() if e.medium.name == "STORAGE"]
+        assert sorted(k for e in stored for k in e.keys) == sorted(a + b) and not any(e.removed for e in stored)
+        rc = cap.root_capacity(root)
+        base = cap.census(root).bytes
+        rc.max_bytes = int((base - 6 * bs) / 0.85) + 1  # room for b only, below the low watermark
+        n = rc.passes
+        rc.request_evict("capacity")
+        assert rc.wait_pass(10, after=n) and len(rc.last_pass.evicted) == 6
+        ev = [e for e in h.manager.take_events() if e.medium.name == "STORAGE"]
+        assert [(sorted(e.keys), e.removed) for e in ev] == [(sorted(a), True)]
+        assert not any(os.path.exists(tier.file_mapper.get_file_name(k)) for k in a)
+        r = h.ctx()
+        assert all(s[-1] == "MISS" for s in h.lookup_all(a, r).values())
+        assert all(s[-1] == "HIT" for s in h.lookup_all(b, r).values())
+        assert h.load(b, r) == db
+        h.finish(r)
+        snap = tier.counters()
+        assert snap["evicted_capacity"] == 6 and snap["evicted_bytes_capacity"] == 6 * bs
+        defs = type(tier).build_metric_definitions(conf)
+        assert "kvtier:kv_offload_tiering_evictions" in defs and "kvtier:kv_offload_tiering_capacity_used_bytes" in defs
+        assert "kvtier:kv_offload_tiering_capacity_used_bytes" not in type(tier).build_metric_definitions(
+            {k: v for k, v in conf.items() if k != "max_bytes"})
+    finally:
+        h.close()
