@@ -206,7 +206,8 @@ def check_config(max_bytes: Any = None, evict_high: Any = DEFAULT_HIGH, evict_lo
 @dataclass
 class Census:
     """One scan of a root.  ``bytes``: allocated bytes (st_blocks * 512) of every regular
-    file under it; ``files``: regular files; ``blocks`` / ``block_bytes``: those that are
+    file and directory under it (the root itself not included); ``files``: regular files;
+    ``dirs``: directories scanned (the root included); ``blocks`` / ``block_bytes``: those that are
     block files of a cache path (evictable); ``entries``: the block files as
     ``(mtime_ns, nbytes, st_dev, st_ino, path)``; times are ``time.time()`` seconds."""
 
@@ -223,21 +224,27 @@ class Census:
 
 
 def census(root: str, keep_entries: bool = True) -> Census:
-    """Scan ``root`` (not following symlinks, not crossing into other filesystems' mounts
-    is NOT done: a mount under the root counts too).  Files that vanish meanwhile are
-    skipped.  Block files (:func:`is_block_path`) are listed in ``entries``."""
+    """Scan ``root``: every regular file and directory under it counts its ``st_blocks *
+    512`` (symlinks are not followed; a filesystem mounted under the root counts too).
+    Files that vanish meanwhile are skipped.  Block files (:func:`is_block_path`) are
+    listed in ``entries`` (``keep_entries``).  One lstat per file and directory, one
+    scandir per directory; a directory's place in the cache layout is decided once, from
+    its name and depth."""
     c = Census(root=root, scan_started=time.time())
     cpu0 = time.thread_time()
     entries = c.entries
+    # (directory, its place: 0 the root, 1 a rank dir, 2 <h[:3]>, 3 <h[3:5]>_g<group>, -1 none)
     stack: List[Tuple[str, int]] = [(root, 0)]
-    state = os.path.join(root, STATE_DIR)
+    rank_re, s1_re, s2_re, block_re = _RANK_RE.match, _SHARD1_RE.match, _SHARD2_RE.match, _BLOCK_RE.match
+    S_ISDIR, S_ISREG = _stat.S_ISDIR, _stat.S_ISREG
+    total = files = blocks = block_bytes = dirs = 0
     while stack:
-        d, depth = stack.pop()
+        d, layout = stack.pop()
         try:
             it = os.scandir(d)
         except OSError:
             continue
-        c.dirs += 1
+        dirs += 1
         with it:
             for e in it:
                 try:
@@ -245,19 +252,30 @@ def census(root: str, keep_entries: bool = True) -> Census:
                 except OSError:
                     continue
                 mode = st.st_mode
-                if _stat.S_ISDIR(mode):
-                    stack.append((e.path, depth + 1))
-                    continue
-                if not _stat.S_ISREG(mode):
-                    continue
                 nb = st.st_blocks * 512
-                c.files += 1
-                c.bytes += nb
-                if depth == 3 and _BLOCK_RE.match(e.name) and d != state and _is_block_dir(root, d):
-                    c.blocks += 1
-                    c.block_bytes += nb
+                if S_ISDIR(mode):
+                    total += nb
+                    name = e.name
+                    if layout == 0:  # the root
+                        sub = 1 if name != STATE_DIR and rank_re(name) else -1
+                    elif layout == 1:
+                        sub = 2 if s1_re(name) else -1
+                    elif layout == 2:
+                        sub = 3 if s2_re(name) else -1
+                    else:
+                        sub = -1
+                    stack.append((e.path, sub))
+                    continue
+                if not S_ISREG(mode):
+                    continue
+                files += 1
+                total += nb
+                if layout == 3 and block_re(e.name):
+                    blocks += 1
+                    block_bytes += nb
                     if keep_entries:
                         entries.append((st.st_mtime_ns, nb, st.st_dev, st.st_ino, e.path))
+    c.bytes, c.files, c.blocks, c.block_bytes, c.dirs = total, files, blocks, block_bytes, dirs
     c.scan_finished = time.time()
     c.cpu_s = time.thread_time() - cpu0
     return c
@@ -309,6 +327,7 @@ class EvictResult:
     skipped: int = 0
     errors: List[Tuple[str, OSError]] = field(default_factory=list)
     dirs_removed: int = 0
+    dirs_bytes: int = 0
     usage_before: int = 0
     usage_after: int = 0
     target: int = 0
@@ -318,52 +337,87 @@ class EvictResult:
 
 def evict(c: Census, usage: int, target: int, dry_run: bool = False) -> EvictResult:
     """Remove ``c``'s block files, oldest first (:func:`recency_key`), until ``usage``
-    (bytes) is at or below ``target``.  Before each unlink an lstat must find the file the
-    census saw (same st_dev, st_ino, mtime): a block refreshed by a hit or republished is
-    skipped.  Then the shard directories emptied (``<h[3:5]>_g<group>``, then
-    ``<h[:3]>``) are removed with rmdir (never the rank or layout directories): a store
-    racing it gets ENOENT at its temp's open and makes the parents again (error table
-    P21).  ``dry_run``: nothing removed; the result lists what would be."""
-    r = EvictResult(usage_before=usage, usage_after=usage, target=target, dry_run=dry_run)
-    if usage <= target:
-        return r
-    cpu0 = time.thread_time()
-    dirs = set()
-    for e in sorted(c.entries, key=recency_key):
-        if r.usage_after <= target:
-            break
-        mtime, nb, dev, ino, path = e
-        try:
-            st = os.lstat(path)
-        except OSError:
-            r.skipped += 1
-            continue
-        if (st.st_dev, st.st_ino, st.st_mtime_ns) != (dev, ino, mtime) or not _stat.S_ISREG(st.st_mode):
-            r.skipped += 1
-            continue
-        if not dry_run:
+    (bytes) is at or below ``target``: :meth:`Candidates.evict` over the census."""
+    return Candidates(c.entries).evict(usage, target, dry_run)
+
+
+class Candidates:
+    """A census's block files in eviction order (oldest first, :func:`recency_key`),
+    consumed by successive :meth:`evict` calls: the evictor evicts from it between
+    censuses (blocks written since are newer than all of them; blocks refreshed since are
+    skipped by the recheck).  ``keep_bytes``: only the oldest entries holding that many
+    bytes are kept (memory), None: all.  Sorts ``entries`` in place."""
+
+    def __init__(self, entries: List[Tuple[int, int, int, int, str]], keep_bytes: Optional[int] = None) -> None:
+        entries.sort(key=recency_key)
+        if keep_bytes is not None:
+            n = acc = 0
+            for n, e in enumerate(entries, 1):
+                acc += e[1]
+                if acc >= keep_bytes:
+                    break
+            del entries[n:]
+        self._entries = entries
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._entries) - self._next
+
+    def evict(self, usage: int, target: int, dry_run: bool = False) -> EvictResult:
+        """Remove block files, oldest first, until ``usage`` (bytes) is at or below
+        ``target``.  Before each unlink an lstat must find the file the census saw (same
+        st_dev, st_ino, mtime): a block refreshed by a hit or republished is skipped.
+        Then the shard directories emptied (``<h[3:5]>_g<group>``, then ``<h[:3]>``) are
+        removed with rmdir (never the rank or layout directories): a store racing it gets
+        ENOENT at its temp's open and makes the parents again (error table P21).
+        ``dry_run``: nothing removed or consumed; the result lists what would be."""
+        r = EvictResult(usage_before=usage, usage_after=usage, target=target, dry_run=dry_run)
+        if usage <= target:
+            return r
+        cpu0 = time.thread_time()
+        dirs = set()
+        entries, i, n = self._entries, self._next, len(self._entries)
+        lstat, unlink, S_ISREG = os.lstat, os.unlink, _stat.S_ISREG
+        while i < n and usage > target:
+            mtime, _, dev, ino, path = entries[i]
+            i += 1
             try:
-                os.unlink(path)
-            except FileNotFoundError:
+                st = lstat(path)
+            except OSError:
                 r.skipped += 1
                 continue
-            except OSError as err:
-                r.errors.append((path, err))
+            if st.st_mtime_ns != mtime or st.st_ino != ino or st.st_dev != dev or not S_ISREG(st.st_mode):
+                r.skipped += 1  # refreshed by a hit, or republished, since the census
                 continue
-            dirs.add(os.path.dirname(path))
-        nb = st.st_blocks * 512
-        r.evicted.append(path)
-        r.evicted_bytes += nb
-        r.usage_after -= nb
-    for d in sorted(dirs):
-        for sub in (d, os.path.dirname(d)):
-            try:
-                os.rmdir(sub)
-            except OSError:  # ENOTEMPTY (a store put a block there meanwhile), ENOENT: leave it
-                break
-            r.dirs_removed += 1
-    r.cpu_s = time.thread_time() - cpu0
-    return r
+            if not dry_run:
+                try:
+                    unlink(path)
+                except FileNotFoundError:
+                    r.skipped += 1
+                    continue
+                except OSError as err:
+                    r.errors.append((path, err))
+                    continue
+                dirs.add(os.path.dirname(path))
+            nb = st.st_blocks * 512
+            r.evicted.append(path)
+            r.evicted_bytes += nb
+            usage -= nb
+        r.usage_after = usage
+        if not dry_run:
+            self._next = i
+        for d in sorted(dirs):
+            for sub in (d, os.path.dirname(d)):
+                try:
+                    nb = lstat(sub).st_blocks * 512
+                    os.rmdir(sub)
+                except OSError:  # ENOTEMPTY (a store put a block there meanwhile), ENOENT: leave it
+                    break
+                r.dirs_removed += 1
+                r.dirs_bytes += nb
+                r.usage_after -= nb
+        r.cpu_s = time.thread_time() - cpu0
+        return r
 
 
 # ---------------------------------------------------------------------- shared state files
@@ -427,19 +481,21 @@ def _pid_alive(pid: int) -> bool:
 
 
 def read_ledgers(root: str, now: Optional[float] = None, max_age: float = 2 * DEFAULT_CENSUS_INTERVAL_S,
-                 skip: Optional[str] = None, remove_dead: bool = False) -> Tuple[int, int]:
-    """``(bytes, live writers)``: the sum of the live writers' ledgers of ``root`` (except
-    file ``skip``).  A ledger is dead when its writer's pid is gone on this host (same
+                 skip: Optional[str] = None, remove_dead: bool = False,
+                 since: Optional[float] = None) -> Tuple[int, int, int]:
+    """``(bytes, current, live writers)``: the sum of the live writers' ledgers of ``root``
+    (except file ``skip``), and of those counting from the census started at ``since``.  A ledger is dead when its writer's pid is gone on this host (same
     boot and pid namespace) or it was not republished for ``max_age`` seconds; dead ones
     count nothing and with ``remove_dead`` are removed."""
     now = time.time() if now is None else now
     wdir = os.path.join(state_dir(root), WRITERS_DIR)
     me = _host_identity()
     total = live = 0
+    current = 0
     try:
         names = os.listdir(wdir)
     except OSError:
-        return 0, 0
+        return 0, 0, 0
     for name in names:
         if name == skip or name.endswith(".tmp"):
             continue
@@ -461,7 +517,9 @@ def read_ledgers(root: str, now: Optional[float] = None, max_age: float = 2 * DE
             continue
         live += 1
         total += max(0, b)
-    return total, live
+        if since is not None and d.get("since") == since:
+            current += max(0, b)
+    return total, current, live
 
 
 # ---------------------------------------------------------------------- the lock
@@ -541,7 +599,7 @@ def one_pass(root: str, max_bytes: int, high: float = DEFAULT_HIGH, low: float =
     else:
         target = usage
     r = evict(c, usage, target, dry_run=dry_run)
-    rec = {"bytes": c.bytes - (0 if dry_run else r.evicted_bytes), "files": c.files - len(r.evicted) * (not dry_run),
+    rec = {"bytes": c.bytes if dry_run else r.usage_after, "files": c.files - len(r.evicted) * (not dry_run),
            "blocks": c.blocks - len(r.evicted) * (not dry_run), "scan_started": c.scan_started,
            "scan_finished": c.scan_finished, "evict_finished": time.time(), "generation": generation,
            "evictor": evictor, "max_bytes": max_bytes, "evicted": 0 if dry_run else len(r.evicted),
@@ -655,8 +713,11 @@ class RootCapacity:
         self._done: "collections.deque[Tuple[float, int]]" = collections.deque()
         self._own = 0  # _inflight + the bytes of _done
         self._warned_drop = -1e9
-        self._others = 0
+        self._others = 0  # the other writers' ledgers (admission)
+        self._others_current = 0  # those of them that count from the latest census (eviction)
         self._others_at = 0.0
+        self._cands: Optional[Candidates] = None
+        self._room: Optional[int] = None  # the evictor's: census bytes + free space (statvfs)
         self._usage: Optional[Dict[str, Any]] = None
         self._dirty = True
         self._published_at = 0.0
@@ -671,7 +732,8 @@ class RootCapacity:
         self.generation = 0
         self.last_pass: Optional[EvictResult] = None
         self.last_census: Optional[Census] = None
-        self.passes = 0
+        self.passes = 0  # censuses + eviction steps of this process's evictor
+        self.censuses = 0
         self.evictor_cpu_s = 0.0
         self._next_census = 0.0
         self._ledger_fd = os.open(self.ledger_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -707,6 +769,13 @@ class RootCapacity:
             pass
 
     # ------------------------------------------------------------------ admission
+    def bound(self) -> int:
+        """The bound in force: ``max_bytes``, or less when the filesystem has less room
+        (the root's usage + the free space at the latest census, or the usage at which a
+        store met ENOSPC since)."""
+        room = self._room if self.lock.held else (self._usage or {}).get("room")
+        return self.max_bytes if not room else min(self.max_bytes, int(room))
+
     def estimate(self) -> int:
         """Usage estimate, bytes: latest census (after its eviction) + the other writers'
         ledgers (as last read) + this process's reservations."""
@@ -716,24 +785,27 @@ class RootCapacity:
     def admit(self, nbytes: int) -> Optional[OSError]:
         with self._lock:
             est = self.estimate()
-            if est + nbytes > self.max_bytes:
+            bound = self.bound()
+            if est + nbytes > bound:
                 self._ask("drop")
                 u = self._usage
                 age = f"{time.time() - u['scan_started']:.1f} s old" if u else "none yet"
                 if time.monotonic() - self._warned_drop >= 60.0:
                     self._warned_drop = time.monotonic()
                     logger.warning("kvtier capacity: store jobs are dropped at %s: usage estimate %d + %d bytes "
-                                   "> max_bytes %d (counted stores_dropped; this warning at most once a minute)",
-                                   self.root, est, nbytes, self.max_bytes)
+                                   "> the bound %d (max_bytes %d, or the room on the filesystem; counted "
+                                   "stores_dropped; this warning at most once a minute)",
+                                   self.root, est, nbytes, bound, self.max_bytes)
+                room = "" if bound == self.max_bytes else f" (the filesystem has room for {bound})"
                 return OSError(errno.ENOSPC, f"store dropped by kvtier capacity: the root's usage estimate "
                                              f"{est} bytes + this job's {nbytes} would pass max_bytes "
-                                             f"{self.max_bytes} (census {age}, evictor "
+                                             f"{self.max_bytes}{room} (census {age}, evictor "
                                              f"{u.get('evictor') if u else '?'}); eviction runs, the block is "
                                              f"recomputed next time", self.root)
             self._inflight += nbytes
             self._own += nbytes
             self._dirty = True
-            if est + nbytes > self.high * self.max_bytes:
+            if est + nbytes > self.high * bound:
                 self._ask("capacity")
         return None
 
@@ -833,14 +905,16 @@ class RootCapacity:
 
     def _refresh(self) -> None:
         """Re-read the usage and the other writers' ledgers."""
-        u = read_usage(self.root)
-        others, _ = read_ledgers(self.root, max_age=2 * self.interval + 1.0, skip=self.name)
+        u = read_usage(self.root) if not self.lock.held else None  # the evictor has its own, newer
         with self._lock:
             if u is not None:
                 self._usage = u
                 self._trim(float(u.get("scan_started", 0)),
                            str(u.get("evictor", "")).rsplit(":", 1)[0] == self.host)
-            self._others = others
+            since = float(self._usage["scan_started"]) if self._usage else None
+        others, current, _ = read_ledgers(self.root, max_age=2 * self.interval + 1.0, skip=self.name, since=since)
+        with self._lock:
+            self._others, self._others_current = others, current
         self._others_at = time.monotonic()
 
     def _run(self) -> None:
@@ -852,7 +926,7 @@ class RootCapacity:
                 time.sleep(LEDGER_PUBLISH_S)
             self._wake.wait(LEDGER_PUBLISH_S)
             self._wake.clear()
-        # a last publication of nothing reserved is done by close() removing the file
+        # close() removes the ledger file: this process reserves nothing any more
 
     def _tick(self) -> None:
         mono = time.monotonic()
@@ -879,59 +953,115 @@ class RootCapacity:
                     except OSError:
                         pass
                 return
+            self._next_census = 0.0  # just took over: a census now
         if not self.lock.held:
             return
-        # the evictor: a request file from another process counts as a request
-        try:
-            rq = os.stat(os.path.join(state_dir(self.root), REQUEST_FILE))
-            if rq.st_mtime > self._request_seen:
-                self._request_seen = rq.st_mtime
-                with open(os.path.join(state_dir(self.root), REQUEST_FILE), "rb") as f:
-                    r2 = json.loads(f.read()).get("reason", "capacity")
-                with self._lock:
-                    r2 = r2 if r2 in _PRIORITY and r2 else "capacity"
-                    if _PRIORITY[r2] > _PRIORITY[self._request]:
-                        self._request = r2
-        except (OSError, ValueError, AttributeError):
-            pass
+        self._read_request_file()
         req = self._request
-        if mono < self._next_census and not req:
-            return
-        if req and self.last_census is not None:
-            # a requested pass: at most CENSUS_CPU_SHARE of the time in censuses
-            gap = (self.last_census.scan_finished - self.last_census.scan_started) / CENSUS_CPU_SHARE
-            if time.time() - self.last_census.scan_finished < min(gap, self.interval) and mono < self._next_census:
-                return
+        cands = self._cands
+        due = mono >= self._next_census or cands is None
+        if not due and req and not len(cands):  # type: ignore[arg-type]
+            # asked to evict with no candidate left: a census, at most CENSUS_CPU_SHARE of the time
+            last = self.last_census
+            gap = (last.scan_finished - last.scan_started) / CENSUS_CPU_SHARE if last else 0.0
+            due = last is None or time.time() - last.scan_finished >= min(gap, self.interval)
         with self._lock:
             self._request = None
-        self._pass(req or "capacity")
+        if due:
+            self._census_pass(req)
+        else:
+            self._evict_more(req)
 
-    def _pass(self, why: str) -> None:
-        reason = "enospc" if why == "enospc" else "capacity"
-        cpu0 = time.thread_time()
-        others, _ = read_ledgers(self.root, max_age=2 * self.interval + 1.0, skip=self.name, remove_dead=True)
-        self.generation = max(self.generation, int((self._usage or {}).get("generation", 0))) + 1
-        c, r, rec = one_pass(self.root, self.max_bytes, self.high, self.low, force=why if why in ("drop", "enospc") else None,
-                             generation=self.generation,
-                             evictor=f"{self.host}:{self.pid}")
+    def _read_request_file(self) -> None:
+        """The evictor: a request file newer than the last one seen is a request."""
+        path = os.path.join(state_dir(self.root), REQUEST_FILE)
         try:
-            publish_usage(self.root, rec)
-        except OSError as e:
-            logger.warning("kvtier capacity: cannot publish %s: %s", os.path.join(state_dir(self.root), USAGE_FILE), e)
+            rq = os.stat(path)
+            if rq.st_mtime <= self._request_seen:
+                return
+            self._request_seen = rq.st_mtime
+            with open(path, "rb") as f:
+                r2 = json.loads(f.read()).get("reason", "capacity")
+        except (OSError, ValueError, AttributeError):
+            return
+        with self._lock:
+            r2 = r2 if r2 in _PRIORITY and r2 else "capacity"
+            if _PRIORITY[r2] > _PRIORITY[self._request]:
+                self._request = r2
+
+    def _census_pass(self, why: Optional[str]) -> None:
+        """A census (recalibrates the usage, rebuilds the candidates), then evict if due."""
+        cpu0 = time.thread_time()
+        read_ledgers(self.root, max_age=2 * self.interval + 1.0, skip=self.name, remove_dead=True)
+        self.generation = max(self.generation, int((self._usage or {}).get("generation", 0))) + 1
+        c = census(self.root)
+        try:  # the room on the filesystem: what the root holds + what is still free
+            st = os.statvfs(self.root)
+            self._room = c.bytes + st.f_bavail * st.f_frsize
+        except OSError:
+            self._room = None
+        # keep the oldest blocks that hold what must go now plus half a bound: what the
+        # evictor may remove before the next census (it censuses early when they run out)
+        bound = self.bound()
+        need = max(0, c.bytes - int(self.low * bound))
+        self._cands = Candidates(c.entries, keep_bytes=need + bound // 2)
+        c.entries = []
+        rec = {"bytes": c.bytes, "files": c.files, "blocks": c.blocks, "scan_started": c.scan_started,
+               "scan_finished": c.scan_finished, "evict_finished": c.scan_finished, "generation": self.generation,
+               "evictor": f"{self.host}:{self.pid}", "max_bytes": self.max_bytes, "evicted": 0,
+               "evicted_bytes": 0, "census_cpu_s": c.cpu_s, "room": self._room}
         with self._lock:
             self._usage = rec
-            self._others = others
             self._trim(c.scan_started, True)
-        self._others_at = time.monotonic()
-        self.last_census, self.last_pass = c, r
-        self.passes += 1
+            # the others' ledgers count from an older census until they read this one
+            self._others_current = 0
+        self.last_census = c
         scan = c.scan_finished - c.scan_started
         self._next_census = time.monotonic() + max(self.interval, scan / CENSUS_CPU_SHARE)
         self.evictor_cpu_s += time.thread_time() - cpu0
+        # the decision right after a census is the census's alone (the ledgers still count
+        # bytes it has seen); a writer's request is honoured
+        self._evict_more(why, census_only=True)
+        self.censuses += 1
+        self.passes += 1
+
+    def _evict_more(self, why: Optional[str], census_only: bool = False) -> None:
+        """Evict from the candidates when the estimate passes the high watermark (or a
+        request says so), down to the low one; publish the usage when anything changed."""
+        cpu0 = time.thread_time()
+        u = self._usage
+        if u is None or self._cands is None:
+            return
+        with self._lock:
+            ledgers = 0 if census_only else self._others_current + self._own
+        est = u["bytes"] + ledgers
+        if why == "enospc":  # the filesystem is full at this usage: that is the room now
+            self._room = min(self._room or est, est)
+        mx = self.bound()
+        if why == "enospc":
+            target = int(self.low * mx)
+        elif est > self.high * mx or why == "drop":
+            target = int(self.low * mx)
+        else:
+            if census_only:
+                self._publish(u)
+            return
+        r = self._cands.evict(est, target)
+        freed = r.evicted_bytes + r.dirs_bytes
+        rec = dict(u, room=self._room, bytes=u["bytes"] - freed, files=u["files"] - len(r.evicted), blocks=u["blocks"] - len(r.evicted),
+                   evict_finished=time.time(), evicted=u.get("evicted", 0) + len(r.evicted),
+                   evicted_bytes=u.get("evicted_bytes", 0) + r.evicted_bytes)
+        with self._lock:
+            self._usage = rec
+        self._publish(rec)
+        self.last_pass = r
+        self.passes += 1
+        self.evictor_cpu_s += time.thread_time() - cpu0
+        reason = "enospc" if why == "enospc" else "capacity"
         if r.evicted:
             logger.info("kvtier capacity: evicted %d blocks (%d bytes, %s) of %s: usage %d -> %d bytes, bound %d",
-                        len(r.evicted), r.evicted_bytes, reason, self.root, r.usage_before, r.usage_after,
-                        self.max_bytes)
+                        len(r.evicted), r.evicted_bytes, why or "high watermark", self.root, r.usage_before,
+                        r.usage_after, mx)
             for h in list(self._handles):
                 if h.counters is not None:
                     try:
@@ -944,9 +1074,18 @@ class RootCapacity:
                         h.on_evicted(list(r.evicted))
                     except Exception:
                         logger.exception("an eviction listener failed")
+        if r.usage_after > target and not len(self._cands):
+            self._next_census = 0.0  # no candidate left: a census next
+            self._request = self._request or "capacity"
         if r.errors:
             logger.warning("kvtier capacity: %d blocks could not be evicted from %s (first: %s: %s)",
                            len(r.errors), self.root, r.errors[0][0], r.errors[0][1])
+
+    def _publish(self, rec: Dict[str, Any]) -> None:
+        try:
+            publish_usage(self.root, rec)
+        except OSError as e:
+            logger.warning("kvtier capacity: cannot publish %s: %s", os.path.join(state_dir(self.root), USAGE_FILE), e)
 
     # ------------------------------------------------------------------ tests / tools
     def wait_pass(self, timeout: float = 10.0, after: Optional[int] = None) -> bool:
