@@ -228,7 +228,7 @@ class Job:
     started_at: float = 0.0
     returned: bool = False  # its I/O call returned (set under the engine's lock)
     view: Any = None  # the engine's view, taken with the job and dropped when its I/O call returns
-    reserved: bool = False  # a store admitted by a bounded root's capacity (its bytes reserved)
+    reserved: int = 0  # bytes a bounded root's capacity reserved for this store at admission
 
 
 @dataclass(frozen=True)
@@ -425,13 +425,12 @@ class TierEngine:
                 self._refuse(job)
                 return
             if self.capacity is not None and not is_promotion:  # a bounded root: dropped, never queued
-                err = self.capacity.admit(len(keys), self.block_size)
+                err, job.reserved = self.capacity.admit(len(keys), self.block_size)
                 if err is not None:
                     result = Finished(job_id, False, keys, 0, 0.0, 0.0, err)
                     self._count(job, result)
                     self._finished.append(result)
                     return
-                job.reserved = True
             self._inflight += 1
             (self._load_q if is_promotion else self._store_q).append(job)
             self._cond.notify()
@@ -692,8 +691,8 @@ class TierEngine:
         """Admitted stores that will never run give their reservation back."""
         for j in jobs:
             if j.reserved and self.capacity is not None:
-                j.reserved = False
-                self.capacity.unrun(len(j.keys), self.block_size)
+                self.capacity.unrun(j.reserved)
+                j.reserved = 0
 
     def lookup(self, paths: Sequence[str], block_size: int = 0) -> List[bool]:
         """Whether each path is a regular file (of ``block_size`` bytes when not 0; one
@@ -765,7 +764,8 @@ class TierEngine:
             view = job.view = None
         if self.capacity is not None:  # a bounded root: ledger, recency stamps, ENOSPC -> evict now
             try:
-                self.capacity.after_job(job.is_promotion, job.paths, n_ok, self.block_size, err, counts)
+                reserved, job.reserved = job.reserved, 0
+                self.capacity.after_job(job.is_promotion, job.paths, n_ok, reserved, err, counts)
             except Exception:
                 logger.exception("capacity bookkeeping after a job failed")
         e, seen = err, set()

@@ -51,11 +51,11 @@ def _run(t, job):
     return t.get_finished_jobs()
 
 
-def _du_bytes(root) -> int:
-    """Allocated bytes under root by du(1) (st_blocks * 512 of every file and directory),
-    less the root directory's own."""
-    out = subprocess.run(["du", "-s", "-B1", str(root)], capture_output=True, text=True, check=True).stdout
-    return int(out.split()[0]) - os.lstat(root).st_blocks * 512
+def _find_bytes(root) -> int:
+    """Allocated bytes of every regular file under root, by find(1) (st_blocks * 512)."""
+    out = subprocess.run(["find", str(root), "-type", "f", "-printf", r"%b\n"], capture_output=True, text=True,
+                         check=True).stdout.split()
+    return 512 * sum(int(x) for x in out)
 
 
 # ---------------------------------------------------------------------- parsing
@@ -120,7 +120,7 @@ def test_census_counts_every_file_as_find_and_lists_only_blocks(tmp_path, io_bac
                 else open(os.path.join(str(tmp_path), "notes.txt"), "wb") as f:
             f.write(b"z" * 100)
         c = cap.census(str(tmp_path))
-        assert c.bytes == _du_bytes(tmp_path) and c.bytes > 10 * BS
+        assert c.bytes == _find_bytes(tmp_path) and c.bytes > 10 * BS
         out = subprocess.run(["find", str(tmp_path), "-type", "f"], capture_output=True, text=True).stdout.split()
         assert c.files == len(out)
         paths = sorted(e[4] for e in c.entries)
@@ -463,6 +463,7 @@ def test_a_full_tmpfs_with_the_bound_set_recovers_by_itself(io_backend, monkeypa
                 r = _run(t, TransferJob(j, _keys(j % 250, 2), list(range(2))))[0]
                 if r.success:
                     ok_after += bool(enospc)
+                    last_ok = j
                     continue
                 assert r.error.errno == errno.ENOSPC, r.error
                 if "dropped by kvtier capacity" in str(r.error):
@@ -476,7 +477,7 @@ def test_a_full_tmpfs_with_the_bound_set_recovers_by_itself(io_backend, monkeypa
             assert enospc == 1 and ok_after >= 0.75 * (149 - first), (enospc, first, ok_after, dropped)
             snap = t.metrics.counters.snapshot()
             assert snap["evicted_enospc"] > 0 and snap["evicted_bytes_enospc"] > 0
-            assert all(os.path.exists(p) for p in t.file_mapper.get_file_names(_keys(149, 2)))  # the newest
+            assert all(os.path.exists(p) for p in t.file_mapper.get_file_names(_keys(last_ok, 2)))  # the newest
             assert os.path.getsize(filler) == st.f_bavail * st.f_frsize - (1 << 20)  # never evicted
         finally:
             t.shutdown()
@@ -583,3 +584,69 @@ def test_vllm_tier_with_a_bound_emits_removed_events_and_misses(tmp_path):
             {k: v for k, v in conf.items() if k != "max_bytes"})
     finally:
         h.close()
+
+
+# ---------------------------------------------------------------------- two DFS clients
+
+LOCK_HOLDER = r"""
+import sys, time
+sys.path.insert(0, {repo!r})
+from kvtier._tier.capacity import EvictorLock
+lock = EvictorLock(sys.argv[1])
+print("held" if lock.try_acquire() else "refused", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.dfs
+def test_the_evictor_lock_excludes_across_two_dfs_clients_and_fails_over(dfs, dfs_dirs):
+    """The fcntl lock of ``.kvtier/evictor.lock`` taken through node A's mount refuses a
+    second process through node B's (two FUSE clients of one volume), and is free for B
+    once A's holder is SIGKILLed."""
+    a, b = dfs_dirs
+    os.makedirs(os.path.join(a, cap.STATE_DIR, cap.WRITERS_DIR))
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER.format(repo=REPO), a], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        end = time.monotonic() + 15  # node B's view of the new directory (GlusterFS name cache)
+        while not os.path.isdir(os.path.join(b, cap.STATE_DIR)):
+            assert time.monotonic() < end
+            time.sleep(0.1)
+        lock = cap.EvictorLock(b)
+        try:
+            assert not lock.try_acquire(), f"{dfs.kind}: a second client took a held lock"
+            os.kill(holder.pid, signal.SIGKILL)
+            holder.wait()
+            t0 = time.monotonic()
+            while not lock.try_acquire():
+                assert time.monotonic() - t0 < 30, f"{dfs.kind}: the lock of a killed holder was never released"
+                time.sleep(0.1)
+            print(f"{dfs.kind}: lock free for node B {time.monotonic() - t0:.2f} s after the SIGKILL")
+        finally:
+            lock.release()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.dfs
+def test_two_dfs_clients_stay_within_the_bound_plus_a_batch_each(dfs, dfs_dirs):
+    """As the two-process test, each writer on its own FUSE client (node A, node B)."""
+    a, b = dfs_dirs
+    max_bytes, batch = 48 * BS, 4
+    ps = [_writer(root, tag, 6.0, 0.3, max_bytes, batch) for tag, root in ((1, a), (2, b))]
+    peak, samples = 0, 0
+    while any(p.poll() is None for p in ps):
+        peak = max(peak, cap.census(a, keep_entries=False).bytes)
+        samples += 1
+        time.sleep(0.02)
+    outs = [p.communicate()[0] for p in ps]
+    assert all(p.returncode == 0 for p in ps)
+    done = [line.split() for o in outs for line in o.splitlines() if line.startswith("done")]
+    stored = [int(d[1]) for d in done]
+    print(f"{dfs.kind}: peak {peak} bytes for a bound of {max_bytes}, {samples} samples, jobs stored {stored}, "
+          f"dropped {[int(d[2]) for d in done]}")
+    assert min(stored) > 0 and sum(stored) * batch * BS > 2 * max_bytes
+    allowance = 2 * batch * BS + 50 * batch * BS + 256 * 1024
+    assert samples > 20 and peak <= max_bytes + allowance, (peak, max_bytes)

@@ -206,7 +206,7 @@ def check_config(max_bytes: Any = None, evict_high: Any = DEFAULT_HIGH, evict_lo
 @dataclass
 class Census:
     """One scan of a root.  ``bytes``: allocated bytes (st_blocks * 512) of every regular
-    file and directory under it (the root itself not included); ``files``: regular files;
+    file under it (directories not: :func:`census`); ``files``: regular files;
     ``dirs``: directories scanned (the root included); ``blocks`` / ``block_bytes``: those that are
     block files of a cache path (evictable); ``entries``: the block files as
     ``(mtime_ns, nbytes, st_dev, st_ino, path)``; times are ``time.time()`` seconds."""
@@ -216,6 +216,7 @@ class Census:
     files: int = 0
     blocks: int = 0
     block_bytes: int = 0
+    block_size_sum: int = 0  # st_size of the block files (their allocation / this: alloc_ratio)
     dirs: int = 0
     scan_started: float = 0.0
     scan_finished: float = 0.0
@@ -223,9 +224,18 @@ class Census:
     entries: List[Tuple[int, int, int, int, str]] = field(default_factory=list, repr=False)
 
 
+def alloc_ratio(c: Census) -> float:
+    """Allocated bytes per byte of block file in ``c`` (>= 1; 1 when no block): what a
+    store's reservation is multiplied by (MooseFS allocates whole 64 KiB blocks, a
+    replicated volume may count each copy)."""
+    return max(1.0, c.block_bytes / c.block_size_sum) if c.block_size_sum else 1.0
+
+
 def census(root: str, keep_entries: bool = True) -> Census:
-    """Scan ``root``: every regular file and directory under it counts its ``st_blocks *
-    512`` (symlinks are not followed; a filesystem mounted under the root counts too).
+    """Scan ``root``: every regular file under it counts its ``st_blocks * 512`` (symlinks
+    are not followed; a filesystem mounted under the root counts too).  Directories are
+    not counted: what they report is the filesystem's metadata, not data (4 KiB each on
+    ext4, 0 on tmpfs, ~1 MB on MooseFS, which keeps them on its master).
     Files that vanish meanwhile are skipped.  Block files (:func:`is_block_path`) are
     listed in ``entries`` (``keep_entries``).  One lstat per file and directory, one
     scandir per directory; a directory's place in the cache layout is decided once, from
@@ -237,7 +247,7 @@ def census(root: str, keep_entries: bool = True) -> Census:
     stack: List[Tuple[str, int]] = [(root, 0)]
     rank_re, s1_re, s2_re, block_re = _RANK_RE.match, _SHARD1_RE.match, _SHARD2_RE.match, _BLOCK_RE.match
     S_ISDIR, S_ISREG = _stat.S_ISDIR, _stat.S_ISREG
-    total = files = blocks = block_bytes = dirs = 0
+    total = files = blocks = block_bytes = dirs = size_sum = 0
     while stack:
         d, layout = stack.pop()
         try:
@@ -252,9 +262,7 @@ def census(root: str, keep_entries: bool = True) -> Census:
                 except OSError:
                     continue
                 mode = st.st_mode
-                nb = st.st_blocks * 512
                 if S_ISDIR(mode):
-                    total += nb
                     name = e.name
                     if layout == 0:  # the root
                         sub = 1 if name != STATE_DIR and rank_re(name) else -1
@@ -268,14 +276,17 @@ def census(root: str, keep_entries: bool = True) -> Census:
                     continue
                 if not S_ISREG(mode):
                     continue
+                nb = st.st_blocks * 512
                 files += 1
                 total += nb
                 if layout == 3 and block_re(e.name):
                     blocks += 1
                     block_bytes += nb
+                    size_sum += st.st_size
                     if keep_entries:
                         entries.append((st.st_mtime_ns, nb, st.st_dev, st.st_ino, e.path))
     c.bytes, c.files, c.blocks, c.block_bytes, c.dirs = total, files, blocks, block_bytes, dirs
+    c.block_size_sum = size_sum
     c.scan_finished = time.time()
     c.cpu_s = time.thread_time() - cpu0
     return c
@@ -327,7 +338,6 @@ class EvictResult:
     skipped: int = 0
     errors: List[Tuple[str, OSError]] = field(default_factory=list)
     dirs_removed: int = 0
-    dirs_bytes: int = 0
     usage_before: int = 0
     usage_after: int = 0
     target: int = 0
@@ -409,13 +419,10 @@ class Candidates:
         for d in sorted(dirs):
             for sub in (d, os.path.dirname(d)):
                 try:
-                    nb = lstat(sub).st_blocks * 512
                     os.rmdir(sub)
                 except OSError:  # ENOTEMPTY (a store put a block there meanwhile), ENOENT: leave it
                     break
                 r.dirs_removed += 1
-                r.dirs_bytes += nb
-                r.usage_after -= nb
         r.cpu_s = time.thread_time() - cpu0
         return r
 
@@ -643,20 +650,24 @@ class Handle:
         self.closed = False
 
     # the engine's hooks ------------------------------------------------------
-    def admit(self, n_blocks: int, block_size: int) -> Optional[OSError]:
-        """Reserve a store job's bytes; None if admitted, else the ENOSPC to fail it with
+    def admit(self, n_blocks: int, block_size: int) -> Tuple[Optional[OSError], int]:
+        """Reserve a store job's bytes (:meth:`RootCapacity.reserve_of` per block):
+        ``(None, bytes reserved)`` if admitted, else ``(the ENOSPC to fail it with, 0)``
         (counted ``stores_dropped``).  No I/O."""
-        err = self.rc.admit(n_blocks * _alloc(block_size))
-        if err is not None and self.counters is not None:
-            self.counters.add("stores_dropped")
-        return err
+        nbytes = n_blocks * self.rc.reserve_of(block_size)
+        err = self.rc.admit(nbytes)
+        if err is not None:
+            if self.counters is not None:
+                self.counters.add("stores_dropped")
+            return err, 0
+        return None, nbytes
 
-    def unrun(self, n_blocks: int, block_size: int) -> None:
+    def unrun(self, reserved: int) -> None:
         """An admitted store job that never ran (discarded by shutdown, refused): its
         reservation is released."""
-        self.rc.finish(n_blocks * _alloc(block_size), 0)
+        self.rc.finish(reserved, 0)
 
-    def after_job(self, is_promotion: bool, paths: Sequence[str], n_ok: int, block_size: int,
+    def after_job(self, is_promotion: bool, paths: Sequence[str], n_ok: int, reserved: int,
                   error: Optional[BaseException], policy_counts: Dict[str, int]) -> None:
         """On the pool thread after a job's I/O: release a store's unused reservation,
         stamp its blocks (head newest), touch a load's blocks; ENOSPC asks for an
@@ -664,7 +675,7 @@ class Handle:
         rc = self.rc
         if not is_promotion:
             written = n_ok - min(n_ok, int(policy_counts.get("existing", 0)))
-            rc.finish(len(paths) * _alloc(block_size), written * _alloc(block_size))
+            rc.finish(reserved, reserved * written // max(1, len(paths)))
             if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
                 rc.request_evict("enospc")
             rc.stamp(paths[:n_ok], force=True)
@@ -769,6 +780,13 @@ class RootCapacity:
             pass
 
     # ------------------------------------------------------------------ admission
+    def reserve_of(self, block_size: int) -> int:
+        """Bytes a block of ``block_size`` bytes is reserved for: rounded up to
+        :data:`ALLOC_UNIT`, times the latest census's ``alloc_ratio``.  Fixed per job:
+        the engine keeps what a job reserved and gives that back."""
+        ratio = float((self._usage or {}).get("alloc_ratio", 1.0) or 1.0)
+        return int(_alloc(block_size) * max(1.0, ratio))
+
     def bound(self) -> int:
         """The bound in force: ``max_bytes``, or less when the filesystem has less room
         (the root's usage + the free space at the latest census, or the usage at which a
@@ -1009,7 +1027,8 @@ class RootCapacity:
         rec = {"bytes": c.bytes, "files": c.files, "blocks": c.blocks, "scan_started": c.scan_started,
                "scan_finished": c.scan_finished, "evict_finished": c.scan_finished, "generation": self.generation,
                "evictor": f"{self.host}:{self.pid}", "max_bytes": self.max_bytes, "evicted": 0,
-               "evicted_bytes": 0, "census_cpu_s": c.cpu_s, "room": self._room}
+               "evicted_bytes": 0, "census_cpu_s": c.cpu_s, "room": self._room,
+               "alloc_ratio": round(alloc_ratio(c), 4)}
         with self._lock:
             self._usage = rec
             self._trim(c.scan_started, True)
@@ -1047,7 +1066,7 @@ class RootCapacity:
                 self._publish(u)
             return
         r = self._cands.evict(est, target)
-        freed = r.evicted_bytes + r.dirs_bytes
+        freed = r.evicted_bytes
         rec = dict(u, room=self._room, bytes=u["bytes"] - freed, files=u["files"] - len(r.evicted), blocks=u["blocks"] - len(r.evicted),
                    evict_finished=time.time(), evicted=u.get("evicted", 0) + len(r.evicted),
                    evicted_bytes=u.get("evicted_bytes", 0) + r.evicted_bytes)
