@@ -538,6 +538,41 @@ def test_kvtier_evict_dry_run_deletes_nothing_and_the_real_run_evicts(tmp_path, 
     assert r.returncode == 2 and "powers of 1024" in r.stderr
 
 
+def test_kvtier_scrub_shows_a_bounded_roots_last_census(tmp_path):
+    """`kvtier scrub`'s first line (and --json "capacity") carries .kvtier/usage.json: the
+    bytes used of max_bytes at the evictor's latest census, its age and its maker; an
+    unbounded root shows none."""
+    bounded, plain = tmp_path / "bounded", tmp_path / "plain"
+    for root, kw in ((bounded, {"max_bytes": 40 * BS, "census_interval_s": 0.2}), (plain, {})):
+        t, _ = _tier(root, **kw)
+        try:
+            assert all(r.success for r in _run(t, TransferJob(1, _keys(1, 12), list(range(12)))))
+            if kw:  # a census that began after the 12 blocks were stored:
+                rc = cap.root_capacity(str(root))
+                assert rc.wait_pass(10, after=rc.passes + 1)  # the second of two passes began after
+        finally:
+            t.shutdown()
+    u = cap.read_usage(str(bounded))
+    assert u is not None and u["blocks"] == 12 and u["max_bytes"] == 40 * BS and u["evicted"] == 0
+    assert cap.read_usage(str(plain)) is None
+    cmd = [sys.executable, "-m", "kvtier", "scrub", "--no-progress"]
+    r = subprocess.run(cmd + [str(bounded)], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    head = r.stdout.splitlines()[0]
+    share = f"{100 * u['bytes'] / (40 * BS):.0f}%"
+    assert head.startswith(f"kvtier scrub {bounded}: 12 blocks, {12 * BS:,} bytes; bounded root: "
+                           f"{u['bytes']:,} bytes used of max_bytes {40 * BS:,} ({share}) at its last census ("), head
+    assert f"s old, by {u['evictor']})" in head and u["evictor"].endswith(f":{os.getpid()}")
+    r = subprocess.run(cmd + ["--json", str(bounded)], capture_output=True, text=True, cwd=REPO)
+    c = json.loads(r.stdout)["capacity"]
+    assert (c["used_bytes"], c["max_bytes"], c["blocks"], c["evictor"]) == (u["bytes"], 40 * BS, 12, u["evictor"])
+    assert 0 <= c["census_age_s"] <= time.time() - u["scan_started"] + 1
+    r = subprocess.run(cmd + [str(plain)], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0 and "bounded root" not in r.stdout and "12 blocks" in r.stdout
+    r = subprocess.run(cmd + ["--json", str(plain)], capture_output=True, text=True, cwd=REPO)
+    assert json.loads(r.stdout)["capacity"] is None
+
+
 def test_kvtier_evict_refuses_while_a_live_evictor_holds_the_lock(tmp_path):
     a = _writer(tmp_path, 1, 30.0, 0.2, 1 << 30, pause=0.05)
     try:
