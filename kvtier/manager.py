@@ -173,6 +173,13 @@ class FileSystemTierManager:
         lookup_timeout_s: deadline in seconds of :meth:`lookup`, 0 = none; None (default):
             2 s (:data:`kvtier._tier.deadline.DEFAULT_LOOKUP_TIMEOUT_S`), or ``io_timeout_s`` when
             that is shorter and not 0.
+        max_bytes: bound of the whole root (docs/capacity.md): None (off, default), bytes,
+            a size ``"500G"`` (K/M/G/T = powers of 1024) or ``"90%"`` of the filesystem.
+            A store job that would pass it is dropped (ENOSPC, ``stores_dropped``); the
+            root's one evictor removes the oldest blocks from ``evict_high`` down to
+            ``evict_low`` (fractions of max_bytes, 0.95 / 0.85), censusing the root every
+            ``census_interval_s`` (10 s); loads and lookup hits refresh a block's mtime at
+            most once per ``touch_window_s`` (60 s).
 
     Raises, before any I/O: TypeError / ValueError for bad arguments (wrong types,
     thread counts < 1, block size not matching the buffer, bad FileMapper fields),
@@ -217,10 +224,17 @@ class FileSystemTierManager:
         io_timeout_s: Optional[float] = None,  # deadline of a job, startup probe (default 120 s)
         lookup_timeout_s: Optional[float] = None,  # deadline of a lookup (default 2 s)
         load_landing: str = "auto",  # where loads land: auto, direct, bounce (kvtier/_tier/landing.py)
+        max_bytes: Any = None,  # capacity bound of the root (kvtier/_tier/capacity.py, docs/capacity.md)
+        evict_high: float = 0.95,  # watermarks, fractions of max_bytes
+        evict_low: float = 0.85,
+        census_interval_s: float = 10.0,  # seconds between censuses of the root
+        touch_window_s: float = 60.0,  # at most one mtime refresh per block per window
     ) -> None:
         # ---- configuration checks: no I/O until all of them pass ----
         cfg = TierConfig(n_read_threads, n_write_threads, checksum_blocks, use_o_direct, durable,
-                         sweep_stale_temps_after, io_timeout_s, lookup_timeout_s, load_landing)
+                         sweep_stale_temps_after, io_timeout_s, lookup_timeout_s, load_landing=load_landing,
+                         max_bytes=max_bytes, evict_high=evict_high, evict_low=evict_low,
+                         census_interval_s=census_interval_s, touch_window_s=touch_window_s)
         from kvtier._tier import landing as _landing
 
         label = tier_label(tier_idx, tier_type)
@@ -277,12 +291,24 @@ class FileSystemTierManager:
         self._root_guard = RootGuard(self.root_dir, rank_path, started.root_id, write_config,
                                      self.metrics.counters, label)
         self._export_dsa_counters()
+        self.capacity = None  # the root's bound: kvtier._tier.capacity.Handle (docs/capacity.md)
+        if cfg.capacity is not None:
+            from kvtier._tier import capacity as _capacity
+
+            try:  # ValueError: another tier of this process bounds the root otherwise; OSError: .kvtier/
+                self.capacity = _capacity.attach(self.root_dir, cfg.capacity, self.metrics.counters)
+            except BaseException:
+                if metrics is None:
+                    self.metrics.close()
+                raise
+            self.metrics.counters.capacity_gauges = self.capacity.gauges
 
         # ---- the engine: pools, jobs, results; counts into the tracker's counters ----
         self._engine = TierEngine(
             self._view, self.block_size, self._path_of, use_o_direct=self.use_o_direct,
             counters=self.metrics.counters, thread_name="kvtier_fs", root=self.root_dir,
-            before_job=self._root_guard.check, landing=self.load_landing, **cfg.engine_args())
+            before_job=self._root_guard.check, landing=self.load_landing, capacity=self.capacity,
+            **cfg.engine_args())
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -427,6 +453,8 @@ class FileSystemTierManager:
         references are gone; after ``shutdown(wait=False)``, only once every I/O call
         that was running has returned (a stuck thread keeps the buffer until then)."""
         discarded = self._engine.shutdown(wait)
+        if self.capacity is not None:
+            self.capacity.close()
         self._view = self._primary = None
         if self._owns_metrics:
             self.metrics.close()

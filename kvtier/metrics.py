@@ -101,7 +101,7 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Uni
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvtier._tier.counters import IO_ERROR_PREFIX, Counters
+from kvtier._tier.counters import COUNTERS, IO_ERROR_PREFIX, Counters
 from kvtier._blockio.policy import COUNT_DOCS
 
 READ_BYTES = "vllm:kv_offload_tiering_read_bytes"
@@ -127,6 +127,11 @@ EXISTING = "kvtier:kv_offload_tiering_existing"
 DURABLE_EXISTING = "kvtier:kv_offload_tiering_durable_existing"
 REPLACED = "kvtier:kv_offload_tiering_replaced"
 BUFFERED_UNALIGNED = "kvtier:kv_offload_tiering_buffered_unaligned"
+EVICTIONS = "kvtier:kv_offload_tiering_evictions"
+EVICTED_BYTES = "kvtier:kv_offload_tiering_evicted_bytes"
+CAPACITY_PREFIX = "kvtier:kv_offload_tiering_"
+"""Capacity's other counters and gauges (kvtier._tier.capacity.COUNTER_DOCS) are exported as
+``CAPACITY_PREFIX + name`` when the tier's root is bounded (docs/capacity.md)."""
 
 LABELNAMES = ("tier",)
 
@@ -178,7 +183,17 @@ FAMILIES: Dict[str, Tuple[str, str, Dict[str, str]]] = {
     **POLICY_FAMILIES,
     TIMEOUTS: (_DOCS[TIMEOUTS], "op", {"load": "load_timeouts", "store": "store_timeouts",
                                        "lookup": "lookup_timeouts"}),
+    EVICTIONS: ("Blocks evicted from the tier's bounded root by this process's evictor, by reason (capacity: "
+                "usage passed the high watermark or a store was dropped; enospc: a store hit ENOSPC).", "reason",
+                {"capacity": "evicted_capacity", "enospc": "evicted_enospc"}),
+    EVICTED_BYTES: ("Allocated bytes of the blocks evicted by this process's evictor, by reason.", "reason",
+                    {"capacity": "evicted_bytes_capacity", "enospc": "evicted_bytes_enospc"}),
 }
+#: The families that exist only for a bounded root (a tier with max_bytes).
+CAPACITY_FAMILIES = (EVICTIONS, EVICTED_BYTES)
+#: Capacity counters exported one by one (the evictions are FAMILIES): snapshot key -> help.
+CAPACITY_SINGLES = ("stores_dropped", "capacity_used_bytes", "capacity_max_bytes", "capacity_census_age",
+                    "capacity_evictor_lag")
 
 
 def tier_label(tier_idx: int, tier_type: str = "kvtier") -> str:
@@ -248,6 +263,8 @@ def _tracker_families(t: "TieringMetricsTracker") -> Iterable[CounterMetricFamil
         fam.add_metric([t.tier], float(snap[COUNTER_OF[name]]))
         yield fam
     for name, (doc, label, keys) in FAMILIES.items():
+        if name in CAPACITY_FAMILIES and t.counters.capacity_gauges is None:
+            continue
         fam = CounterMetricFamily(name, doc, labels=LABELNAMES + (label,))
         for value, key in keys.items():
             fam.add_metric([t.tier, value], float(snap.get(key, 0)))
@@ -274,6 +291,15 @@ def _tracker_families(t: "TieringMetricsTracker") -> Iterable[CounterMetricFamil
     fam = GaugeMetricFamily(STUCK_THREADS, _DOCS[STUCK_THREADS], labels=LABELNAMES)
     fam.add_metric([t.tier], float(snap["stuck_threads"]))
     yield fam
+    if t.counters.capacity_gauges is not None:  # a bounded root (docs/capacity.md)
+        for key in CAPACITY_SINGLES:
+            doc = COUNTERS[key]
+            gauge = doc.startswith("gauge:")
+            doc = doc[len("gauge: "):] if gauge else doc
+            fam = (GaugeMetricFamily if gauge else CounterMetricFamily)(
+                CAPACITY_PREFIX + key, doc[:1].upper() + doc[1:] + ".", labels=LABELNAMES)
+            fam.add_metric([t.tier], float(snap.get(key, 0)))
+            yield fam
     for src in list(t._sources):
         yield from src.collect()
 

@@ -15,8 +15,12 @@ Keys: every key of ``"fs"`` (``root_dir``, ``n_read_threads=16``, ``n_write_thre
 and kvtier's own (``checksum_blocks=True``, ``durable=False``, ``use_o_direct=True``,
 ``sweep_stale_temps_after=None``, ``io_timeout_s`` (the engine's job deadline, default
 :data:`kvtier._tier.deadline.DEFAULT_IO_TIMEOUT_S`), ``lookup_timeout_s`` (the lookup deadline,
-default :data:`kvtier._tier.deadline.DEFAULT_LOOKUP_TIMEOUT_S`); meanings as
-:class:`kvtier.manager.FileSystemTierManager`).
+default :data:`kvtier._tier.deadline.DEFAULT_LOOKUP_TIMEOUT_S`), and the capacity keys ``max_bytes=None``
+(a bound of the whole root: bytes, ``"500G"``, ``"90%"``), ``evict_high=0.95``, ``evict_low=0.85``,
+``census_interval_s=10``, ``touch_window_s=60`` (docs/capacity.md); meanings as
+:class:`kvtier.manager.FileSystemTierManager`).  With a bound and ``enable_kv_events``, the blocks
+of this tier's rank directory that this process evicts (it holds the root's evictor lock) are
+``OffloadingEvent(removed=True)``.
 An unknown key is a TypeError listing the valid ones.
 
 Files: the paths and ``config.json`` are vLLM's own (``FileMapper.from_offloading_spec(...,
@@ -63,6 +67,7 @@ try:
 except ImportError:  # vLLM 0.32 names the label "tier" in place (0.33 added the constant)
     TIER_LABEL = "tier"
 
+from kvtier._tier import capacity as _capacity
 from kvtier._tier.engine import TierEngine
 
 logger = logging.getLogger(__name__)
@@ -76,12 +81,17 @@ FS_KEYS: Dict[str, Any] = {"root_dir": None, "n_read_threads": 16, "n_write_thre
 #: kvtier's own keys, with their defaults.
 KVTIER_KEYS: Dict[str, Any] = {"checksum_blocks": True, "durable": False, "use_o_direct": True,
                                "sweep_stale_temps_after": None, "io_timeout_s": None,
-                               "lookup_timeout_s": None, "load_landing": "auto"}
+                               "lookup_timeout_s": None, "load_landing": "auto",
+                               # a bounded root (docs/capacity.md): max_bytes, evict_high, evict_low,
+                               # census_interval_s, touch_window_s
+                               **_capacity.CONFIG_KEYS}
 
 #: Engine counters (:data:`kvtier._tier.counters.COUNTERS`) that vLLM derives itself from the
 #: JobResults (read/write bytes and time, job failures): never emitted again by this tier.
 VLLM_DERIVED = frozenset({"store_jobs", "load_jobs", "store_failures", "load_failures", "bytes_written",
                           "bytes_read", "write_time", "read_time"})
+#: Counters that exist only for a bounded root (max_bytes).
+CAPACITY_ONLY = frozenset(k for k in _capacity.COUNTER_DOCS if not k.startswith("evicted_"))
 #: Counters that exist only with checksums on.
 CHECKSUM_ONLY = frozenset({"checksum_failures", "checksum_retries", "blocks_condemned"})
 _METRIC_NAMES = {
@@ -96,7 +106,7 @@ def is_gauge(doc: str) -> bool:
     return doc.lower().startswith("gauge:")
 
 
-def metrics(checksum_blocks: bool) -> Dict[str, tuple]:
+def metrics(checksum_blocks: bool, capacity: bool = False) -> Dict[str, tuple]:
     """kvtier's metrics in vLLM's stats path: ``{metric name: (counters, help, labels)}``,
     ``counters`` = ``{label values: engine counter}`` for the extra ``labels`` (label names
     after ``tier``).  Every engine counter vLLM does not derive itself: those of a labelled
@@ -104,17 +114,22 @@ def metrics(checksum_blocks: bool) -> Dict[str, tuple]:
     ``cause`` / ``errno`` / ``outcome``) under the family's name and label, as the standalone
     tracker exports them; the others as ``kvtier:kv_offload_tiering_<counter>`` with no extra
     label (the three checksum counters keep their established names and exist only with
-    checksums on).  Those whose help starts with ``gauge:`` are gauges (:func:`is_gauge`)."""
+    checksums on; capacity's ``stores_dropped`` and ``capacity_*`` gauges only with ``capacity``,
+    a bounded root).  Those whose help starts with ``gauge:`` are gauges (:func:`is_gauge`)."""
     from kvtier._tier.counters import COUNTERS
-    from kvtier.metrics import FAMILIES
+    from kvtier.metrics import CAPACITY_FAMILIES, FAMILIES
 
     out: Dict[str, tuple] = {}
     in_family = set()
     for name, (doc, label, keys) in FAMILIES.items():
-        out[name] = ({(value,): counter for value, counter in keys.items()}, doc, (label,))
         in_family.update(keys.values())
+        if name in CAPACITY_FAMILIES and not capacity:
+            continue
+        out[name] = ({(value,): counter for value, counter in keys.items()}, doc, (label,))
     for counter, doc in COUNTERS.items():
         if counter in VLLM_DERIVED or counter in in_family or (counter in CHECKSUM_ONLY and not checksum_blocks):
+            continue
+        if counter in CAPACITY_ONLY and not capacity:
             continue
         name = _METRIC_NAMES.get(counter, f"kvtier:kv_offload_tiering_{counter}")
         out[name] = ({(): counter}, doc[:1].upper() + doc[1:] + ".", ())
@@ -201,6 +216,7 @@ class KvtierTier(SecondaryTierManager):
         self.durable: bool = cfg["durable"]
 
         self.events: Optional[List[OffloadingEvent]] = None
+        self._events_lock = threading.Lock()  # the capacity thread appends removed events
         if cfg["enable_kv_events"]:
             if offloading_spec.kv_events_config.enable_kv_cache_events:
                 self.events = []
@@ -250,18 +266,38 @@ class KvtierTier(SecondaryTierManager):
         from kvtier._tier.counters import Counters
 
         counters = Counters()
+        self.capacity = None  # a bounded root (docs/capacity.md): evicted blocks of this rank -> removed events
+        if tc.capacity is not None:
+            self.capacity = _capacity.attach(root_dir, tc.capacity, counters, self._on_evicted)
+            counters.capacity_gauges = self.capacity.gauges
         root_guard = RootGuard(root_dir, rank_path, started.root_id, write_config, counters, self.tier_label)
         self._engine = TierEngine(flat, bs, self.file_mapper.get_file_name, use_o_direct=self.use_o_direct,
                                   counters=counters, thread_name="kvtier_vllm", root=root_dir,
                                   before_job=root_guard.check, landing=self.load_landing,
-                                  **tc.engine_args())
+                                  capacity=self.capacity, **tc.engine_args())
         self._reported: Dict[str, float] = {}  # counters at the last get_stats()
-        self._metrics = metrics(self.checksum_blocks)
+        self._metrics = metrics(self.checksum_blocks, self.capacity is not None)
         self._discarded: List[JobResult] = []
         self._lookup = _Lookup(tier_type, self.file_mapper.get_file_name, self._engine.lookup)
         logger.info("kvtier tier %s at %s: checksum_blocks=%s, O_DIRECT=%s, durable=%s",
                     self.tier_label, self.file_mapper.base_path, self.checksum_blocks,
                     self.use_o_direct, self.durable)
+
+    def _on_evicted(self, paths: List[str]) -> None:
+        """The capacity thread evicted ``paths`` (this process is the root's evictor): those
+        of this tier's rank directory become vLLM removed events (with enable_kv_events)."""
+        if self.events is None:
+            return
+        from vllm.v1.kv_offload.base import make_offload_key
+
+        prefix = f"{self.file_mapper.base_path}_r{self.file_mapper.rank}{os.sep}"
+        real = os.path.realpath(prefix) + os.sep
+        keys = [make_offload_key(*_capacity.key_of_path(p)) for p in paths
+                if p.startswith(prefix) or p.startswith(real)]
+        if keys:
+            with self._events_lock:
+                self.events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=True,
+                                                   locality=self.locality))
 
     # ------------------------------------------------------------------ metrics
     @staticmethod
@@ -293,7 +329,8 @@ class KvtierTier(SecondaryTierManager):
 
         defs = {name: (OffloadingGaugeMetadata if is_gauge(doc) else OffloadingCounterMetadata)(
                     documentation=doc, labelnames=(TIER_LABEL, *labels))
-                for name, (_, doc, labels) in metrics(_checksum_on(tier_config)).items()}
+                for name, (_, doc, labels) in metrics(_checksum_on(tier_config),
+                                                      tier_config.get("max_bytes") is not None).items()}
         defs[IO_ERRORS] = OffloadingCounterMetadata(documentation=IO_ERRORS_DOC,
                                                     labelnames=(TIER_LABEL, "operation", "errno"))
         return defs
@@ -385,8 +422,9 @@ class KvtierTier(SecondaryTierManager):
         for f in self._engine.take_finished():
             if f.success:
                 if self.events is not None and not f.is_promotion and f.keys:
-                    self.events.append(OffloadingEvent(keys=list(f.keys), medium=self.medium,
-                                                       removed=False, locality=self.locality))
+                    with self._events_lock:
+                        self.events.append(OffloadingEvent(keys=list(f.keys), medium=self.medium,
+                                                           removed=False, locality=self.locality))
                 results.append(JobResult(job_id=f.job_id, success=True, transfer_time=f.io_time,
                                          transfer_bytes=len(f.keys) * bs))
                 continue
@@ -403,7 +441,8 @@ class KvtierTier(SecondaryTierManager):
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self.events:
-            out, self.events = self.events, []
+            with self._events_lock:
+                out, self.events = self.events, []
             return out
         return ()
 
@@ -426,6 +465,8 @@ class KvtierTier(SecondaryTierManager):
         self._lookup.shutdown()
         for job_id in self._engine.shutdown(wait=True):
             self._discarded.append(JobResult(job_id=job_id, success=False, transfer_bytes=0))
+        if self.capacity is not None:
+            self.capacity.close()
         self._flat = self._primary_kv_view = None  # a running job holds its own (Job.view)
 
     def __repr__(self) -> str:

@@ -466,14 +466,16 @@ def test_metric_definitions_in_the_spec(vllm, tmp_path):
     from kvtier._tier.counters import COUNTERS
     from kvtier.vllm import VLLM_DERIVED, metrics
 
-    declared = [c for counters, _, _ in metrics(True).values() for c in counters.values()]
+    declared = [c for counters, _, _ in metrics(True, True).values() for c in counters.values()]
     assert sorted(declared) == sorted(set(COUNTERS) - VLLM_DERIVED)  # each once
     # a labelled family has the standalone tracker's name and label (kvtier.metrics.FAMILIES)
     from kvtier.metrics import FAMILIES
 
+    bounded = defs(max_bytes="1G")  # the eviction families exist for a bounded root only
     for name, (_, label, keys) in FAMILIES.items():
-        assert on[name].labelnames == ("tier", label)
-        assert metrics(True)[name][0] == {(v,): c for v, c in keys.items()}
+        assert bounded[name].labelnames == ("tier", label)
+        assert metrics(True, True)[name][0] == {(v,): c for v, c in keys.items()}
+    assert "kvtier:kv_offload_tiering_evictions" not in on
     # the store side's policy counters have the standalone tracker's names (kvtier.metrics)
     from kvtier.metrics import STORE_POLICY_COUNTERS
 
@@ -481,8 +483,10 @@ def test_metric_definitions_in_the_spec(vllm, tmp_path):
         assert metrics(True)[name][0] == {(): counter} and name in on and name in off
     assert not any(f"kvtier:kv_offload_tiering_{c}" in on for c in VLLM_DERIVED)
     # a level (the engine's stuck threads) is a gauge, not a counter
-    gauges = {n for n, m in on.items() if type(m).__name__ == "OffloadingGaugeMetadata" and n.startswith("kvtier:")}
-    assert gauges == {f"kvtier:kv_offload_tiering_{c}" for c, d in COUNTERS.items() if d.startswith("gauge:")}
+    for d in (on, bounded):  # the capacity gauges only for a bounded root
+        gauges = {n for n, m in d.items() if type(m).__name__ == "OffloadingGaugeMetadata" and n.startswith("kvtier:")}
+        assert gauges == {f"kvtier:kv_offload_tiering_{c}" for c, doc in COUNTERS.items()
+                          if doc.startswith("gauge:") and (d is bounded or not c.startswith("capacity_"))}
     if not hasattr(TieringOffloadingSpec, "config_info_keys"):  # vLLM 0.32: no info metric
         return
     keys = TieringOffloadingSpec.config_info_keys({"secondary_tiers": [tier_config("kvtier", str(tmp_path))]})

@@ -3,7 +3,8 @@
 :class:`kvtier.manager.FileSystemTierManager` (keyword arguments) and
 :class:`kvtier.vllm.KvtierTier` (a vLLM tier entry) build one :class:`TierConfig` from
 their keys: the engine's thread counts, the checksum mode, O_DIRECT, durability, the
-stale-temp sweep, the two deadlines and where loads land. Each shell keeps what only it has (the manager's
+stale-temp sweep, the two deadlines, where loads land and a bounded root's capacity knobs
+(:mod:`kvtier._tier.capacity`, docs/capacity.md). Each shell keeps what only it has (the manager's
 FileMapper fields and metrics, vLLM's ``root_dir``, ``locality`` and events). A new key
 both shells take goes here (a field, its check in :meth:`TierConfig.__post_init__`, and
 the engine or startup call that uses it).
@@ -11,9 +12,10 @@ the engine or startup call that uses it).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from kvtier._blockio.policy import check_mode
+from kvtier._tier import capacity as _capacity
 from kvtier._tier.deadline import DEFAULT_IO_TIMEOUT_S, check_timeout
 
 
@@ -36,8 +38,10 @@ class TierConfig:
 
     ``io_timeout_s``: None is the default, :data:`kvtier._tier.deadline.DEFAULT_IO_TIMEOUT_S`
     (resolved here, once for both shells); ``lookup_timeout_s``: None leaves the engine's
-    rule (2 s, or ``io_timeout_s`` when shorter and not 0). TypeError / ValueError naming
-    the key, before any I/O."""
+    rule (2 s, or ``io_timeout_s`` when shorter and not 0). ``max_bytes`` None (default):
+    the root is not bounded; else :attr:`capacity` is the checked
+    :class:`kvtier._tier.capacity.CapacityConfig` (a percentage is resolved against the
+    root later). TypeError / ValueError naming the key, before any I/O."""
 
     n_read_threads: int = 16
     n_write_threads: int = 16
@@ -48,6 +52,11 @@ class TierConfig:
     io_timeout_s: Optional[float] = None
     lookup_timeout_s: Optional[float] = None
     load_landing: str = "auto"
+    max_bytes: Any = None
+    evict_high: float = _capacity.DEFAULT_HIGH
+    evict_low: float = _capacity.DEFAULT_LOW
+    census_interval_s: float = _capacity.DEFAULT_CENSUS_INTERVAL_S
+    touch_window_s: float = _capacity.DEFAULT_TOUCH_WINDOW_S
 
     def __post_init__(self) -> None:
         _check_threads("n_read_threads", self.n_read_threads)
@@ -66,6 +75,13 @@ class TierConfig:
             from kvtier._tier.sweep import check_sweep_after
 
             check_sweep_after(self.sweep_stale_temps_after)
+        object.__setattr__(self, "_capacity", _capacity.check_config(
+            self.max_bytes, self.evict_high, self.evict_low, self.census_interval_s, self.touch_window_s))
+
+    @property
+    def capacity(self) -> Optional[_capacity.CapacityConfig]:
+        """The checked capacity knobs of a bounded root, None when ``max_bytes`` is None."""
+        return self._capacity  # type: ignore[attr-defined]
 
     def engine_args(self) -> dict:
         """The :class:`kvtier._tier.engine.TierEngine` keywords these keys set (``use_o_direct``

@@ -10,6 +10,7 @@ import threading
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
 from kvtier._blockio import policy as _policy
+from kvtier._tier import capacity as _capacity
 
 #: Counter names of :meth:`Counters.snapshot`, with their meaning.  Bytes in bytes,
 #: times in seconds (I/O time: from the start of a job's I/O call to its end).
@@ -35,6 +36,7 @@ COUNTERS: Dict[str, str] = {
     "root_lost": "times the tier root was found deleted or replaced while running (restored)",
 }
 COUNTERS.update(_policy.COUNT_DOCS)  # the error policy's counters (kvtier._blockio.policy)
+COUNTERS.update(_capacity.COUNTER_DOCS)  # a bounded root's (kvtier._tier.capacity, docs/capacity.md)
 
 #: Prefix of the snapshot keys of failed I/O calls: ``io_error:<operation>:<ERRNO>``
 #: (operation: kvtier._blockio.policy.OPERATIONS, or "none" for an error of no call, e.g. a
@@ -63,6 +65,7 @@ class Counters:
         self._lock = threading.Lock()
         self._v: Dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self.stuck_gauge: Optional[Callable[[], int]] = None  # set by the engine: its stuck threads
+        self.capacity_gauges: Optional[Callable[[], Dict[str, float]]] = None  # a bounded root's levels
 
     def count_job(self, is_promotion: bool, success: bool, n_keys: int, n_ok: int,
                   block_bytes: int, io_time: Optional[float], checksum_failed: bool = False,
@@ -113,9 +116,12 @@ class Counters:
     def snapshot(self) -> Dict[str, float]:
         """A copy of every counter: ``{name: value}`` (names: :data:`COUNTERS`, plus one
         ``io_error:<operation>:<ERRNO>`` key per kind of failed I/O call seen;
-        ``stuck_threads`` is a gauge, read from the engine feeding these counters)."""
+        ``stuck_threads`` is a gauge, read from the engine feeding these counters; the
+        ``capacity_*`` gauges are read from a bounded root's capacity, 0 without one)."""
         with self._lock:
             snap = dict(self._v)
         gauge = self.stuck_gauge
         snap["stuck_threads"] = gauge() if gauge is not None else 0
+        if self.capacity_gauges is not None:  # capacity_* levels (kvtier._tier.capacity.Handle.gauges)
+            snap.update(self.capacity_gauges())
         return snap

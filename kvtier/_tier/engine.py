@@ -134,6 +134,7 @@ class Job:
     started_at: float = 0.0
     returned: bool = False  # its I/O call returned (set under the engine's lock)
     view: Any = None  # the engine's view, taken with the job and dropped when its I/O call returns
+    reserved: int = 0  # bytes a bounded root's capacity reserved for this store at admission
 
 
 @dataclass(frozen=True)
@@ -221,9 +222,11 @@ class TierEngine:
                  counters: Optional[Counters] = None, thread_name: str = "kvtier_fs",
                  io_timeout_s: float = DEFAULT_IO_TIMEOUT_S, root: str = "",
                  before_job: Optional[Callable[[], None]] = None,
-                 lookup_timeout_s: Optional[float] = None, io: Any = None, landing: str = "bounce") -> None:
+                 lookup_timeout_s: Optional[float] = None, io: Any = None, landing: str = "bounce",
+                 capacity: Any = None) -> None:
         self.io_timeout_s = check_timeout(io_timeout_s)
         self.io = _kio if io is None else io
+        self.capacity = capacity  # kvtier._tier.capacity.Handle of a bounded root, or None
         self._forks, self._pid = _forks, os.getpid()
         if lookup_timeout_s is not None:
             self.lookup_timeout_s = check_timeout(lookup_timeout_s, "lookup_timeout_s")
@@ -331,6 +334,13 @@ class TierEngine:
             if self._stuck >= self.max_stuck:  # the filesystem holds the cap of threads
                 self._refuse(job)
                 return
+            if self.capacity is not None and not is_promotion:  # a bounded root: dropped, never queued
+                err, job.reserved = self.capacity.admit(len(keys), self.block_size)
+                if err is not None:
+                    result = Finished(job_id, False, keys, 0, 0.0, 0.0, err)
+                    self._count(job, result)
+                    self._finished.append(result)
+                    return
             self._inflight += 1
             (self._load_q if is_promotion else self._store_q).append(job)
             self._cond.notify()
@@ -386,6 +396,7 @@ class TierEngine:
         ``shutdown(wait=False)`` once the last running I/O call has returned, nothing of
         the engine holds the buffer (its exporter, e.g. an mmap, can be closed)."""
         with self._cond:
+            self._unreserve(self._store_q)
             discarded = [j.job_id for j in list(self._load_q) + list(self._store_q)]
             self._inflight -= len(discarded)
             for jid in discarded:
@@ -568,6 +579,7 @@ class TierEngine:
 
     def _refuse(self, job: Job) -> None:
         """Fail ``job`` at once: the cap of stuck threads is reached (lock held)."""
+        self._unreserve([job])
         err = OSError(errno.EAGAIN, f"{self._stuck} threads of this tier are stuck in the filesystem past "
                       f"their deadline (cap {self.max_stuck}): job not started", self.root or job.paths[0])
         result = Finished(job.job_id, job.is_promotion, job.keys, 0, 0.0, time.monotonic() - job.submitted_at,
@@ -583,6 +595,13 @@ class TierEngine:
             while q:
                 self._inflight -= 1
                 self._refuse(q.popleft())
+
+    def _unreserve(self, jobs: Sequence[Job]) -> None:
+        """Admitted stores that will never run give their reservation back."""
+        for j in jobs:
+            if j.reserved and self.capacity is not None:
+                self.capacity.unrun(j.reserved)
+                j.reserved = 0
 
     def lookup(self, paths: Sequence[str], block_size: int = 0) -> List[bool]:
         """Whether each path is a regular file (of ``block_size`` bytes when not 0; one
@@ -602,7 +621,10 @@ class TierEngine:
             else:
                 self.warnings.warn("lookup", "%s: answered as misses at once", e)
             return [False] * len(paths)
-        return [bool(x) for x in found]
+        found = [bool(x) for x in found]
+        if self.capacity is not None:  # hits refresh recency, on the capacity thread
+            self.capacity.touch_later([p for p, f in zip(paths, found) if f])
+        return found
 
     # ------------------------------------------------------------------ the job
     def run_job(self, job: Job) -> Finished:
@@ -646,6 +668,12 @@ class TierEngine:
             n_ok = 0
         finally:  # the buffer is released with the call: nothing of the job keeps it
             view = job.view = None
+        if self.capacity is not None:  # a bounded root: ledger, recency stamps, ENOSPC -> evict now
+            try:
+                reserved, job.reserved = job.reserved, 0
+                self.capacity.after_job(job.is_promotion, job.paths, n_ok, reserved, err, counts)
+            except Exception:
+                logger.exception("capacity bookkeeping after a job failed")
         e, seen = err, set()
         while e is not None and id(e) not in seen:  # a traceback's frames (the fallback's) hold the buffer
             seen.add(id(e))

@@ -4,6 +4,7 @@
     kvtier bench           store/load real-model KV blocks through the tier, checksum off vs on
     kvtier scrub ROOT      verify every block of a cache against its CRC32C and size
     kvtier doctor ROOT     check a mount before using it as a cache root (xattrs, O_DIRECT, caches)
+    kvtier evict ROOT      one capacity pass: census the root, evict the oldest blocks (docs/capacity.md)
 """
 from __future__ import annotations
 
@@ -179,7 +180,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``kvtier`` argument parser with its subcommands ``info``, ``bench``, ``scrub`` and ``doctor``;
+    """The ``kvtier`` argument parser with its subcommands ``info``, ``bench``, ``scrub``, ``doctor`` and ``evict``;
     each sets ``func``, the handler that takes the parsed Namespace and returns an exit status."""
     p = argparse.ArgumentParser(prog="kvtier", description="Checksummed storage tier for LLM KV-cache blocks.")
     p.add_argument("--version", action="version", version=f"kvtier {kvtier.__version__}")
@@ -188,12 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
     pi = sub.add_parser("info", help="what is built and active: C core, CRC32C backends, ISA-L, CPU, DSA")
     pi.add_argument("--json", action="store_true", help="print a JSON object")
     pi.set_defaults(func=cmd_info)
-    # --- tier helper: bench, scrub, doctor (kvtier/cli/bench.py, kvtier/cli/scrub.py, kvtier/cli/doctor.py) ---
-    from kvtier.cli import bench as _bench, doctor as _doctor, scrub as _scrub
+    # --- tier helper: bench, scrub, doctor, evict (kvtier/cli/bench.py, scrub.py, doctor.py, evict.py) ---
+    from kvtier.cli import bench as _bench, doctor as _doctor, evict as _evict, scrub as _scrub
 
     _bench.add_parser(sub)
     _scrub.add_parser(sub)
     _doctor.add_parser(sub)
+    _evict.add_parser(sub)
     # --- end tier helper ---
     return p
 

@@ -51,6 +51,11 @@ are now and the identity record of its path and size, set on the open file; a bl
 known wrong size is not adopted.  ``--strict`` treats ``no_checksum`` blocks (not adopted)
 as findings: exit status 1.
 
+A bounded root (``max_bytes``, docs/capacity.md) has its evictor's latest census in
+``ROOT/.kvtier/usage.json``: the report's first line adds it (bytes used of ``max_bytes``, how
+old the census is, which process made it). Nothing there is changed; scrub's own byte count
+is of the ``.bin`` files it read, the census's of every file the filesystem allocated.
+
 Exit status: 0 clean, 1 if any corrupt or wrong-size block was found (also with
 ``--remove``), or with ``--strict`` any unverified block, 2 for usage errors.
 """
@@ -64,6 +69,7 @@ import os
 import re
 import stat
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -362,7 +368,7 @@ def scrub(root: str, block_size: Optional[int] = None, remove: bool = False, pro
     (per status in :data:`STATUSES`); ``retried`` (blocks whose first read did not match and
     whose re-read did: status ok); ``findings`` (:class:`Finding` as dicts: every non-ok file
     and every ok block with a note); ``removed`` (paths); ``clean`` (no corrupt or wrong-size
-    block).
+    block); ``capacity``: :func:`capacity_summary` of a bounded root, else None.
 
     Raises OSError (ENOENT, ENOTDIR, with filename) if ``root`` is not a directory,
     ValueError for a non-positive ``block_size``.
@@ -430,16 +436,47 @@ def scrub(root: str, block_size: Optional[int] = None, remove: bool = False, pro
         "removed": [f.path for f in findings if f.removed],
         "adopted": [f.path for f in findings if f.adopted],
         "unverified": sum(1 for f in findings if f.status == "no_checksum" and not f.adopted),
+        "capacity": capacity_summary(root),
         "clean": counts["corrupt"] == 0 and counts["wrong_size"] == 0 and not (
             strict and any(f.status == "no_checksum" and not f.adopted for f in findings)),
     }
+
+
+def capacity_summary(root: str, now: Optional[float] = None) -> Optional[dict]:
+    """The latest census of a bounded root (``ROOT/.kvtier/usage.json``, published by its
+    evictor: :mod:`kvtier._tier.capacity`), or None when there is none (an unbounded root):
+    ``used_bytes`` (the census after its evictions), ``max_bytes``, ``census_age_s``
+    (seconds since the census began, at ``now``, default the clock), ``evictor``
+    (``host:pid``), ``files``, ``blocks``, ``evicted`` (blocks evicted after that census)."""
+    from kvtier._tier import capacity as _cap
+
+    u = _cap.read_usage(root)
+    if u is None:
+        return None
+    started = u.get("scan_started")
+    age = None
+    if isinstance(started, (int, float)) and not isinstance(started, bool):
+        age = round(max(0.0, (time.time() if now is None else now) - float(started)), 1)
+    return {"used_bytes": u["bytes"], "max_bytes": u.get("max_bytes"), "census_age_s": age,
+            "evictor": u.get("evictor"), "files": u.get("files"), "blocks": u.get("blocks"),
+            "evicted": u.get("evicted")}
+
+
+def _capacity_text(c: dict) -> str:
+    mx = c.get("max_bytes")
+    share = f" ({100 * c['used_bytes'] / mx:.0f}%)" if isinstance(mx, int) and mx > 0 else ""
+    of = f" of max_bytes {mx:,}" if isinstance(mx, int) else ""
+    age = "age unknown" if c.get("census_age_s") is None else f"{c['census_age_s']:.0f} s old"
+    by = f", by {c['evictor']}" if c.get("evictor") else ""
+    return f"; bounded root: {c['used_bytes']:,} bytes used{of}{share} at its last census ({age}{by})"
 
 
 def format_report(d: dict) -> str:
     """The text report for a :func:`scrub` result ``d``: header, expected size per
     (rank directory, group) with its source, counts per status, one line per finding."""
     c = d["counts"]
-    lines = [f"kvtier scrub {d['root']}: {d['blocks']} blocks, {d['bytes']:,} bytes"]
+    lines = [f"kvtier scrub {d['root']}: {d['blocks']} blocks, {d['bytes']:,} bytes"
+             + (_capacity_text(d["capacity"]) if d.get("capacity") else "")]
     for label, e in d["expected_block_bytes"].items():
         if e["bytes"] is None:
             what = "unknown (no most common size: sizes not judged)"

@@ -1,0 +1,1124 @@
+"""Capacity: a bounded tier root shared by many live writers on many nodes (docs/capacity.md).
+
+One bound per root (``max_bytes``), physical and root-wide:
+
+- **Census**: a scan of the whole root (``os.scandir``, ``st_blocks * 512`` of every regular
+  file: blocks, temps, config files, every model and layout under the root) by the one
+  evictor of the root, every ``census_interval_s`` (longer when a scan is slow: the evictor
+  spends at most :data:`CENSUS_CPU_SHARE` of its time scanning), published atomically (temp
+  + rename) to ``<root>/.kvtier/usage.json``.
+- **Ledgers**: between censuses each writer process counts the bytes it reserved since the
+  latest census's ``scan_started`` and publishes them in its own file
+  ``<root>/.kvtier/writers/<host>-<pid>-<tag>`` (pwrite, no fsync, at most every
+  :data:`LEDGER_PUBLISH_S`).  Admission: census bytes + every live writer's ledger + this
+  process's own reservations; a store job that would take that above ``max_bytes`` is
+  dropped at once (ENOSPC, counted ``stores_dropped``), never queued or blocked.
+- **One evictor per root**: the process holding the fcntl lock on
+  ``<root>/.kvtier/evictor.lock`` (one fd per process and root, opened here only, never
+  closed while the tier lives); every process with a bound tries it each census interval,
+  so a killed holder (the kernel drops its lock) is replaced within one interval.
+- **Recency**: the block file's mtime.  Loads and lookup hits refresh it (``os.utime``, at
+  most once per block per ``touch_window_s`` per process); a job's blocks are stamped so
+  that its head is the newest (``now - i`` µs for position ``i``).  Eviction removes the
+  oldest first (:func:`recency_key`) until usage is at the low watermark, each unlink
+  after an lstat that finds the same file (dev, ino, mtime) the census saw.
+
+Nothing here runs on a request path: :meth:`RootCapacity.admit` does no I/O (it reads the
+values the capacity thread refreshes), stamps run on the pool thread after a job's I/O,
+lookup-hit touches on the capacity thread.
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import fcntl
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import socket
+import stat as _stat
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+logger = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------- constants
+
+STATE_DIR = ".kvtier"
+"""The root's capacity state: ``usage.json``, ``evictor.lock``, ``writers/``, ``evict.request``."""
+USAGE_FILE = "usage.json"
+LOCK_FILE = "evictor.lock"
+WRITERS_DIR = "writers"
+REQUEST_FILE = "evict.request"
+
+DEFAULT_HIGH = 0.95
+DEFAULT_LOW = 0.85
+DEFAULT_CENSUS_INTERVAL_S = 10.0
+DEFAULT_TOUCH_WINDOW_S = 60.0
+
+LEDGER_PUBLISH_S = 0.05
+"""A writer publishes its ledger at most this often (and the capacity thread flushes a
+pending change within this long); other writers' ledgers are re-read at most this often."""
+CLOCK_SKEW_S = 1.0
+"""Reservations made up to this long before a census's ``scan_started`` stay in the ledger:
+the census may not have seen them (clocks of nodes differ; a scan sees a directory once)."""
+CENSUS_CPU_SHARE = 0.02
+"""The evictor waits at least ``scan seconds / CENSUS_CPU_SHARE`` between censuses."""
+TOUCH_LRU = 1 << 16
+"""Keys remembered as recently touched (per process and root)."""
+ALLOC_UNIT = 4096
+"""A block file's bytes are reserved rounded up to this (what ext4/XFS/tmpfs allocate)."""
+LEDGER_RECORD = 320
+REQUEST_GAP_S = 0.1
+"""A writer asks for a pass at most this often."""
+"""Bytes of a ledger file: one JSON object padded with spaces, rewritten in place."""
+
+_BLOCK_RE = re.compile(r"^[0-9a-f]+\.bin\Z")
+_SHARD1_RE = re.compile(r"^[0-9a-f]{1,3}\Z")
+_SHARD2_RE = re.compile(r"^([0-9a-f]{0,2})_g(\d+)\Z")
+_RANK_RE = re.compile(r"^.+_r\d+\Z")
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([KMGTP]?)(?:I?B)?\s*\Z", re.IGNORECASE)
+_PCT_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*%\s*\Z")
+
+#: Engine counters of capacity (:data:`kvtier._tier.counters.COUNTERS` takes them).  ``gauge:``
+#: ones are levels read from the root's capacity at snapshot time.
+COUNTER_DOCS: Dict[str, str] = {
+    "stores_dropped": "store jobs dropped at once (ENOSPC) because the root's usage estimate plus the job "
+                      "would pass max_bytes",
+    "evicted_capacity": "blocks evicted by this process's evictor because usage passed the high watermark",
+    "evicted_enospc": "blocks evicted by this process's evictor after a store hit ENOSPC",
+    "evicted_bytes_capacity": "bytes (allocated) of the blocks in evicted_capacity",
+    "evicted_bytes_enospc": "bytes (allocated) of the blocks in evicted_enospc",
+    "capacity_used_bytes": "gauge: the root's usage estimate (census + writers' ledgers), bytes",
+    "capacity_max_bytes": "gauge: the root's bound (max_bytes), bytes",
+    "capacity_census_age": "gauge: seconds since the latest census of the root started (its staleness)",
+    "capacity_evictor_lag": "gauge: seconds the latest eviction pass of the root ended after its census started",
+}
+GAUGES = tuple(k for k, d in COUNTER_DOCS.items() if d.startswith("gauge:"))
+REASONS = ("capacity", "enospc")
+_PRIORITY = {None: 0, "capacity": 1, "drop": 2, "enospc": 3}
+"""Requests for a pass, by strength: ``capacity`` (the estimate passed the high
+watermark: evict if the census agrees), ``drop`` (a store was dropped: evict down to the
+low watermark), ``enospc`` (the filesystem is full: down to ``low`` of the usage)."""
+
+
+# ---------------------------------------------------------------------- configuration
+
+def parse_size(value: Any, name: str = "max_bytes") -> int:
+    """Bytes of ``value``: an int, or a size string ``"500G"``, ``"1.5T"``, ``"64M"``,
+    ``"4096"`` (K/M/G/T/P are powers of 1024; an optional ``B`` / ``iB`` suffix).
+    TypeError for another type, ValueError for a bad string or a value < 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"{name} must be an int (bytes) or a size string like '500G', got {type(value).__name__}")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _SIZE_RE.match(value)
+        if not m:
+            raise ValueError(f"{name}: cannot parse {value!r}: give bytes (int), a size like '500G', '1.5T', '64M' "
+                             f"(K, M, G, T = powers of 1024) or a percentage of the filesystem like '90%'")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if n < 1:
+        raise ValueError(f"{name} must be >= 1 byte, got {value!r}")
+    return n
+
+
+def parse_max_bytes(value: Any, root: Optional[str] = None, name: str = "max_bytes") -> Optional[int]:
+    """The bound in bytes: None (off), an int, a size string (:func:`parse_size`) or a
+    percentage of the filesystem holding ``root`` (``"90%"``: of ``f_blocks * f_frsize``
+    from statvfs).  With ``root`` None a percentage is only checked (the result is None:
+    it is resolved once the root exists)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        m = _PCT_RE.match(value)
+        if m:
+            pct = float(m.group(1))
+            if not 0 < pct <= 100:
+                raise ValueError(f"{name}: a percentage of the filesystem must be in (0, 100], got {value!r}")
+            if root is None:
+                return None
+            st = os.statvfs(root)
+            return max(1, int(st.f_blocks * st.f_frsize * pct / 100))
+    return parse_size(value, name)
+
+
+def _check_float(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {v!r}")
+    return float(v)
+
+
+@dataclass(frozen=True)
+class CapacityConfig:
+    """A root's capacity knobs, checked (:func:`check_config`).  ``max_bytes`` is the
+    value as given (int, size string or percentage); :meth:`bound` resolves it."""
+
+    max_bytes: Any
+    evict_high: float = DEFAULT_HIGH
+    evict_low: float = DEFAULT_LOW
+    census_interval_s: float = DEFAULT_CENSUS_INTERVAL_S
+    touch_window_s: float = DEFAULT_TOUCH_WINDOW_S
+
+    def bound(self, root: str) -> int:
+        return parse_max_bytes(self.max_bytes, root)  # type: ignore[return-value]
+
+
+#: Tier keys of capacity and their defaults (both shells accept them).
+CONFIG_KEYS: Dict[str, Any] = {"max_bytes": None, "evict_high": DEFAULT_HIGH, "evict_low": DEFAULT_LOW,
+                               "census_interval_s": DEFAULT_CENSUS_INTERVAL_S,
+                               "touch_window_s": DEFAULT_TOUCH_WINDOW_S}
+
+
+def check_config(max_bytes: Any = None, evict_high: Any = DEFAULT_HIGH, evict_low: Any = DEFAULT_LOW,
+                 census_interval_s: Any = DEFAULT_CENSUS_INTERVAL_S,
+                 touch_window_s: Any = DEFAULT_TOUCH_WINDOW_S) -> Optional[CapacityConfig]:
+    """Check the capacity keys before any I/O: None when ``max_bytes`` is None (off).
+    TypeError / ValueError naming the key: a bad size, watermarks not ``0 < low < high <= 1``,
+    an interval or window not > 0."""
+    high, low = _check_float("evict_high", evict_high), _check_float("evict_low", evict_low)
+    if not 0 < low < high <= 1:
+        raise ValueError(f"the watermarks must satisfy 0 < evict_low < evict_high <= 1 (fractions of max_bytes), "
+                         f"got evict_low={evict_low!r}, evict_high={evict_high!r}")
+    iv = _check_float("census_interval_s", census_interval_s)
+    tw = _check_float("touch_window_s", touch_window_s)
+    if iv <= 0:
+        raise ValueError(f"census_interval_s must be > 0 seconds, got {census_interval_s!r}")
+    if tw < 0:
+        raise ValueError(f"touch_window_s must be >= 0 seconds, got {touch_window_s!r}")
+    if max_bytes is None:
+        return None
+    parse_max_bytes(max_bytes)  # syntax (a percentage is resolved against the root later)
+    return CapacityConfig(max_bytes, high, low, iv, tw)
+
+
+# ---------------------------------------------------------------------- census
+
+@dataclass
+class Census:
+    """One scan of a root.  ``bytes``: allocated bytes (st_blocks * 512) of every regular
+    file under it (directories not: :func:`census`); ``files``: regular files;
+    ``dirs``: directories scanned (the root included); ``blocks`` / ``block_bytes``: those that are
+    block files of a cache path (evictable); ``entries``: the block files as
+    ``(mtime_ns, nbytes, st_dev, st_ino, path)``; times are ``time.time()`` seconds."""
+
+    root: str
+    bytes: int = 0
+    files: int = 0
+    blocks: int = 0
+    block_bytes: int = 0
+    block_size_sum: int = 0  # st_size of the block files (their allocation / this: alloc_ratio)
+    dirs: int = 0
+    scan_started: float = 0.0
+    scan_finished: float = 0.0
+    cpu_s: float = 0.0
+    entries: List[Tuple[int, int, int, int, str]] = field(default_factory=list, repr=False)
+
+
+def alloc_ratio(c: Census) -> float:
+    """Allocated bytes per byte of block file in ``c`` (>= 1; 1 when no block): what a
+    store's reservation is multiplied by (MooseFS allocates whole 64 KiB blocks, a
+    replicated volume may count each copy)."""
+    return max(1.0, c.block_bytes / c.block_size_sum) if c.block_size_sum else 1.0
+
+
+def census(root: str, keep_entries: bool = True) -> Census:
+    """Scan ``root``: every regular file under it counts its ``st_blocks * 512`` (symlinks
+    are not followed; a filesystem mounted under the root counts too).  Directories are
+    not counted: what they report is the filesystem's metadata, not data (4 KiB each on
+    ext4, 0 on tmpfs, ~1 MB on MooseFS, which keeps them on its master).
+    Files that vanish meanwhile are skipped.  Block files (:func:`is_block_path`) are
+    listed in ``entries`` (``keep_entries``).  One lstat per file and directory, one
+    scandir per directory; a directory's place in the cache layout is decided once, from
+    its name and depth."""
+    c = Census(root=root, scan_started=time.time())
+    cpu0 = time.thread_time()
+    entries = c.entries
+    # (directory, its place: 0 the root, 1 a rank dir, 2 <h[:3]>, 3 <h[3:5]>_g<group>, -1 none)
+    stack: List[Tuple[str, int]] = [(root, 0)]
+    rank_re, s1_re, s2_re, block_re = _RANK_RE.match, _SHARD1_RE.match, _SHARD2_RE.match, _BLOCK_RE.match
+    S_ISDIR, S_ISREG = _stat.S_ISDIR, _stat.S_ISREG
+    total = files = blocks = block_bytes = dirs = size_sum = 0
+    while stack:
+        d, layout = stack.pop()
+        try:
+            it = os.scandir(d)
+        except OSError:
+            continue
+        dirs += 1
+        with it:
+            for e in it:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                mode = st.st_mode
+                if S_ISDIR(mode):
+                    name = e.name
+                    if layout == 0:  # the root
+                        sub = 1 if name != STATE_DIR and rank_re(name) else -1
+                    elif layout == 1:
+                        sub = 2 if s1_re(name) else -1
+                    elif layout == 2:
+                        sub = 3 if s2_re(name) else -1
+                    else:
+                        sub = -1
+                    stack.append((e.path, sub))
+                    continue
+                if not S_ISREG(mode):
+                    continue
+                nb = st.st_blocks * 512
+                files += 1
+                total += nb
+                if layout == 3 and block_re(e.name):
+                    blocks += 1
+                    block_bytes += nb
+                    size_sum += st.st_size
+                    if keep_entries:
+                        entries.append((st.st_mtime_ns, nb, st.st_dev, st.st_ino, e.path))
+    c.bytes, c.files, c.blocks, c.block_bytes, c.dirs = total, files, blocks, block_bytes, dirs
+    c.block_size_sum = size_sum
+    c.scan_finished = time.time()
+    c.cpu_s = time.thread_time() - cpu0
+    return c
+
+
+def _is_block_dir(root: str, d: str) -> bool:
+    """``d`` is ``<root>/<layout>_r<rank>/<h[:3]>/<h[3:5]>_g<group>``."""
+    rel = os.path.relpath(d, root).split(os.sep)
+    return (len(rel) == 3 and _RANK_RE.match(rel[0]) is not None and rel[0] != STATE_DIR
+            and _SHARD1_RE.match(rel[1]) is not None and _SHARD2_RE.match(rel[2]) is not None)
+
+
+def is_block_path(root: str, path: str) -> bool:
+    """``path`` is a block file of a cache layout under ``root``:
+    ``<root>/<model>_<digest>_r<rank>/<h[:3]>/<h[3:5]>_g<group>/<h>.bin`` with ``h`` hex
+    whose first five digits name the two shard directories.  Never a temp
+    (``<h>.bin_<tag>.tmp``), a config.json / kvtier.json, or anything in ``.kvtier/``."""
+    d, name = os.path.split(path)
+    if not _BLOCK_RE.match(name) or not _is_block_dir(root, d):
+        return False
+    h = name[:-4]
+    s1, s2 = os.path.basename(os.path.dirname(d)), os.path.basename(d)
+    return h[:3] == s1 and h[3:5] == _SHARD2_RE.match(s2).group(1)  # type: ignore[union-attr]
+
+
+def key_of_path(path: str) -> Tuple[bytes, int]:
+    """``(block hash, group)`` of a block path (:func:`is_block_path`)."""
+    d, name = os.path.split(path)
+    return bytes.fromhex(name[:-4]), int(_SHARD2_RE.match(os.path.basename(d)).group(2))  # type: ignore
+
+
+def recency_key(entry: Tuple[int, int, int, int, str]) -> int:
+    """The eviction order: smallest first.  The block file's mtime in ns (loads and lookup
+    hits refresh it; a job's head block is stamped newest)."""
+    return entry[0]
+
+
+# ---------------------------------------------------------------------- eviction
+
+@dataclass
+class EvictResult:
+    """An eviction pass.  ``evicted``: paths removed (in order), ``evicted_bytes``;
+    ``skipped``: blocks changed since the census (refreshed, republished) or gone;
+    ``errors``: (path, OSError) of failed unlinks; ``dirs_removed``: empty shard
+    directories removed; ``usage_before`` / ``usage_after``: the estimate; ``target``."""
+
+    evicted: List[str] = field(default_factory=list)
+    evicted_bytes: int = 0
+    skipped: int = 0
+    errors: List[Tuple[str, OSError]] = field(default_factory=list)
+    dirs_removed: int = 0
+    usage_before: int = 0
+    usage_after: int = 0
+    target: int = 0
+    dry_run: bool = False
+    cpu_s: float = 0.0
+
+
+def evict(c: Census, usage: int, target: int, dry_run: bool = False) -> EvictResult:
+    """Remove ``c``'s block files, oldest first (:func:`recency_key`), until ``usage``
+    (bytes) is at or below ``target``: :meth:`Candidates.evict` over the census."""
+    return Candidates(c.entries).evict(usage, target, dry_run)
+
+
+class Candidates:
+    """A census's block files in eviction order (oldest first, :func:`recency_key`),
+    consumed by successive :meth:`evict` calls: the evictor evicts from it between
+    censuses (blocks written since are newer than all of them; blocks refreshed since are
+    skipped by the recheck).  ``keep_bytes``: only the oldest entries holding that many
+    bytes are kept (memory), None: all.  Sorts ``entries`` in place."""
+
+    def __init__(self, entries: List[Tuple[int, int, int, int, str]], keep_bytes: Optional[int] = None) -> None:
+        entries.sort(key=recency_key)
+        if keep_bytes is not None:
+            n = acc = 0
+            for n, e in enumerate(entries, 1):
+                acc += e[1]
+                if acc >= keep_bytes:
+                    break
+            del entries[n:]
+        self._entries = entries
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._entries) - self._next
+
+    def evict(self, usage: int, target: int, dry_run: bool = False) -> EvictResult:
+        """Remove block files, oldest first, until ``usage`` (bytes) is at or below
+        ``target``.  Before each unlink an lstat must find the file the census saw (same
+        st_dev, st_ino, mtime): a block refreshed by a hit or republished is skipped.
+        Then the shard directories emptied (``<h[3:5]>_g<group>``, then ``<h[:3]>``) are
+        removed with rmdir (never the rank or layout directories): a store racing it gets
+        ENOENT at its temp's open and makes the parents again (error table P21).
+        ``dry_run``: nothing removed or consumed; the result lists what would be."""
+        r = EvictResult(usage_before=usage, usage_after=usage, target=target, dry_run=dry_run)
+        if usage <= target:
+            return r
+        cpu0 = time.thread_time()
+        dirs = set()
+        entries, i, n = self._entries, self._next, len(self._entries)
+        lstat, unlink, S_ISREG = os.lstat, os.unlink, _stat.S_ISREG
+        while i < n and usage > target:
+            mtime, _, dev, ino, path = entries[i]
+            i += 1
+            try:
+                st = lstat(path)
+            except OSError:
+                r.skipped += 1
+                continue
+            if st.st_mtime_ns != mtime or st.st_ino != ino or st.st_dev != dev or not S_ISREG(st.st_mode):
+                r.skipped += 1  # refreshed by a hit, or republished, since the census
+                continue
+            if not dry_run:
+                try:
+                    unlink(path)
+                except FileNotFoundError:
+                    r.skipped += 1
+                    continue
+                except OSError as err:
+                    r.errors.append((path, err))
+                    continue
+                dirs.add(os.path.dirname(path))
+            nb = st.st_blocks * 512
+            r.evicted.append(path)
+            r.evicted_bytes += nb
+            usage -= nb
+        r.usage_after = usage
+        if not dry_run:
+            self._next = i
+        for d in sorted(dirs):
+            for sub in (d, os.path.dirname(d)):
+                try:
+                    os.rmdir(sub)
+                except OSError:  # ENOTEMPTY (a store put a block there meanwhile), ENOENT: leave it
+                    break
+                r.dirs_removed += 1
+        r.cpu_s = time.thread_time() - cpu0
+        return r
+
+
+# ---------------------------------------------------------------------- shared state files
+
+def state_dir(root: str) -> str:
+    return os.path.join(root, STATE_DIR)
+
+
+def read_usage(root: str) -> Optional[Dict[str, Any]]:
+    """The latest published census of ``root`` (``usage.json``), or None."""
+    try:
+        with open(os.path.join(state_dir(root), USAGE_FILE), "rb") as f:
+            d = json.loads(f.read())
+        return d if isinstance(d, dict) and isinstance(d.get("bytes"), int) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}_{secrets.token_hex(8)}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def publish_usage(root: str, d: Dict[str, Any]) -> None:
+    """Publish ``d`` as ``usage.json`` (temp + rename: a reader sees the old or the new)."""
+    _write_atomic(os.path.join(state_dir(root), USAGE_FILE), json.dumps(d, sort_keys=True).encode())
+
+
+def _host_identity() -> Tuple[str, str, int]:
+    """(hostname, boot id, pid namespace inode): processes that see one another's pids."""
+    host = socket.gethostname()
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    try:
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        ns = 0
+    return host, boot, ns
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_ledgers(root: str, now: Optional[float] = None, max_age: float = 2 * DEFAULT_CENSUS_INTERVAL_S,
+                 skip: Optional[str] = None, remove_dead: bool = False,
+                 since: Optional[float] = None) -> Tuple[int, int, int]:
+    """``(bytes, current, live writers)``: the sum of the live writers' ledgers of ``root``
+    (except file ``skip``), and of those counting from the census started at ``since``.  A ledger is dead when its writer's pid is gone on this host (same
+    boot and pid namespace) or it was not republished for ``max_age`` seconds; dead ones
+    count nothing and with ``remove_dead`` are removed."""
+    now = time.time() if now is None else now
+    wdir = os.path.join(state_dir(root), WRITERS_DIR)
+    me = _host_identity()
+    total = live = 0
+    current = 0
+    try:
+        names = os.listdir(wdir)
+    except OSError:
+        return 0, 0, 0
+    for name in names:
+        if name == skip or name.endswith(".tmp"):
+            continue
+        p = os.path.join(wdir, name)
+        try:
+            with open(p, "rb") as f:
+                d = json.loads(f.read(LEDGER_RECORD * 2))
+            t, b = float(d["t"]), int(d["bytes"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        dead = now - t > max_age or ((d.get("host"), d.get("boot"), d.get("pidns")) == me
+                                     and not _pid_alive(int(d.get("pid", 0))))
+        if dead:
+            if remove_dead:
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
+            continue
+        live += 1
+        total += max(0, b)
+        if since is not None and d.get("since") == since:
+            current += max(0, b)
+    return total, current, live
+
+
+# ---------------------------------------------------------------------- the lock
+
+class EvictorLock:
+    """The root's evictor lock: fcntl (POSIX record) lock on ``<root>/.kvtier/evictor.lock``
+    through one fd, held until :meth:`release` (or the process ends: the kernel drops it,
+    SIGKILL included).  POSIX locks belong to the process: only one object per process and
+    root may exist (:class:`RootCapacity` is that), and no other code may open and close
+    that file (a close of any fd of it drops the lock)."""
+
+    def __init__(self, root: str) -> None:
+        self.path = os.path.join(state_dir(root), LOCK_FILE)
+        self._fd: Optional[int] = None
+        self.held = False
+
+    def try_acquire(self) -> bool:
+        if self.held:
+            return True
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                return False
+            raise
+        self.held = True
+        return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # drops the lock
+        self._fd, self.held = None, False
+
+
+def lock_holder(root: str) -> Optional[int]:
+    """The pid holding the evictor lock of ``root`` as F_GETLK reports it (this host, or
+    a filesystem that reports remote holders), None when free."""
+    import struct
+
+    path = os.path.join(state_dir(root), LOCK_FILE)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        # struct flock: short l_type, short l_whence, off_t l_start, off_t l_len, pid_t l_pid
+        arg = struct.pack("hhqqi4x", fcntl.F_WRLCK, 0, 0, 0, 0)
+        res = fcntl.fcntl(fd, fcntl.F_GETLK, arg)
+        l_type, _, _, _, pid = struct.unpack("hhqqi4x", res)
+        return None if l_type == fcntl.F_UNLCK else pid
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # this process holds no lock on it (a tier's RootCapacity never calls this)
+
+
+# ---------------------------------------------------------------------- one pass
+
+def one_pass(root: str, max_bytes: int, high: float = DEFAULT_HIGH, low: float = DEFAULT_LOW,
+             dry_run: bool = False, force: Optional[str] = None,
+             generation: int = 0, evictor: str = "") -> Tuple[Census, EvictResult, Dict[str, Any]]:
+    """A census of ``root`` and, when it passes ``high * max_bytes``, an eviction down to
+    ``low * max_bytes``; ``force="drop"`` (a writer dropped a store): down to ``low *
+    max_bytes`` whatever the census; ``force="enospc"`` (the filesystem is full): down to
+    ``low`` of the smaller of the bound and the usage.  The decision is the census's alone: the writers' ledgers
+    count what may have been written since it began, which the next census sees, so
+    adding them would evict twice for the same bytes.  Returns the census, the eviction
+    and the usage record (not published here)."""
+    c = census(root)
+    usage = c.bytes
+    if force == "enospc":
+        target = int(low * min(max_bytes, usage))
+    elif usage > high * max_bytes or force == "drop":
+        target = int(low * max_bytes)
+    else:
+        target = usage
+    r = evict(c, usage, target, dry_run=dry_run)
+    rec = {"bytes": c.bytes if dry_run else r.usage_after, "files": c.files - len(r.evicted) * (not dry_run),
+           "blocks": c.blocks - len(r.evicted) * (not dry_run), "scan_started": c.scan_started,
+           "scan_finished": c.scan_finished, "evict_finished": time.time(), "generation": generation,
+           "evictor": evictor, "max_bytes": max_bytes, "evicted": 0 if dry_run else len(r.evicted),
+           "evicted_bytes": 0 if dry_run else r.evicted_bytes, "census_cpu_s": c.cpu_s}
+    return c, r, rec
+
+
+# ---------------------------------------------------------------------- per process and root
+
+_roots: Dict[str, "RootCapacity"] = {}
+_roots_lock = threading.Lock()
+
+
+def attach(root: str, config: CapacityConfig, counters: Any = None,
+           on_evicted: Optional[Callable[[List[str]], None]] = None) -> "Handle":
+    """The capacity of ``root`` in this process (one :class:`RootCapacity` per real path:
+    one lock fd, one ledger, one thread), attached for one tier: ``counters`` (an engine
+    Counters) counts the evictions of this process's evictor, ``on_evicted(paths)`` is
+    called on the capacity thread with each pass's evicted block paths.  ValueError when
+    another tier of this process already bounds the root with other values."""
+    real = os.path.realpath(root)
+    with _roots_lock:
+        rc = _roots.get(real)
+        if rc is not None and rc.config != config:
+            raise ValueError(f"tier root {root!r} is already bounded in this process with {rc.config}; "
+                             f"a second tier on it must use the same capacity keys, got {config}")
+        if rc is None:
+            rc = _roots[real] = RootCapacity(real, config)
+        h = Handle(rc, counters, on_evicted)
+        rc._attach(h)
+    return h
+
+
+class Handle:
+    """One tier's attachment to its root's :class:`RootCapacity` (what the engine calls)."""
+
+    def __init__(self, rc: "RootCapacity", counters: Any, on_evicted: Optional[Callable[[List[str]], None]]) -> None:
+        self.rc = rc
+        self.counters = counters
+        self.on_evicted = on_evicted
+        self.closed = False
+
+    # the engine's hooks ------------------------------------------------------
+    def admit(self, n_blocks: int, block_size: int) -> Tuple[Optional[OSError], int]:
+        """Reserve a store job's bytes (:meth:`RootCapacity.reserve_of` per block):
+        ``(None, bytes reserved)`` if admitted, else ``(the ENOSPC to fail it with, 0)``
+        (counted ``stores_dropped``).  No I/O."""
+        nbytes = n_blocks * self.rc.reserve_of(block_size)
+        err = self.rc.admit(nbytes)
+        if err is not None:
+            if self.counters is not None:
+                self.counters.add("stores_dropped")
+            return err, 0
+        return None, nbytes
+
+    def unrun(self, reserved: int) -> None:
+        """An admitted store job that never ran (discarded by shutdown, refused): its
+        reservation is released."""
+        self.rc.finish(reserved, 0)
+
+    def after_job(self, is_promotion: bool, paths: Sequence[str], n_ok: int, reserved: int,
+                  error: Optional[BaseException], policy_counts: Dict[str, int]) -> None:
+        """On the pool thread after a job's I/O: release a store's unused reservation,
+        stamp its blocks (head newest), touch a load's blocks; ENOSPC asks for an
+        eviction now."""
+        rc = self.rc
+        if not is_promotion:
+            written = n_ok - min(n_ok, int(policy_counts.get("existing", 0)))
+            rc.finish(reserved, reserved * written // max(1, len(paths)))
+            if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+                rc.request_evict("enospc")
+            rc.stamp(paths[:n_ok], force=True)
+        else:
+            rc.stamp(paths[:n_ok], force=False)
+
+    def touch_later(self, paths: Iterable[str]) -> None:
+        """Lookup hits: refreshed on the capacity thread (rate-limited)."""
+        self.rc.touch_later(paths)
+
+    def gauges(self) -> Dict[str, float]:
+        return self.rc.gauges()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.rc._detach(self)
+
+
+def _alloc(n: int) -> int:
+    return -(-n // ALLOC_UNIT) * ALLOC_UNIT
+
+
+class RootCapacity:
+    """A bounded root as seen by this process: the ledger, the lock, the capacity thread
+    (census + eviction while it holds the lock; ledger publishing, reading the others'
+    and the usage, lookup-hit touches always)."""
+
+    def __init__(self, root: str, config: CapacityConfig) -> None:
+        self.root = root
+        self.config = config
+        os.makedirs(os.path.join(state_dir(root), WRITERS_DIR), exist_ok=True)
+        self.max_bytes = config.bound(root)
+        self.high, self.low = config.evict_high, config.evict_low
+        self.interval = config.census_interval_s
+        self.host = socket.gethostname()
+        self.ident = _host_identity()
+        self.pid = os.getpid()
+        self.name = f"{self.host}-{self.pid}-{secrets.token_hex(4)}"
+        self.ledger_path = os.path.join(state_dir(root), WRITERS_DIR, self.name)
+        self._lock = threading.Lock()
+        self._handles: List[Handle] = []
+        # this process's ledger: bytes of admitted store jobs still running, and of those
+        # that ended, (time.time() at the end, bytes written) since the latest census
+        self._inflight = 0
+        self._done: "collections.deque[Tuple[float, int]]" = collections.deque()
+        self._own = 0  # _inflight + the bytes of _done
+        self._warned_drop = -1e9
+        self._others = 0  # the other writers' ledgers (admission)
+        self._others_current = 0  # those of them that count from the latest census (eviction)
+        self._others_at = 0.0
+        self._cands: Optional[Candidates] = None
+        self._room: Optional[int] = None  # the evictor's: census bytes + free space (statvfs)
+        self._usage: Optional[Dict[str, Any]] = None
+        self._dirty = True
+        self._published_at = 0.0
+        self._touched: "collections.OrderedDict[str, float]" = collections.OrderedDict()
+        self._touch_q: "collections.deque[str]" = collections.deque(maxlen=TOUCH_LRU)
+        self._request: Optional[str] = None
+        self._request_seen = 0.0
+        self._asked_at = 0.0
+        self._wake = threading.Event()
+        self._stop = False
+        self.lock = EvictorLock(root)
+        self.generation = 0
+        self.last_pass: Optional[EvictResult] = None
+        self.last_census: Optional[Census] = None
+        self.passes = 0  # censuses + eviction steps of this process's evictor
+        self.censuses = 0
+        self.evictor_cpu_s = 0.0
+        self._next_census = 0.0
+        self._ledger_fd = os.open(self.ledger_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._publish_ledger()
+        self._thread = threading.Thread(target=self._run, name="kvtier_capacity", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ attach
+    def _attach(self, h: Handle) -> None:
+        self._handles.append(h)
+
+    def _detach(self, h: Handle) -> None:
+        with _roots_lock:
+            if h in self._handles:
+                self._handles.remove(h)
+            if self._handles:
+                return
+            if _roots.get(self.root) is self:
+                del _roots[self.root]
+        self.close()
+
+    def close(self) -> None:
+        """Stop the thread, drop the lock, remove this process's ledger."""
+        self._stop = True
+        self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        self.lock.release()
+        try:
+            os.close(self._ledger_fd)
+            os.unlink(self.ledger_path)
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ admission
+    def reserve_of(self, block_size: int) -> int:
+        """Bytes a block of ``block_size`` bytes is reserved for: rounded up to
+        :data:`ALLOC_UNIT`, times the latest census's ``alloc_ratio``.  Fixed per job:
+        the engine keeps what a job reserved and gives that back."""
+        ratio = float((self._usage or {}).get("alloc_ratio", 1.0) or 1.0)
+        return int(_alloc(block_size) * max(1.0, ratio))
+
+    def bound(self) -> int:
+        """The bound in force: ``max_bytes``, or less when the filesystem has less room
+        (the root's usage + the free space at the latest census, or the usage at which a
+        store met ENOSPC since)."""
+        room = self._room if self.lock.held else (self._usage or {}).get("room")
+        return self.max_bytes if not room else min(self.max_bytes, int(room))
+
+    def estimate(self) -> int:
+        """Usage estimate, bytes: latest census (after its eviction) + the other writers'
+        ledgers (as last read) + this process's reservations."""
+        u = self._usage
+        return (u["bytes"] if u else 0) + self._others + self._own
+
+    def admit(self, nbytes: int) -> Optional[OSError]:
+        with self._lock:
+            est = self.estimate()
+            bound = self.bound()
+            if est + nbytes > bound:
+                self._ask("drop")
+                u = self._usage
+                age = f"{time.time() - u['scan_started']:.1f} s old" if u else "none yet"
+                if time.monotonic() - self._warned_drop >= 60.0:
+                    self._warned_drop = time.monotonic()
+                    logger.warning("kvtier capacity: store jobs are dropped at %s: usage estimate %d + %d bytes "
+                                   "> the bound %d (max_bytes %d, or the room on the filesystem; counted "
+                                   "stores_dropped; this warning at most once a minute)",
+                                   self.root, est, nbytes, bound, self.max_bytes)
+                room = "" if bound == self.max_bytes else f" (the filesystem has room for {bound})"
+                return OSError(errno.ENOSPC, f"store dropped by kvtier capacity: the root's usage estimate "
+                                             f"{est} bytes + this job's {nbytes} would pass max_bytes "
+                                             f"{self.max_bytes}{room} (census {age}, evictor "
+                                             f"{u.get('evictor') if u else '?'}); eviction runs, the block is "
+                                             f"recomputed next time", self.root)
+            self._inflight += nbytes
+            self._own += nbytes
+            self._dirty = True
+            if est + nbytes > self.high * bound:
+                self._ask("capacity")
+        return None
+
+    def _ask(self, reason: str) -> None:
+        """Request a pass (lock held); at most one request a :data:`REQUEST_GAP_S`."""
+        if _PRIORITY[reason] > _PRIORITY[self._request]:
+            self._request = reason
+        if time.monotonic() - self._asked_at >= REQUEST_GAP_S:
+            self._asked_at = time.monotonic()
+            self._wake.set()
+
+    def finish(self, reserved: int, written: int) -> None:
+        """A store job that reserved ``reserved`` bytes ended having written ``written``:
+        those stay in the ledger (stamped now) until a census that started after now."""
+        with self._lock:
+            self._inflight -= reserved
+            self._own -= reserved
+            if written > 0:
+                self._done.append((time.time(), written))
+                self._own += written
+            self._dirty = True
+
+    def _trim(self, since: float, same_host: bool) -> None:
+        """Drop ended jobs' bytes that a census started at ``since`` has counted: the job
+        ended before the scan began (less :data:`CLOCK_SKEW_S` when the evictor is on
+        another node).  Jobs still running are never dropped (lock held)."""
+        cut = since - (0.0 if same_host else CLOCK_SKEW_S)
+        while self._done and self._done[0][0] < cut:
+            self._own -= self._done.popleft()[1]
+            self._dirty = True
+
+    # ------------------------------------------------------------------ recency
+    def stamp(self, paths: Sequence[str], force: bool) -> None:
+        """Set each block's mtime: ``now - i`` µs for position ``i`` (the head newest).  A
+        load (``force`` False) skips blocks touched by this process in the last
+        ``touch_window_s``; a store always stamps (its files are new)."""
+        if not paths:
+            return
+        now_ns, mono = time.time_ns(), time.monotonic()
+        window = self.config.touch_window_s
+        touched = self._touched
+        for i, p in enumerate(paths):
+            if not force:
+                t = touched.get(p)
+                if t is not None and mono - t < window:
+                    continue
+            ns = now_ns - i * 1000
+            try:
+                os.utime(p, ns=(ns, ns))
+            except OSError:  # evicted or condemned meanwhile: nothing to refresh
+                continue
+            with self._lock:
+                touched[p] = mono
+                touched.move_to_end(p)
+                while len(touched) > TOUCH_LRU:
+                    touched.popitem(last=False)
+
+    def touch_later(self, paths: Iterable[str]) -> None:
+        mono, window = time.monotonic(), self.config.touch_window_s
+        for p in paths:
+            t = self._touched.get(p)
+            if t is None or mono - t >= window:
+                self._touch_q.append(p)
+
+    # ------------------------------------------------------------------ eviction requests
+    def request_evict(self, reason: str) -> None:
+        """Ask for a census + eviction now (this process's thread if it holds the lock,
+        else the holder's, through ``evict.request``)."""
+        with self._lock:
+            if _PRIORITY[reason] > _PRIORITY[self._request]:
+                self._request = reason
+        self._wake.set()
+
+    # ------------------------------------------------------------------ gauges
+    def gauges(self) -> Dict[str, float]:
+        u = self._usage
+        now = time.time()
+        return {"capacity_used_bytes": float(self.estimate()), "capacity_max_bytes": float(self.max_bytes),
+                "capacity_census_age": (now - u["scan_started"]) if u else 0.0,
+                "capacity_evictor_lag": (u.get("evict_finished", u["scan_finished"]) - u["scan_started"]) if u else 0.0}
+
+    # ------------------------------------------------------------------ the thread
+    def _publish_ledger(self) -> None:
+        with self._lock:
+            u = self._usage
+            d = {"host": self.ident[0], "boot": self.ident[1], "pidns": self.ident[2], "pid": self.pid,
+                 "bytes": self._own, "since": u["scan_started"] if u else 0.0,
+                 "gen": u.get("generation", 0) if u else 0, "t": time.time()}
+            self._dirty = False
+        b = json.dumps(d, sort_keys=True).encode()
+        b = b + b" " * max(0, LEDGER_RECORD - 1 - len(b)) + b"\n"
+        try:
+            os.pwrite(self._ledger_fd, b, 0)
+        except OSError as e:
+            logger.warning("kvtier capacity: cannot publish the ledger %s: %s", self.ledger_path, e)
+        self._published_at = time.monotonic()
+
+    def _refresh(self) -> None:
+        """Re-read the usage and the other writers' ledgers."""
+        u = read_usage(self.root) if not self.lock.held else None  # the evictor has its own, newer
+        with self._lock:
+            if u is not None:
+                self._usage = u
+                self._trim(float(u.get("scan_started", 0)),
+                           str(u.get("evictor", "")).rsplit(":", 1)[0] == self.host)
+            since = float(self._usage["scan_started"]) if self._usage else None
+        others, current, _ = read_ledgers(self.root, max_age=2 * self.interval + 1.0, skip=self.name, since=since)
+        with self._lock:
+            self._others, self._others_current = others, current
+        self._others_at = time.monotonic()
+
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                self._tick()
+            except Exception:  # the thread must live: log and go on
+                logger.exception("kvtier capacity thread of %s", self.root)
+                time.sleep(LEDGER_PUBLISH_S)
+            self._wake.wait(LEDGER_PUBLISH_S)
+            self._wake.clear()
+        # close() removes the ledger file: this process reserves nothing any more
+
+    def _tick(self) -> None:
+        mono = time.monotonic()
+        if mono - self._others_at >= LEDGER_PUBLISH_S:
+            self._refresh()
+        if self._dirty or mono - self._published_at >= self.interval / 2:
+            self._publish_ledger()
+        while self._touch_q:
+            batch = []
+            while self._touch_q and len(batch) < 256:
+                batch.append(self._touch_q.popleft())
+            self.stamp(batch, force=False)
+        req = self._request
+        if not self.lock.held and (mono >= self._next_census or req):
+            self.lock.try_acquire()
+            if not self.lock.held:
+                self._next_census = mono + self.interval
+                if req:  # ask the holder
+                    with self._lock:
+                        self._request = None
+                    try:
+                        _write_atomic(os.path.join(state_dir(self.root), REQUEST_FILE),
+                                      json.dumps({"reason": req, "by": self.name, "t": time.time()}).encode())
+                    except OSError:
+                        pass
+                return
+            self._next_census = 0.0  # just took over: a census now
+        if not self.lock.held:
+            return
+        self._read_request_file()
+        req = self._request
+        cands = self._cands
+        due = mono >= self._next_census or cands is None
+        if not due and req and not len(cands):  # type: ignore[arg-type]
+            # asked to evict with no candidate left: a census, at most CENSUS_CPU_SHARE of the time
+            last = self.last_census
+            gap = (last.scan_finished - last.scan_started) / CENSUS_CPU_SHARE if last else 0.0
+            due = last is None or time.time() - last.scan_finished >= min(gap, self.interval)
+        with self._lock:
+            self._request = None
+        if due:
+            self._census_pass(req)
+        else:
+            self._evict_more(req)
+
+    def _read_request_file(self) -> None:
+        """The evictor: a request file newer than the last one seen is a request."""
+        path = os.path.join(state_dir(self.root), REQUEST_FILE)
+        try:
+            rq = os.stat(path)
+            if rq.st_mtime <= self._request_seen:
+                return
+            self._request_seen = rq.st_mtime
+            with open(path, "rb") as f:
+                r2 = json.loads(f.read()).get("reason", "capacity")
+        except (OSError, ValueError, AttributeError):
+            return
+        with self._lock:
+            r2 = r2 if r2 in _PRIORITY and r2 else "capacity"
+            if _PRIORITY[r2] > _PRIORITY[self._request]:
+                self._request = r2
+
+    def _census_pass(self, why: Optional[str]) -> None:
+        """A census (recalibrates the usage, rebuilds the candidates), then evict if due."""
+        cpu0 = time.thread_time()
+        read_ledgers(self.root, max_age=2 * self.interval + 1.0, skip=self.name, remove_dead=True)
+        self.generation = max(self.generation, int((self._usage or {}).get("generation", 0))) + 1
+        c = census(self.root)
+        try:  # the room on the filesystem: what the root holds + what is still free
+            st = os.statvfs(self.root)
+            self._room = c.bytes + st.f_bavail * st.f_frsize
+        except OSError:
+            self._room = None
+        # keep the oldest blocks that hold what must go now plus half a bound: what the
+        # evictor may remove before the next census (it censuses early when they run out)
+        bound = self.bound()
+        need = max(0, c.bytes - int(self.low * bound))
+        self._cands = Candidates(c.entries, keep_bytes=need + bound // 2)
+        c.entries = []
+        rec = {"bytes": c.bytes, "files": c.files, "blocks": c.blocks, "scan_started": c.scan_started,
+               "scan_finished": c.scan_finished, "evict_finished": c.scan_finished, "generation": self.generation,
+               "evictor": f"{self.host}:{self.pid}", "max_bytes": self.max_bytes, "evicted": 0,
+               "evicted_bytes": 0, "census_cpu_s": c.cpu_s, "room": self._room,
+               "alloc_ratio": round(alloc_ratio(c), 4)}
+        with self._lock:
+            self._usage = rec
+            self._trim(c.scan_started, True)
+            # the others' ledgers count from an older census until they read this one
+            self._others_current = 0
+        self.last_census = c
+        scan = c.scan_finished - c.scan_started
+        self._next_census = time.monotonic() + max(self.interval, scan / CENSUS_CPU_SHARE)
+        self.evictor_cpu_s += time.thread_time() - cpu0
+        # the decision right after a census is the census's alone (the ledgers still count
+        # bytes it has seen); a writer's request is honoured
+        self._evict_more(why, census_only=True)
+        self.censuses += 1
+        self.passes += 1
+
+    def _evict_more(self, why: Optional[str], census_only: bool = False) -> None:
+        """Evict from the candidates when the estimate passes the high watermark (or a
+        request says so), down to the low one; publish the usage when anything changed."""
+        cpu0 = time.thread_time()
+        u = self._usage
+        if u is None or self._cands is None:
+            return
+        with self._lock:
+            ledgers = 0 if census_only else self._others_current + self._own
+        est = u["bytes"] + ledgers
+        if why == "enospc":  # the filesystem is full at this usage: that is the room now
+            self._room = min(self._room or est, est)
+        mx = self.bound()
+        if why == "enospc":
+            target = int(self.low * mx)
+        elif est > self.high * mx or why == "drop":
+            target = int(self.low * mx)
+        else:
+            if census_only:
+                self._publish(u)
+            return
+        r = self._cands.evict(est, target)
+        freed = r.evicted_bytes
+        rec = dict(u, room=self._room, bytes=u["bytes"] - freed, files=u["files"] - len(r.evicted), blocks=u["blocks"] - len(r.evicted),
+                   evict_finished=time.time(), evicted=u.get("evicted", 0) + len(r.evicted),
+                   evicted_bytes=u.get("evicted_bytes", 0) + r.evicted_bytes)
+        with self._lock:
+            self._usage = rec
+        self._publish(rec)
+        self.last_pass = r
+        self.passes += 1
+        self.evictor_cpu_s += time.thread_time() - cpu0
+        reason = "enospc" if why == "enospc" else "capacity"
+        if r.evicted:
+            logger.info("kvtier capacity: evicted %d blocks (%d bytes, %s) of %s: usage %d -> %d bytes, bound %d",
+                        len(r.evicted), r.evicted_bytes, why or "high watermark", self.root, r.usage_before,
+                        r.usage_after, mx)
+            for h in list(self._handles):
+                if h.counters is not None:
+                    try:
+                        h.counters.add(f"evicted_{reason}", len(r.evicted))
+                        h.counters.add(f"evicted_bytes_{reason}", r.evicted_bytes)
+                    except Exception:
+                        logger.exception("counting an eviction failed")
+                if h.on_evicted is not None:
+                    try:
+                        h.on_evicted(list(r.evicted))
+                    except Exception:
+                        logger.exception("an eviction listener failed")
+        if r.usage_after > target and not len(self._cands):
+            self._next_census = 0.0  # no candidate left: a census next
+            self._request = self._request or "capacity"
+        if r.errors:
+            logger.warning("kvtier capacity: %d blocks could not be evicted from %s (first: %s: %s)",
+                           len(r.errors), self.root, r.errors[0][0], r.errors[0][1])
+
+    def _publish(self, rec: Dict[str, Any]) -> None:
+        try:
+            publish_usage(self.root, rec)
+        except OSError as e:
+            logger.warning("kvtier capacity: cannot publish %s: %s", os.path.join(state_dir(self.root), USAGE_FILE), e)
+
+    # ------------------------------------------------------------------ tests / tools
+    def wait_pass(self, timeout: float = 10.0, after: Optional[int] = None) -> bool:
+        """Wait until this process's evictor finished a pass after ``after`` (default: now)."""
+        n = self.passes if after is None else after
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.passes > n:
+                return True
+            time.sleep(0.01)
+        return False
+
+
+def root_capacity(root: str) -> Optional[RootCapacity]:
+    """This process's :class:`RootCapacity` of ``root``, if a tier bounds it."""
+    with _roots_lock:
+        return _roots.get(os.path.realpath(root))

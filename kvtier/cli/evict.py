@@ -1,0 +1,105 @@
+"""``kvtier evict ROOT --max-bytes SIZE [--evict-high F] [--evict-low F] [--force] [--dry-run] [--json]``:
+one capacity pass of a cache root by hand (docs/capacity.md).
+
+A census of the whole root (allocated bytes of every regular file under it) and, when it
+passes ``--evict-high`` of the bound, an eviction of the oldest blocks (mtime, chain heads
+newest) down to ``--evict-low``: the policy and the evictor lock of the tiers
+(:mod:`kvtier._tier.capacity`), so it never runs beside a live evictor of the root.
+``--dry-run`` deletes nothing, takes no lock and lists what would go. A real run publishes
+its census to ``ROOT/.kvtier/usage.json`` as a tier's evictor does.
+
+Exit status: 0 done; 1 the root is missing, another process holds the evictor lock (it
+enforces its own bound), or an eviction failed; 2 bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+
+from kvtier._tier import capacity as _cap
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    """``kvtier evict ROOT --max-bytes SIZE [--dry-run] [--json]``: one census and eviction
+    pass by hand, with the tiers' policy and lock.  Without ``--dry-run`` it takes the
+    evictor lock (exit 1 when a live process holds it: that one enforces its bound);
+    ``--dry-run`` deletes nothing and needs no lock.  Exit 0, 1 (lock held, root missing),
+    2 (bad arguments)."""
+    root = os.path.abspath(args.root)
+    if not os.path.isdir(root):
+        print(f"kvtier evict: {root}: not a directory", file=sys.stderr)
+        return 1
+    try:
+        cfg = _cap.check_config(args.max_bytes, args.evict_high, args.evict_low)
+        bound = cfg.bound(root)  # type: ignore[union-attr]
+    except (TypeError, ValueError) as e:
+        print(f"kvtier evict: {e}", file=sys.stderr)
+        return 2
+    lock = None
+    if not args.dry_run:
+        try:
+            os.makedirs(os.path.join(_cap.state_dir(root), _cap.WRITERS_DIR), exist_ok=True)
+        except OSError as e:
+            print(f"kvtier evict: {e}", file=sys.stderr)
+            return 1
+        if _cap.root_capacity(root) is not None:
+            print("kvtier evict: a tier of this process bounds this root", file=sys.stderr)
+            return 1
+        lock = _cap.EvictorLock(root)
+        if not lock.try_acquire():
+            u = _cap.read_usage(root) or {}
+            print(f"kvtier evict: another process holds the evictor lock of {root} (pid {_cap.lock_holder(root)} by "
+                  f"F_GETLK; latest census by {u.get('evictor', '?')}): it enforces its own bound; nothing done",
+                  file=sys.stderr)
+            lock.release()
+            return 1
+    try:
+        u = _cap.read_usage(root) or {}
+        gen = int(u.get("generation", 0)) + 1
+        c, r, rec = _cap.one_pass(root, bound, cfg.evict_high, cfg.evict_low, dry_run=args.dry_run,  # type: ignore
+                                  force="drop" if args.force else None, generation=gen,
+                                  evictor=f"{socket.gethostname()}:{os.getpid()}")
+        if not args.dry_run:
+            _cap.publish_usage(root, rec)
+    finally:
+        if lock is not None:
+            lock.release()
+    out = {"root": root, "max_bytes": bound, "high_bytes": int(cfg.evict_high * bound),  # type: ignore
+           "low_bytes": int(cfg.evict_low * bound), "dry_run": bool(args.dry_run),  # type: ignore
+           "census": {"bytes": c.bytes, "files": c.files, "blocks": c.blocks, "block_bytes": c.block_bytes,
+                      "dirs": c.dirs, "seconds": round(c.scan_finished - c.scan_started, 6),
+                      "cpu_s": round(c.cpu_s, 6)},
+           "evicted": len(r.evicted), "evicted_bytes": r.evicted_bytes, "skipped": r.skipped,
+           "errors": [f"{p}: {e}" for p, e in r.errors], "dirs_removed": r.dirs_removed,
+           "usage_after": r.usage_after}
+    if args.json:
+        out["paths"] = r.evicted
+        print(json.dumps(out, indent=2))
+    else:
+        verb = "would evict" if args.dry_run else "evicted"
+        print(f"{root}: {c.bytes} bytes in {c.files} files ({c.blocks} blocks, {c.block_bytes} bytes); bound "
+              f"{bound} (high {out['high_bytes']}, low {out['low_bytes']})")
+        print(f"{verb} {len(r.evicted)} blocks, {r.evicted_bytes} bytes; usage after: {r.usage_after} bytes"
+              f"{f'; {len(r.errors)} errors' if r.errors else ''}")
+    return 1 if r.errors else 0
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Register ``kvtier evict`` on the ``kvtier`` subparsers."""
+    from kvtier.cli._text import plain_text
+
+    p = sub.add_parser("evict", help="one capacity census + eviction pass of a cache root (docs/capacity.md)",
+                       description=plain_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("root", metavar="ROOT", help="the tier root (the whole root is counted)")
+    p.add_argument("--max-bytes", required=True, metavar="SIZE",
+                   help="the bound: bytes, 500G / 1.5T / 64M (powers of 1024), or 90%% of the filesystem")
+    p.add_argument("--evict-high", type=float, default=_cap.DEFAULT_HIGH, help="evict above this fraction (0.95)")
+    p.add_argument("--evict-low", type=float, default=_cap.DEFAULT_LOW, help="down to this fraction (0.85)")
+    p.add_argument("--force", action="store_true", help="evict down to the low watermark even below the high one")
+    p.add_argument("--dry-run", action="store_true", help="delete nothing; list what would be evicted")
+    p.add_argument("--json", action="store_true", help="print a JSON object (with the paths)")
+    p.set_defaults(func=cmd_evict)
+    return p

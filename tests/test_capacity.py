@@ -1,0 +1,714 @@
+"""Capacity of a bounded root (kvtier/_tier/capacity.py, docs/capacity.md): the size
+parser, the census against find(1), eviction order and watermarks, two writer processes
+under one bound, evictor failover after SIGKILL, recency across a restart, loads racing
+eviction, a full tmpfs that recovers by itself, ``kvtier evict --dry-run``, shard
+directories removed under a racing store."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvtier._tier import capacity as cap
+from kvtier.manager import FileSystemTierManager, TransferJob
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BS = 16384  # block bytes: 4 pages on every filesystem here
+
+
+def _use_backend(monkeypatch, io_backend):
+    from kvtier import io as kio
+
+    monkeypatch.setattr(kio, "batch_store_block", io_backend.batch_store_block)
+    monkeypatch.setattr(kio, "batch_load_block", io_backend.batch_load_block)
+
+
+def _tier(root, rows=64, **kw):
+    buf = np.zeros((rows, BS), dtype=np.uint8)
+    for i in range(rows):
+        buf[i] = np.frombuffer(np.random.default_rng(i).bytes(BS), dtype=np.uint8)
+    kw.setdefault("use_o_direct", False)
+    kw.setdefault("n_read_threads", 2)
+    kw.setdefault("n_write_threads", 2)
+    return FileSystemTierManager(buf, str(root), "m", block_size=BS, **kw), buf
+
+
+def _keys(tag: int, n: int):
+    return [(bytes([tag]) + i.to_bytes(2, "big") + bytes(13), 0) for i in range(n)]
+
+
+def _run(t, job):
+    (t.submit_load if job.is_promotion else t.submit_store)(job)
+    assert t.drain_jobs(30)
+    return t.get_finished_jobs()
+
+
+def _find_bytes(root) -> int:
+    """Allocated bytes of every regular file under root, by find(1) (st_blocks * 512)."""
+    out = subprocess.run(["find", str(root), "-type", "f", "-printf", r"%b\n"], capture_output=True, text=True,
+                         check=True).stdout.split()
+    return 512 * sum(int(x) for x in out)
+
+
+# ---------------------------------------------------------------------- parsing
+
+@pytest.mark.parametrize("value,want", [
+    (4096, 4096), ("4096", 4096), ("64M", 64 << 20), ("64m", 64 << 20), ("500G", 500 << 30),
+    ("1.5T", int(1.5 * (1 << 40))), ("2GiB", 2 << 30), ("1K", 1024), (" 3 G ", 3 << 30), (None, None)])
+def test_parse_max_bytes(value, want):
+    assert cap.parse_max_bytes(value) == want
+
+
+@pytest.mark.parametrize("value,exc,text", [
+    ("12X", ValueError, "powers of 1024"), ("", ValueError, "powers of 1024"), ("-5G", ValueError, "cannot parse"),
+    (0, ValueError, ">= 1"), ("0", ValueError, ">= 1"), (1.5, TypeError, "size string"),
+    (True, TypeError, "size string"), ("150%", ValueError, "(0, 100]"), ("0%", ValueError, "(0, 100]"),
+    ([1], TypeError, "size string")])
+def test_parse_max_bytes_bad_inputs(value, exc, text):
+    with pytest.raises(exc) as ei:
+        cap.parse_max_bytes(value)
+    assert text in str(ei.value) and "max_bytes" in str(ei.value)
+
+
+def test_percentage_of_the_filesystem(tmp_path):
+    st = os.statvfs(tmp_path)
+    assert cap.parse_max_bytes("50%", str(tmp_path)) == int(st.f_blocks * st.f_frsize * 0.5)
+    assert cap.parse_max_bytes("100%", str(tmp_path)) == st.f_blocks * st.f_frsize
+    assert cap.parse_max_bytes("90%") is None  # syntax only, resolved once the root exists
+
+
+@pytest.mark.parametrize("kw,text", [
+    ({"evict_high": 0.8, "evict_low": 0.9}, "0 < evict_low < evict_high <= 1"),
+    ({"evict_high": 1.2}, "0 < evict_low < evict_high <= 1"),
+    ({"evict_low": 0}, "0 < evict_low < evict_high <= 1"),
+    ({"census_interval_s": 0}, "census_interval_s must be > 0"),
+    ({"touch_window_s": -1}, "touch_window_s"),
+    ({"evict_high": "x"}, "evict_high must be a number"),
+    ({"max_bytes": "lots"}, "max_bytes: cannot parse 'lots'")])
+def test_bad_capacity_keys_fail_before_any_io(tmp_path, kw, text):
+    root = tmp_path / "root"
+    with pytest.raises((TypeError, ValueError)) as ei:
+        _tier(root, **{"max_bytes": "1G", **kw})
+    assert text in str(ei.value)
+    assert not root.exists()  # nothing touched
+
+
+def test_the_capacity_keys_are_checked_with_the_other_tier_keys():
+    # both shells build a TierConfig (kvtier/_tier/config.py): it carries the checked knobs
+    from kvtier._tier.config import TierConfig
+
+    assert TierConfig().capacity is None and TierConfig(evict_high=0.9).capacity is None
+    c = TierConfig(max_bytes="2G", evict_high=0.9, evict_low=0.5, census_interval_s=3, touch_window_s=0).capacity
+    assert c == cap.CapacityConfig("2G", 0.9, 0.5, 3.0, 0.0) and c.bound("/") == 2 << 30
+    with pytest.raises(ValueError, match="0 < evict_low < evict_high <= 1"):
+        TierConfig(max_bytes="1G", evict_high=0.5, evict_low=0.6)
+    with pytest.raises(ValueError, match="evict_low"):  # checked even while off, as the others are
+        TierConfig(evict_low=2)
+
+
+def test_bad_capacity_keys_fail_the_vllm_tier_before_any_io(tmp_path):
+    pytest.importorskip("vllm")
+    from vllm_harness import Harness
+
+    root = tmp_path / "kv"
+    conf = {"type": "kvtier", "root_dir": str(root), "max_bytes": "1G", "evict_high": 0.5, "evict_low": 0.6}
+    with pytest.raises(ValueError, match="0 < evict_low < evict_high <= 1"):
+        Harness([conf], block_bytes=8192)
+    assert not root.exists()
+
+
+# ---------------------------------------------------------------------- census
+
+def test_census_counts_every_file_as_find_and_lists_only_blocks(tmp_path, io_backend, monkeypatch):
+    _use_backend(monkeypatch, io_backend)
+    t, _ = _tier(tmp_path, max_bytes="1G", census_interval_s=3600)
+    try:
+        assert all(r.success for r in _run(t, TransferJob(1, _keys(1, 10), list(range(10)))))
+        rank = t.file_mapper.rank_path
+        p0 = t.file_mapper.get_file_name(_keys(1, 1)[0])
+        temp = p0 + "_0123456789abcdef.tmp"
+        with open(temp, "wb") as f:
+            f.write(b"x" * 5000)
+        os.makedirs(os.path.join(str(tmp_path), "other_r0", "abc", "de_g0"))  # another layout: counted and evictable
+        with open(os.path.join(str(tmp_path), "other_r0", "abc", "de_g0", "abcde0.bin"), "wb") as f:
+            f.write(b"y" * 8192)
+        with open(os.path.join(rank, "abc", "notes.txt"), "wb") if os.path.isdir(os.path.join(rank, "abc")) \
+                else open(os.path.join(str(tmp_path), "notes.txt"), "wb") as f:
+            f.write(b"z" * 100)
+        c = cap.census(str(tmp_path))
+        assert c.bytes == _find_bytes(tmp_path) and c.bytes > 10 * BS
+        out = subprocess.run(["find", str(tmp_path), "-type", "f"], capture_output=True, text=True).stdout.split()
+        assert c.files == len(out)
+        paths = sorted(e[4] for e in c.entries)
+        want = sorted(t.file_mapper.get_file_names(_keys(1, 10)) +
+                      [os.path.join(str(tmp_path), "other_r0", "abc", "de_g0", "abcde0.bin")])
+        assert paths == want and c.blocks == 11  # no temp, no config, nothing of .kvtier
+        assert c.block_bytes == sum(os.lstat(p).st_blocks * 512 for p in want)
+    finally:
+        t.shutdown()
+
+
+def test_is_block_path():
+    r = "/r"
+    assert cap.is_block_path(r, "/r/m_0123456789ab_r0/abc/de_g0/abcdef01.bin")
+    assert cap.key_of_path("/r/m_0123456789ab_r0/abc/de_g3/abcdef01.bin") == (bytes.fromhex("abcdef01"), 3)
+    for p in ["/r/m_0123456789ab_r0/abc/de_g0/abcdef01.bin_0011223344556677.tmp",
+              "/r/m_0123456789ab/config.json", "/r/.kvtier/usage.json", "/r/m_0123456789ab_r0/abd/de_g0/abcdef01.bin",
+              "/r/m_0123456789ab_r0/abc/df_g0/abcdef01.bin", "/r/m_0123456789ab_r0/abc/abcdef01.bin",
+              "/r/x/m_r0/abc/de_g0/abcdef01.bin"]:
+        assert not cap.is_block_path(r, p), p
+
+
+# ---------------------------------------------------------------------- eviction order
+
+def test_eviction_oldest_first_heads_newer_down_to_low(tmp_path, io_backend, monkeypatch):
+    _use_backend(monkeypatch, io_backend)
+    t, _ = _tier(tmp_path, max_bytes="1G", census_interval_s=3600)
+    try:
+        for tag in (1, 2, 3):  # three jobs of 8 blocks, in chain order, one after the other
+            assert all(r.success for r in _run(t, TransferJob(tag, _keys(tag, 8), list(range(8)))))
+            time.sleep(0.01)
+        fm = t.file_mapper
+        m = [os.lstat(p).st_mtime_ns for p in fm.get_file_names(_keys(1, 8))]
+        assert m == sorted(m, reverse=True) and len(set(m)) == 8  # head newest: now - i µs
+        base = cap.census(str(tmp_path)).bytes
+        block = os.lstat(fm.get_file_name(_keys(1, 1)[0])).st_blocks * 512
+        # a bound where the 24 blocks are above high: down to low = base - 10 blocks
+        bound = int((base - 10 * block) / 0.85) + 1
+        c, r, rec = cap.one_pass(str(tmp_path), bound)
+        assert len(r.evicted) == 10 and r.evicted_bytes == 10 * block
+        # oldest job first, tail first within it; then job 2's tail
+        want = list(reversed(fm.get_file_names(_keys(1, 8)))) + list(reversed(fm.get_file_names(_keys(2, 8))))[:2]
+        assert r.evicted == want
+        assert r.target == int(0.85 * bound) and cap.census(str(tmp_path)).bytes <= r.target
+        left = [os.path.exists(p) for p in fm.get_file_names(_keys(2, 8) + _keys(3, 8))]
+        assert left == [True] * 6 + [False] * 2 + [True] * 8
+        assert rec["bytes"] == cap.census(str(tmp_path)).bytes
+        # emptied shard directories are gone; the rank directory stays
+        for p in want:
+            assert not os.path.isdir(os.path.dirname(p)) or os.listdir(os.path.dirname(p))
+        assert os.path.isdir(fm.rank_path)
+    finally:
+        t.shutdown()
+
+
+def test_a_block_changed_since_the_census_is_not_evicted(tmp_path):
+    d = tmp_path / "m_r0" / "abc" / "de_g0"
+    d.mkdir(parents=True)
+    paths = []
+    for i in range(4):
+        p = d / f"abcde{i}.bin"
+        p.write_bytes(b"k" * BS)
+        os.utime(p, ns=(10**18 + i, 10**18 + i))
+        paths.append(str(p))
+    c = cap.census(str(tmp_path))
+    os.utime(paths[0], ns=(2 * 10**18, 2 * 10**18))  # refreshed by a hit after the census
+    os.unlink(paths[1])
+    with open(paths[1], "wb") as f:  # republished by a peer (another inode)
+        f.write(b"n" * BS)
+    r = cap.evict(c, c.bytes, 0)
+    assert r.skipped == 2 and sorted(r.evicted) == sorted(paths[2:])
+    assert os.path.exists(paths[0]) and open(paths[1], "rb").read() == b"n" * BS
+
+
+def test_restart_keeps_recency_order(tmp_path, io_backend, monkeypatch):
+    """Recency is the files' mtime: a new tier (a restart) evicts what the old one used least."""
+    _use_backend(monkeypatch, io_backend)
+    t, _ = _tier(tmp_path, max_bytes="1G", census_interval_s=3600, touch_window_s=0)
+    for tag in (1, 2):
+        assert all(r.success for r in _run(t, TransferJob(tag, _keys(tag, 4), list(range(4)))))
+        time.sleep(0.01)
+    time.sleep(0.01)
+    r = _run(t, TransferJob(3, _keys(1, 4), list(range(4, 8)), is_promotion=True))  # job 1 used again
+    assert r[0].success
+    t.shutdown()
+    assert cap.root_capacity(str(tmp_path)) is None  # nothing left in memory
+    t2, _ = _tier(tmp_path, max_bytes="1G", census_interval_s=3600)
+    try:
+        fm = t2.file_mapper
+        # t2's evictor publishes its first census (.kvtier/usage.json) from its own thread:
+        # once that is on disk the root's bytes hold still for the two censuses below
+        assert cap.root_capacity(str(tmp_path)).wait_pass(5, after=0)
+        base = cap.census(str(tmp_path)).bytes
+        block = os.lstat(fm.get_file_name(_keys(2, 1)[0])).st_blocks * 512
+        c, ev, _ = cap.one_pass(str(tmp_path), int((base - 4 * block) / 0.85) + 1)
+        assert ev.evicted == list(reversed(fm.get_file_names(_keys(2, 4))))
+        assert all(os.path.exists(p) for p in fm.get_file_names(_keys(1, 4)))
+    finally:
+        t2.shutdown()
+
+
+def test_touch_window_rate_limits_refreshes(tmp_path):
+    d = tmp_path / "m_r0" / "abc" / "de_g0"
+    d.mkdir(parents=True)
+    p = str(d / "abcde0.bin")
+    open(p, "wb").write(b"x")
+    rc = cap.attach(str(tmp_path), cap.check_config("1G", census_interval_s=3600, touch_window_s=60))
+    try:
+        rc.rc.stamp([p], force=False)
+        m1 = os.lstat(p).st_mtime_ns
+        time.sleep(0.01)
+        rc.rc.stamp([p], force=False)  # within the window: no second utime
+        assert os.lstat(p).st_mtime_ns == m1
+        rc.rc.stamp([p], force=True)  # a store always stamps
+        assert os.lstat(p).st_mtime_ns > m1
+    finally:
+        rc.close()
+
+
+# ---------------------------------------------------------------------- admission
+
+def test_a_store_over_the_bound_is_dropped_at_once_and_counted(tmp_path, io_backend, monkeypatch):
+    _use_backend(monkeypatch, io_backend)
+    t, _ = _tier(tmp_path, max_bytes=20 * BS + 16384, census_interval_s=3600)
+    try:
+        assert cap.root_capacity(str(tmp_path)).wait_pass(5, after=0)
+        r = _run(t, TransferJob(1, _keys(1, 16), list(range(16))))
+        assert r[0].success
+        t0 = time.monotonic()
+        t.submit_store(TransferJob(2, _keys(2, 16), list(range(16))))
+        r = t.get_finished_jobs()  # failed at submit: no queue, no wait
+        assert time.monotonic() - t0 < 0.5
+        assert len(r) == 1 and not r[0].success and r[0].error.errno == errno.ENOSPC
+        assert "max_bytes" in str(r[0].error)
+        assert not any(os.path.exists(p) for p in t.file_mapper.get_file_names(_keys(2, 16)))
+        snap = t.metrics.counters.snapshot()
+        assert snap["stores_dropped"] == 1 and snap["store_failures"] == 1
+        assert snap["capacity_max_bytes"] == 20 * BS + 16384
+        from prometheus_client import generate_latest
+
+        text = generate_latest(t.metrics.registry).decode()
+        assert 'kvtier:kv_offload_tiering_stores_dropped_total{tier="1:kvtier"} 1.0' in text
+        assert f'kvtier:kv_offload_tiering_capacity_max_bytes{{tier="1:kvtier"}} {float(20 * BS + 16384)}' in text
+        assert 'kvtier:kv_offload_tiering_evictions_total{reason="enospc",tier="1:kvtier"} 0.0' in text
+    finally:
+        t.shutdown()
+
+
+WRITER = r"""
+import os, sys, time, numpy as np
+sys.path.insert(0, {repo!r})
+from kvtier.manager import FileSystemTierManager, TransferJob
+root, tag, seconds, interval = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+bs, batch = {bs}, {batch}
+buf = np.random.randint(0, 255, (batch, bs), dtype=np.uint8)
+t = FileSystemTierManager(buf, root, "m", block_size=bs, use_o_direct=False, n_read_threads=1, n_write_threads=2,
+                          max_bytes={max_bytes}, census_interval_s=interval)
+print("ready", os.getpid(), flush=True)
+end, j, ok, dropped = time.monotonic() + seconds, 0, 0, 0
+while time.monotonic() < end:
+    keys = [(tag.to_bytes(2, "big") + j.to_bytes(4, "big") + i.to_bytes(2, "big") + bytes(8), 0) for i in range(batch)]
+    t.submit_store(TransferJob(j, keys, list(range(batch))))
+    t.drain_jobs()
+    for r in t.get_finished_jobs():
+        ok += r.success
+        dropped += not r.success
+    j += 1
+    time.sleep({pause})
+print("done", ok, dropped, flush=True)
+t.shutdown()
+"""
+
+
+def _writer(root, tag, seconds, interval, max_bytes, batch=4, pause=0.002, backend="c"):
+    code = WRITER.format(repo=REPO, bs=BS, batch=batch, max_bytes=max_bytes, pause=pause)
+    env = dict(os.environ, KVTIER_IO_BACKEND=backend)
+    p = subprocess.Popen([sys.executable, "-c", code, str(root), str(tag), str(seconds), str(interval)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    line = p.stdout.readline()
+    assert line.startswith("ready"), p.stderr.read()
+    return p
+
+
+def test_two_processes_stay_within_the_bound_plus_a_batch_each(tmp_path, io_backend):
+    max_bytes, batch = 48 * BS, 4
+    ps = [_writer(tmp_path, tag, 4.0, 0.2, max_bytes, batch, backend=io_backend.backend) for tag in (1, 2)]
+    peak, samples = 0, 0
+    while any(p.poll() is None for p in ps):
+        peak = max(peak, cap.census(str(tmp_path), keep_entries=False).bytes)
+        samples += 1
+        time.sleep(0.01)
+    outs = [p.communicate()[0] for p in ps]
+    assert all(p.returncode == 0 for p in ps), [p.stderr.read() if p.stderr else "" for p in ps]
+    done = [line.split() for o in outs for line in o.splitlines() if line.startswith("done")]
+    stored = sum(int(d[1]) for d in done)
+    assert stored * batch * BS > 3 * max_bytes  # they wrote three bounds' worth: eviction made room
+    # the bound: max_bytes + one batch per writer + ~100 ms of the other writer's stores
+    # (its ledger published <= 50 ms late, read <= 50 ms late); each job here takes >= 2 ms
+    allowance = 2 * batch * BS + 50 * batch * BS + 64 * 1024  # + the state files
+    assert samples > 50 and peak <= max_bytes + allowance, (peak, max_bytes)
+    assert not os.listdir(tmp_path / ".kvtier" / "writers")  # both ledgers removed at shutdown
+
+
+def test_sigkill_of_the_evictor_fails_over_within_an_interval(tmp_path):
+    interval = 0.3
+    a = _writer(tmp_path, 1, 30.0, interval, 1 << 30, pause=0.05)
+    try:
+        end = time.monotonic() + 10
+        while (cap.read_usage(str(tmp_path)) or {}).get("evictor", "").rsplit(":", 1)[-1] != str(a.pid):
+            assert time.monotonic() < end, "the first process never published a census"
+            time.sleep(0.02)
+        b = _writer(tmp_path, 2, 30.0, interval, 1 << 30, pause=0.05)
+        try:
+            time.sleep(3 * interval)
+            assert cap.read_usage(str(tmp_path))["evictor"].endswith(f":{a.pid}")  # a keeps the lock
+            gen = cap.read_usage(str(tmp_path))["generation"]
+            os.kill(a.pid, signal.SIGKILL)
+            a.wait()
+            t0 = time.monotonic()
+            while not (cap.read_usage(str(tmp_path)) or {}).get("evictor", "").endswith(f":{b.pid}"):
+                assert time.monotonic() - t0 < 3 * interval + 2, "no failover"
+                time.sleep(0.01)
+            u = cap.read_usage(str(tmp_path))
+            assert u["generation"] > gen
+            # the dead writer's ledger is removed by the new evictor
+            end = time.monotonic() + 5
+            while len(os.listdir(tmp_path / ".kvtier" / "writers")) != 1:
+                assert time.monotonic() < end
+                time.sleep(0.05)
+        finally:
+            b.kill()
+            b.wait()
+    finally:
+        a.kill()
+        a.wait()
+
+
+# ---------------------------------------------------------------------- integrity under eviction
+
+def test_a_load_racing_eviction_is_whole_and_verified_or_a_miss(tmp_path, io_backend):
+    root = str(tmp_path)
+    n = 64
+    paths = [os.path.join(root, "m_r0", f"{i:03x}"[:3], f"{i:05x}"[3:5] + "_g0", f"{i:05x}" + "ab.bin")
+             for i in range(n)]
+    rng = np.random.default_rng(7)
+    src = np.frombuffer(rng.bytes(n * BS), dtype=np.uint8).copy()
+    offs = [i * BS for i in range(n)]
+    stop = threading.Event()
+    errors, loaded, misses, passes = [], [0], [0], [0]
+
+    def evictor():
+        while not stop.is_set():
+            c = cap.census(root)
+            cap.evict(c, c.bytes, 0)
+            passes[0] += 1
+            try:
+                io_backend.batch_store_block(paths, memoryview(src), offs, BS, use_o_direct=False, checksum=True)
+            except OSError:
+                pass
+
+    def loader(seed):
+        r = np.random.default_rng(seed)
+        dst = np.zeros(BS, dtype=np.uint8)
+        while not stop.is_set():
+            i = int(r.integers(n))
+            dst[:] = 0
+            try:
+                io_backend.batch_load_block([paths[i]], memoryview(dst), [0], BS, use_o_direct=False, checksum=True)
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    errors.append(e)
+                misses[0] += 1
+                time.sleep(0.0005)  # let the evictor's thread run (the pure-Python backend holds the GIL)
+                continue
+            if not np.array_equal(dst, src[i * BS:(i + 1) * BS]):
+                errors.append(f"block {i}: wrong bytes")
+            loaded[0] += 1
+
+    io_backend.batch_store_block(paths, memoryview(src), offs, BS, use_o_direct=False, checksum=True)
+    ts = [threading.Thread(target=evictor)] + [threading.Thread(target=loader, args=(s,)) for s in range(3)]
+    for t in ts:
+        t.start()
+    end = time.monotonic() + 20
+    while (passes[0] < 5 or loaded[0] < 100) and time.monotonic() < end:
+        time.sleep(0.05)
+    stop.set()
+    for t in ts:
+        t.join()
+    assert not errors, errors[:3]
+    assert loaded[0] > 50 and misses[0] > 0 and passes[0] >= 3, (loaded, misses, passes)
+
+
+def test_shard_directories_removed_under_a_racing_store(tmp_path, io_backend):
+    """rmdir of an emptied shard directory while a store creates a block in it: the store
+    makes the parents again (P21) and succeeds; the block is whole."""
+    root = str(tmp_path)
+    stop = threading.Event()
+    removed = [0]
+
+    def remover():
+        while not stop.is_set():
+            c = cap.census(root)
+            removed[0] += cap.evict(c, c.bytes, 0).dirs_removed
+
+    src = np.frombuffer(np.random.default_rng(3).bytes(BS), dtype=np.uint8).copy()
+    th = threading.Thread(target=remover)
+    th.start()
+    try:
+        for i in range(300):
+            p = os.path.join(root, "m_r0", "abc", "de_g0", f"abcde{i:04x}.bin")
+            io_backend.batch_store_block([p], memoryview(src), [0], BS, use_o_direct=False, checksum=False)
+            try:
+                with open(p, "rb") as f:
+                    assert f.read() == src.tobytes()
+            except FileNotFoundError:
+                pass  # evicted already
+    finally:
+        stop.set()
+        th.join()
+    assert removed[0] > 0
+
+
+def test_a_full_tmpfs_with_the_bound_set_recovers_by_itself(io_backend, monkeypatch):
+    from mounts import mount_tmpfs
+
+    _use_backend(monkeypatch, io_backend)
+    with mount_tmpfs(size="4m") as d:
+        root = os.path.join(d, "root")
+        t, _ = _tier(root, rows=8, max_bytes="1G", census_interval_s=3600)
+        try:
+            rc = cap.root_capacity(root)
+            assert rc.wait_pass(5, after=0)
+            assert rc.bound() <= 4 << 20  # the room on the filesystem, not the 1 GiB asked
+            # something else fills the filesystem behind the evictor's back (its next
+            # census is an hour away): only ENOSPC can tell it
+            st = os.statvfs(d)
+            filler = os.path.join(d, "filler")
+            with open(filler, "wb") as f:
+                f.write(b"f" * (st.f_bavail * st.f_frsize - (1 << 20)))
+            enospc, ok_after, dropped = 0, 0, 0
+            for j in range(150):  # jobs of 2 blocks: the watermarks' band (10% of ~1 MiB) holds 3
+                n = rc.passes
+                r = _run(t, TransferJob(j, _keys(j % 250, 2), list(range(2))))[0]
+                if r.success:
+                    ok_after += bool(enospc)
+                    last_ok = j
+                    continue
+                assert r.error.errno == errno.ENOSPC, r.error
+                if "dropped by kvtier capacity" in str(r.error):
+                    dropped += 1
+                else:
+                    enospc += 1
+                    first = j
+                assert rc.wait_pass(5, after=n)  # the evictor acts at once (within a tick)
+            # one ENOSPC: then the evictor knows the room and keeps usage under it
+            # (drops: the evictor works at its next tick, 50 ms, while this loop stores on)
+            assert enospc == 1 and ok_after >= 0.75 * (149 - first), (enospc, first, ok_after, dropped)
+            snap = t.metrics.counters.snapshot()
+            assert snap["evicted_enospc"] > 0 and snap["evicted_bytes_enospc"] > 0
+            assert all(os.path.exists(p) for p in t.file_mapper.get_file_names(_keys(last_ok, 2)))  # the newest
+            assert os.path.getsize(filler) == st.f_bavail * st.f_frsize - (1 << 20)  # never evicted
+        finally:
+            t.shutdown()
+
+
+# ---------------------------------------------------------------------- kvtier evict
+
+def test_kvtier_evict_dry_run_deletes_nothing_and_the_real_run_evicts(tmp_path, io_backend, monkeypatch):
+    _use_backend(monkeypatch, io_backend)
+    t, _ = _tier(tmp_path, max_bytes="1G", census_interval_s=3600)
+    try:
+        assert all(r.success for r in _run(t, TransferJob(1, _keys(1, 12), list(range(12)))))
+    finally:
+        t.shutdown()
+    before = sorted((dp, f, os.lstat(os.path.join(dp, f)).st_mtime_ns) for dp, _, fs in os.walk(tmp_path) for f in fs
+                    if not f.startswith("usage.json"))
+    cmd = [sys.executable, "-m", "kvtier", "evict", str(tmp_path), "--max-bytes", str(6 * BS), "--json"]
+    r = subprocess.run(cmd + ["--dry-run"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["dry_run"] and out["evicted"] > 0 and len(out["paths"]) == out["evicted"]
+    after = sorted((dp, f, os.lstat(os.path.join(dp, f)).st_mtime_ns) for dp, _, fs in os.walk(tmp_path) for f in fs
+                   if not f.startswith("usage.json"))
+    assert after == before  # nothing deleted, nothing touched
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    real = json.loads(r.stdout)
+    assert real["paths"] == out["paths"] and not any(os.path.exists(p) for p in real["paths"])
+    assert cap.census(str(tmp_path)).bytes <= int(0.85 * 6 * BS)
+    r = subprocess.run(cmd[:6] + ["12X"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2 and "powers of 1024" in r.stderr
+
+
+def test_kvtier_scrub_shows_a_bounded_roots_last_census(tmp_path):
+    """`kvtier scrub`'s first line (and --json "capacity") carries .kvtier/usage.json: the
+    bytes used of max_bytes at the evictor's latest census, its age and its maker; an
+    unbounded root shows none."""
+    bounded, plain = tmp_path / "bounded", tmp_path / "plain"
+    for root, kw in ((bounded, {"max_bytes": 40 * BS, "census_interval_s": 0.2}), (plain, {})):
+        t, _ = _tier(root, **kw)
+        try:
+            assert all(r.success for r in _run(t, TransferJob(1, _keys(1, 12), list(range(12)))))
+            if kw:  # a census that began after the 12 blocks were stored:
+                rc = cap.root_capacity(str(root))
+                assert rc.wait_pass(10, after=rc.passes + 1)  # the second of two passes began after
+        finally:
+            t.shutdown()
+    u = cap.read_usage(str(bounded))
+    assert u is not None and u["blocks"] == 12 and u["max_bytes"] == 40 * BS and u["evicted"] == 0
+    assert cap.read_usage(str(plain)) is None
+    cmd = [sys.executable, "-m", "kvtier", "scrub", "--no-progress"]
+    r = subprocess.run(cmd + [str(bounded)], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    head = r.stdout.splitlines()[0]
+    share = f"{100 * u['bytes'] / (40 * BS):.0f}%"
+    assert head.startswith(f"kvtier scrub {bounded}: 12 blocks, {12 * BS:,} bytes; bounded root: "
+                           f"{u['bytes']:,} bytes used of max_bytes {40 * BS:,} ({share}) at its last census ("), head
+    assert f"s old, by {u['evictor']})" in head and u["evictor"].endswith(f":{os.getpid()}")
+    r = subprocess.run(cmd + ["--json", str(bounded)], capture_output=True, text=True, cwd=REPO)
+    c = json.loads(r.stdout)["capacity"]
+    assert (c["used_bytes"], c["max_bytes"], c["blocks"], c["evictor"]) == (u["bytes"], 40 * BS, 12, u["evictor"])
+    assert 0 <= c["census_age_s"] <= time.time() - u["scan_started"] + 1
+    r = subprocess.run(cmd + [str(plain)], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0 and "bounded root" not in r.stdout and "12 blocks" in r.stdout
+    r = subprocess.run(cmd + ["--json", str(plain)], capture_output=True, text=True, cwd=REPO)
+    assert json.loads(r.stdout)["capacity"] is None
+
+
+def test_kvtier_evict_refuses_while_a_live_evictor_holds_the_lock(tmp_path):
+    a = _writer(tmp_path, 1, 30.0, 0.2, 1 << 30, pause=0.05)
+    try:
+        end = time.monotonic() + 10
+        while not (cap.read_usage(str(tmp_path)) or {}).get("evictor", "").endswith(f":{a.pid}"):
+            assert time.monotonic() < end
+            time.sleep(0.02)
+        r = subprocess.run([sys.executable, "-m", "kvtier", "evict", str(tmp_path), "--max-bytes", "1"],
+                           capture_output=True, text=True, cwd=REPO)
+        assert r.returncode == 1 and "holds the evictor lock" in r.stderr and str(a.pid) in r.stderr
+    finally:
+        a.kill()
+        a.wait()
+
+
+# ---------------------------------------------------------------------- vLLM
+
+@pytest.mark.vllm
+def test_vllm_tier_with_a_bound_emits_removed_events_and_misses(tmp_path):
+    from ci import unavailable
+
+    try:
+        from vllm.plugins import load_general_plugins
+        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    except ImportError as e:
+        unavailable(f"vLLM 0.33 is not importable ({e})")
+    load_general_plugins()
+    if "kvtier" not in SecondaryTierFactory._registry:
+        unavailable("kvtier's vllm.general_plugins entry point is not installed (pip install -e .)")
+    from vllm_harness import Harness, key
+
+    bs = 8192
+    root = str(tmp_path / "kv")
+    conf = {"type": "kvtier", "root_dir": root, "n_read_threads": 2, "n_write_threads": 2, "enable_kv_events": True,
+            "max_bytes": "1G", "census_interval_s": 3600, "use_o_direct": False}
+    h = Harness([conf], block_bytes=bs, events=True)
+    try:
+        tier = h.tiers[0]
+        rng = np.random.default_rng(5)
+        a = [key(i, salt=1) for i in range(6)]
+        b = [key(i, salt=2) for i in range(6)]
+        da = [rng.integers(0, 256, bs, dtype=np.uint8).tobytes() for _ in a]
+        db = [rng.integers(0, 256, bs, dtype=np.uint8).tobytes() for _ in b]
+        h.store(a, da)
+        h.wait_tiers()
+        time.sleep(0.01)
+        h.store(b, db)
+        h.wait_tiers()
+        h.reset()  # the CPU tier forgets them: lookups go to the files
+        stored = [e for e in h.manager.take_events() if e.medium.name == "STORAGE"]
+        assert sorted(k for e in stored for k in e.keys) == sorted(a + b) and not any(e.removed for e in stored)
+        rc = cap.root_capacity(root)
+        base = cap.census(root).bytes
+        rc.max_bytes = int((base - 6 * bs) / 0.85) + 1  # room for b only, below the low watermark
+        n = rc.passes
+        rc.request_evict("capacity")
+        assert rc.wait_pass(10, after=n) and len(rc.last_pass.evicted) == 6
+        ev = [e for e in h.manager.take_events() if e.medium.name == "STORAGE"]
+        assert [(sorted(e.keys), e.removed) for e in ev] == [(sorted(a), True)]
+        assert not any(os.path.exists(tier.file_mapper.get_file_name(k)) for k in a)
+        r = h.ctx()
+        assert all(s[-1] == "MISS" for s in h.lookup_all(a, r).values())
+        assert all(s[-1] == "HIT" for s in h.lookup_all(b, r).values())
+        assert h.load(b, r) == db
+        h.finish(r)
+        snap = tier.counters()
+        assert snap["evicted_capacity"] == 6 and snap["evicted_bytes_capacity"] == 6 * bs
+        defs = type(tier).build_metric_definitions(conf)
+        assert "kvtier:kv_offload_tiering_evictions" in defs and "kvtier:kv_offload_tiering_capacity_used_bytes" in defs
+        assert "kvtier:kv_offload_tiering_capacity_used_bytes" not in type(tier).build_metric_definitions(
+            {k: v for k, v in conf.items() if k != "max_bytes"})
+    finally:
+        h.close()
+
+
+# ---------------------------------------------------------------------- two DFS clients
+
+LOCK_HOLDER = r"""
+import sys, time
+sys.path.insert(0, {repo!r})
+from kvtier._tier.capacity import EvictorLock
+lock = EvictorLock(sys.argv[1])
+print("held" if lock.try_acquire() else "refused", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.dfs
+def test_the_evictor_lock_excludes_across_two_dfs_clients_and_fails_over(dfs, dfs_dirs):
+    """The fcntl lock of ``.kvtier/evictor.lock`` taken through node A's mount refuses a
+    second process through node B's (two FUSE clients of one volume), and is free for B
+    once A's holder is SIGKILLed."""
+    a, b = dfs_dirs
+    os.makedirs(os.path.join(a, cap.STATE_DIR, cap.WRITERS_DIR))
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER.format(repo=REPO), a], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        end = time.monotonic() + 15  # node B's view of the new directory (GlusterFS name cache)
+        while not os.path.isdir(os.path.join(b, cap.STATE_DIR)):
+            assert time.monotonic() < end
+            time.sleep(0.1)
+        lock = cap.EvictorLock(b)
+        try:
+            assert not lock.try_acquire(), f"{dfs.kind}: a second client took a held lock"
+            os.kill(holder.pid, signal.SIGKILL)
+            holder.wait()
+            t0 = time.monotonic()
+            while not lock.try_acquire():
+                assert time.monotonic() - t0 < 30, f"{dfs.kind}: the lock of a killed holder was never released"
+                time.sleep(0.1)
+            print(f"{dfs.kind}: lock free for node B {time.monotonic() - t0:.2f} s after the SIGKILL")
+        finally:
+            lock.release()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.dfs
+def test_two_dfs_clients_stay_within_the_bound_plus_a_batch_each(dfs, dfs_dirs):
+    """As the two-process test, each writer on its own FUSE client (node A, node B)."""
+    a, b = dfs_dirs
+    max_bytes, batch = 48 * BS, 4
+    ps = [_writer(root, tag, 6.0, 0.3, max_bytes, batch) for tag, root in ((1, a), (2, b))]
+    peak, samples = 0, 0
+    while any(p.poll() is None for p in ps):
+        peak = max(peak, cap.census(a, keep_entries=False).bytes)
+        samples += 1
+        time.sleep(0.02)
+    outs = [p.communicate()[0] for p in ps]
+    assert all(p.returncode == 0 for p in ps)
+    done = [line.split() for o in outs for line in o.splitlines() if line.startswith("done")]
+    stored = [int(d[1]) for d in done]
+    print(f"{dfs.kind}: peak {peak} bytes for a bound of {max_bytes}, {samples} samples, jobs stored {stored}, "
+          f"dropped {[int(d[2]) for d in done]}")
+    assert min(stored) > 0 and sum(stored) * batch * BS > 2 * max_bytes
+    allowance = 2 * batch * BS + 50 * batch * BS + 256 * 1024
+    assert samples > 20 and peak <= max_bytes + allowance, (peak, max_bytes)
