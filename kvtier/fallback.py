@@ -652,12 +652,8 @@ def _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retr
             data_read[0] = False
             mismatch, short, unverified = _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts,
                                                        attempt > 0, data_read)
-            if short:
-                if seen != _LT_SHORT:
-                    return _LT_SHORT
-                remove = True
-                _count_into(counts, "condemned_short")
-                raise _Verdict(_errno.EIO, "verify", "short_read")
+            if short:  # fstat said the block size: never condemned for it (P6), reopened
+                return _LT_SHORT
             if mismatch is None:
                 if unverified:  # once per block loaded, however often it was opened
                     _count_into(counts, "unverified")
@@ -698,7 +694,7 @@ def _load_one(src, mv, use_o_direct, checksum, crc_fn, counts, retried_out):
             _count_into(counts, "reread_short" if kind == _LT_SHORT else "restat_size")
             seen = kind
             continue
-        # short, then wrong size, ...: unconfirmed, a miss
+        # short on three opens, or short / wrong size in turn: a miss, kept (P6)
         raise _Verdict(_errno.EIO, "verify", size=size_out[0],
                        size_kept="unsure" if kind == _LT_SIZE else None)
 

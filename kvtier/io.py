@@ -25,9 +25,9 @@ after a first checksum mismatch, the failing block included; 0 for stores).
 
 Which errno a block gets and whether its file is removed is the error policy, one table in
 docs/design.md ("Error policy"): in short a block is removed only when provably bad (a CRC
-or identity mismatch on two reads: EBADMSG with ``checksum_failed``; a wrong size or short
-read on two opens with no intact record of its own: EIO with ``condemned``), and any other
-error keeps it.
+or identity mismatch on two reads: EBADMSG with ``checksum_failed``; a wrong size on two
+opens with no intact record of its own: EIO with ``condemned``), and any other error keeps
+it (a short read of a file whose size is right is a miss, EIO, kept, after three opens).
 Every batch OSError also has ``operation`` (the failing call, one of
 :data:`kvtier._blockio.policy.OPERATIONS`) and ``condemned`` (the cause when the file
 was removed, else None).

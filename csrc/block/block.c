@@ -431,15 +431,16 @@ typedef struct load_look {
     int size_kept; /* KVT_SIZE_KEPT_*: a file of another size on two opens, kept */
 } load_look;
 
-/* A wrong size / short read: the first sighting is only noted (the block is
- * reopened), the same again condemns it. Returns EIO. */
-static int sighting(load_look *lk, int kind, int cause)
+/* A wrong size / short read: noted, the block is reopened (load_one). A wrong
+ * size seen on two opens is judged by check_block_file (condemned unless a
+ * record verifies the file); a short read of a file whose fstat says the
+ * block size never condemns: the size is right, the bytes on disk may well
+ * be (a transient fault of the filesystem, issue #24): reopened, then a miss
+ * (EIO, kept). Returns EIO. */
+static int sighting(load_look *lk, int kind)
 {
     lk->op = KVT_OP_VERIFY;
-    if (lk->seen == kind)
-        lk->cause = cause;
-    else
-        lk->kind = kind;
+    lk->kind = kind;
     return EIO;
 }
 
@@ -461,7 +462,7 @@ static int check_block_file(int fd, size_t len, int checksum, load_look *lk)
     if ((uint64_t)st.st_size != (uint64_t)len) {
         lk->size = (unsigned long long)st.st_size; /* the error message says it */
         if (lk->seen != LT_SIZE)
-            return sighting(lk, LT_SIZE, KVT_CAUSE_SIZE);
+            return sighting(lk, LT_SIZE);
         lk->op = KVT_OP_VERIFY;
         int v = checksum ? whole_file_verifies(fd, (uint64_t)st.st_size) : 0;
         if (v == 0)
@@ -576,7 +577,7 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
             return ETIMEDOUT; /* the section was expired (not a load's way): not counted */
         }
         if (err == KVT_READ_SHORT)
-            return sighting(lk, LT_SHORT, KVT_CAUSE_SHORT); /* shrank after fstat, or a short read */
+            return sighting(lk, LT_SHORT); /* shrank after fstat (P7 next open), or a short read */
         if (err)
             return err; /* a read error is the filesystem's, not the block's */
         if (have_rec && got != want)
@@ -597,7 +598,7 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
             return 0;
         if (r < 0)
             return errno;
-        return sighting(lk, LT_SHORT, KVT_CAUSE_SHORT); /* shrank after fstat, or a short read */
+        return sighting(lk, LT_SHORT); /* shrank after fstat (P7 next open), or a short read */
     }
     int move = !have_rec ? (kvt_engine_crc_copy() ? KVT_MOVE_NT : KVT_MOVE_COPY)
                          : (!reread && kvt_engine_crc_copy()) ? KVT_MOVE_FUSED : KVT_MOVE_CRC_COPY;
@@ -610,7 +611,7 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
         int e = check_block_file(fd, len, checksum, lk);
         if (e)
             return e;
-        return sighting(lk, LT_SHORT, KVT_CAUSE_SHORT);
+        return sighting(lk, LT_SHORT);
     }
     if (err != 0) {
         if (err != ETIMEDOUT && err != ENOMEM) {
@@ -678,8 +679,10 @@ static int load_try(const load_dir *dir, const char *src, uint8_t *buf, size_t l
 }
 
 /* Load one block under the error policy (policy.h, docs/design.md "Error
- * policy"): a first short read or wrong size reopens the block, the same
- * again condemns it; EAGAIN/ESTALE are retried from the open. Returns 0, or
+ * policy"): a short read or wrong size reopens the block (up to three opens);
+ * a wrong size on two opens condemns it unless a record verifies the file, a
+ * short read never does (P6: a miss after the third); EAGAIN/ESTALE are
+ * retried from the open. Returns 0, or
  * an errno value with *op, and *cause when condemned (*size: a file's size
  * other than len; *size_kept: KVT_SIZE_KEPT_* when such a file was kept,
  * EIO). *retried = 1 if re-read after a mismatch. The common path is open, fgetxattr (with checksums: the
@@ -699,7 +702,7 @@ static int load_one(const load_dir *dir, const char *src, uint8_t *buf, size_t l
         if (err == 0 || lk.cause)
             break;
         if (lk.kind != LT_OK) { /* a first short read / wrong size: reopen and look again */
-            if (sightings++ >= 2) { /* short, then wrong size, then short ...: unconfirmed, a miss */
+            if (sightings++ >= 2) { /* short on three opens, or short / wrong size in turn: a miss, kept */
                 if (lk.kind == LT_SIZE)
                     lk.size_kept = KVT_SIZE_KEPT_UNSURE;
                 break;

@@ -5,7 +5,8 @@
  *
  * A block is condemned (its file removed) only on proof: a CRC or identity
  * mismatch seen on two reads (the second after dropping the page cache), a
- * size other than the block size on two opens, a short read on two opens.
+ * size other than the block size on two opens (unless a record verifies the
+ * file). A short read of a file whose size is right never condemns (P6).
  * Every other error is a miss that keeps the file, after the retries below.
  */
 #ifndef KVT_POLICY_H

@@ -30,6 +30,11 @@
  *                            tests (tests/test_policy.py) walk docs/design.md's
  *                            table with it.
  *   (open covers openat relative to a directory fd too, keyed by the whole path.)
+ *   KVT_FAULT_HALF_EOF=PCT   each pread/preadv (of a file under the directory) with
+ *                            probability PCT percent transfers at most half of what it
+ *                            asks, and the next one on that fd returns 0 bytes (EOF):
+ *                            a transient short read while fstat says the full size
+ *                            (issue #24). KVT_FAULT_SEED=N seeds it (default 1).
  *   KVT_FAULT_LOG=path       one line per injected fault: "<func>\t<kind>\t<path>".
  *
  * glibc's headers may route pread/pwrite/open to their *64 names (and CPython's
@@ -202,6 +207,36 @@ static int errno_fault(const char *func, const char *path, int *err)
     return fire;
 }
 
+/* KVT_FAULT_HALF_EOF: 1 if this read of fd is to be cut (*len halved, or 0:
+ * the EOF after a halved one). */
+static int half_eof(const char *func, int fd, size_t *len)
+{
+    const char *pct = getenv("KVT_FAULT_HALF_EOF");
+    if (!pct || strcmp(func, "pread") != 0 || fd < 0 || fd >= 65536)
+        return 0;
+    static unsigned char eof_next[65536];
+    static unsigned seed;
+    static int seeded;
+    int cut = 0;
+    pthread_mutex_lock(&mu);
+    if (!seeded) {
+        const char *sd = getenv("KVT_FAULT_SEED");
+        seed = sd ? (unsigned)strtoul(sd, NULL, 10) : 1u;
+        seeded = 1;
+    }
+    if (eof_next[fd]) {
+        eof_next[fd] = 0;
+        *len = 0;
+        cut = 1;
+    } else if ((unsigned)(rand_r(&seed) % 10000) < (unsigned)(atof(pct) * 100) && *len > 1) {
+        *len /= 2;
+        eof_next[fd] = 1;
+        cut = 2;
+    }
+    pthread_mutex_unlock(&mu);
+    return cut;
+}
+
 static size_t short_limit(void)
 {
     const char *s = getenv("KVT_FAULT_SHORT");
@@ -238,6 +273,9 @@ static int rw_fault(const char *func, int fd, size_t *len)
             return -1;
         }
     }
+    int h = half_eof(func, fd, len);
+    if (h)
+        log_fault(func, h == 1 ? "EOF" : "HALF", path);
     size_t lim = short_limit();
     if (lim && *len > lim) {
         *len = lim;

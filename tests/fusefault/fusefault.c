@@ -14,6 +14,8 @@
  *
  *   KIND   eio       read() fails with EIO
  *          ebadmsg   read() fails with EBADMSG
+ *          eagain    read() and write() fail with EAGAIN (a filesystem that says
+ *                    "try again": io_uring must not turn it into a busy loop)
  *          flip      bit 0 of the byte at file offset ARG is flipped in the
  *                    data a read() returns (only reads covering that byte)
  *          short     the file reads as if cut at half its size: reads at or
@@ -61,12 +63,12 @@
 #define MAX_RULES 64
 
 enum kind {
-    K_EIO, K_EBADMSG, K_FLIP, K_SHORT, K_GETXATTR, K_SETXATTR,
+    K_EIO, K_EBADMSG, K_FLIP, K_SHORT, K_GETXATTR, K_SETXATTR, K_EAGAIN,
     K_STALL_READ, K_STALL_WRITE, K_STALL_GETXATTR, K_STALL_OPEN, K_STALL_RENAME, K_STALL_GETATTR,
     K_NKINDS
 };
 static const char *const kind_names[K_NKINDS] = {
-    "eio", "ebadmsg", "flip", "short", "getxattr", "setxattr",
+    "eio", "ebadmsg", "flip", "short", "getxattr", "setxattr", "eagain",
     "stall_read", "stall_write", "stall_getxattr", "stall_open", "stall_rename", "stall_getattr",
 };
 
@@ -431,6 +433,8 @@ static int ff_read(const char *path, char *buf, size_t size, off_t off, struct f
         return -EIO;
     if (take(K_EBADMSG, path, &arg, 0, 0, 0))
         return -EBADMSG;
+    if (take(K_EAGAIN, path, &arg, 0, 0, 0))
+        return -EAGAIN;
     if (peek(K_SHORT, path)) {
         struct stat st;
         if (fstat(fd, &st) == -1)
@@ -461,6 +465,9 @@ static int ff_write(const char *path, const char *buf, size_t size, off_t off, s
         return rc ? rc : (int)size;
     }
     stall(K_STALL_WRITE, path);
+    long long arg;
+    if (take(K_EAGAIN, path, &arg, 0, 0, 0))
+        return -EAGAIN;
     ssize_t n = pwrite((int)fi->fh, buf, size, off);
     return n == -1 ? -errno : (int)n;
 }

@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "fusefault.c")
 CTL = ".fusefault"
 STALL_OPS = ("read", "write", "getxattr", "open", "rename", "getattr")
-KINDS = ("eio", "ebadmsg", "flip", "short", "getxattr", "setxattr") + tuple(f"stall_{op}" for op in STALL_OPS)
+KINDS = ("eio", "ebadmsg", "flip", "short", "getxattr", "setxattr", "eagain") + tuple(f"stall_{op}" for op in STALL_OPS)
 MAX_THREADS = 64  # FUSE worker threads: stalled operations must leave some to answer .fusefault
 
 

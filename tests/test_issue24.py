@@ -1,0 +1,114 @@
+"""Issue #24: never delete a good block, never spin on a sick filesystem.
+
+Each test here failed on e37af22 (the commit that carries it says how it was checked)
+and passes with its fix. Faults: the LD_PRELOAD shim tests/c/io_fault.c (KVT_FAULT_*,
+in a child process) and the FUSE fault filesystem tests/fusefault.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_block_io import build_preload, preload
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def io_fault(tmp_path_factory):
+    return build_preload(tmp_path_factory, "io_fault")
+
+
+def block_paths(d, n, group=0):
+    return [os.path.join(str(d), "m_0123456789ab_r0", f"{i:03x}"[:3], f"{i % 256:02x}_g{group}", f"{i:016x}.bin")
+            for i in range(n)]
+
+
+def blocks_of(n, bs, seed):
+    return np.random.default_rng(seed).integers(0, 256, n * bs, dtype=np.uint8)
+
+
+# ---------------------------------------------------------------- item 1: transient short reads
+
+_LOAD_EACH = textwrap.dedent("""
+    import hashlib, json, sys
+    import numpy as np
+    from kvtier import io
+    spec = json.loads(sys.argv[1])
+    assert io.backend == spec["backend"]
+    bs = spec["bs"]
+    out = np.zeros(bs, np.uint8)
+    res = []
+    for p in spec["paths"]:
+        counts = {}
+        try:
+            io.batch_load_block([p], out, [0], bs, counts=counts, **spec["kw"])
+            res.append({"ok": True, "sha": hashlib.sha256(out.tobytes()).hexdigest(), "counts": counts})
+        except OSError as e:
+            res.append({"ok": False, "errno": e.errno, "condemned": e.condemned, "counts": counts})
+    print(json.dumps(res))
+""")
+
+
+def load_each_under_shim(io_backend, shim, d, paths, bs, env_extra, **kw):
+    spec = {"backend": io_backend.backend, "paths": paths, "bs": bs, "kw": kw}
+    env = dict(os.environ, LD_PRELOAD=preload(shim), KVT_FAULT_DIR=str(d), KVTIER_IO_BACKEND=io_backend.backend,
+               **env_extra)
+    r = subprocess.run([sys.executable, "-c", _LOAD_EACH, json.dumps(spec)], env=env, cwd=str(ROOT),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("pct", [10, 30])
+@pytest.mark.parametrize("checksum", [True, False])
+def test_transient_short_reads_delete_no_good_block(io_backend, io_fault, tmp_path, pct, checksum):
+    """100 good blocks, pct % of the preads return half their bytes and the next one on
+    that fd EOF (fstat says the full size throughout): 0 blocks deleted, every load is
+    either the block's bytes or a miss (EIO, kept)."""
+    import hashlib
+
+    bs, n = 256 * 1024, 100
+    paths = block_paths(tmp_path, n)
+    view = blocks_of(n, bs, pct)
+    io_backend.batch_store_block(paths, view, [i * bs for i in range(n)], bs, checksum=checksum)
+    res = load_each_under_shim(io_backend, io_fault, tmp_path, paths, bs,
+                               {"KVT_FAULT_HALF_EOF": str(pct), "KVT_FAULT_SEED": "6"},
+                               checksum=checksum, use_o_direct=False)
+    deleted = [p for p in paths if not os.path.exists(p)]
+    assert deleted == [], f"{len(deleted)} good blocks deleted"
+    for i, r in enumerate(res):
+        if r["ok"]:
+            assert r["sha"] == hashlib.sha256(view[i * bs:(i + 1) * bs].tobytes()).hexdigest()
+        else:
+            assert (r["errno"], r["condemned"]) == (errno.EIO, None), r
+    assert sum(r["counts"].get("reread_short", 0) for r in res) > 0  # the faults fired
+    assert sum(r["ok"] for r in res) >= n // 2
+    for p, i in zip(paths, range(n)):  # the files are intact
+        assert Path(p).read_bytes() == view[i * bs:(i + 1) * bs].tobytes()
+
+
+def test_short_read_on_every_open_is_a_miss_and_kept(io_backend, io_fault, tmp_path):
+    """A short read on each of three opens (stat says the block size): EIO, a miss,
+    the file kept (design.md P6); on two opens it loads."""
+    bs = 3 * 4096
+    [p] = block_paths(tmp_path, 1)
+    view = blocks_of(1, bs, 1)
+    io_backend.batch_store_block([p], view, [0], bs, checksum=True)
+    [r] = load_each_under_shim(io_backend, io_fault, tmp_path, [p], bs, {"KVT_FAULT_ERRNO": "pread:0:2"},
+                               checksum=True)
+    assert r["ok"], r
+    assert {k: v for k, v in r["counts"].items() if v} == {"reread_short": 2}
+    [r] = load_each_under_shim(io_backend, io_fault, tmp_path, [p], bs, {"KVT_FAULT_ERRNO": "pread:0:-1"},
+                               checksum=True)
+    assert (r["ok"], r["errno"], r["condemned"]) == (False, errno.EIO, None), r
+    assert {k: v for k, v in r["counts"].items() if v} == {"reread_short": 2}
+    assert Path(p).read_bytes() == view.tobytes()
