@@ -112,3 +112,76 @@ def test_short_read_on_every_open_is_a_miss_and_kept(io_backend, io_fault, tmp_p
     assert (r["ok"], r["errno"], r["condemned"]) == (False, errno.EIO, None), r
     assert {k: v for k, v in r["counts"].items() if v} == {"reread_short": 2}
     assert Path(p).read_bytes() == view.tobytes()
+
+
+# ---------------------------------------------------------------- item 5: EAGAIN, io_uring
+
+def _in_thread(fn, timeout):
+    """fn() on a daemon thread; (finished, result or exception, seconds)."""
+    import threading
+    import time
+
+    out = {}
+
+    def run():
+        t0 = time.monotonic()
+        try:
+            out["r"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed back to the test
+            out["r"] = e
+        out["t"] = time.monotonic() - t0
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    return not t.is_alive(), out.get("r"), out.get("t")
+
+
+@pytest.mark.mount
+@pytest.mark.parametrize("o_direct", [True, False], ids=["o_direct", "buffered"])
+def test_eagain_from_the_filesystem_is_retried_3_times_then_a_miss(io_backend, ff, area, o_direct):
+    """A filesystem answering EAGAIN to every read (fusefault): a 2 MiB load (O_DIRECT:
+    the C core's io_uring path; buffered: the plain path) follows P2: 3 retries, then
+    a miss with EAGAIN in about 7 ms, the file kept; the filesystem saw at most two
+    reads per try (the ring's, refused or EAGAIN, then the plain path's), not a loop."""
+    bs = 2 << 20
+    [p] = block_paths(area, 1)
+    view = blocks_of(1, bs, 5)
+    io_backend.batch_store_block([p], view, [0], bs, checksum=True, use_o_direct=o_direct)
+    ff.add("eagain", "/" + os.path.relpath(p, ff.mnt), count=-1)
+    out = np.zeros(bs, np.uint8)
+    counts = {}
+    done, r, secs = _in_thread(lambda: io_backend.batch_load_block([p], out, [0], bs, checksum=True,
+                                                                   use_o_direct=o_direct, counts=counts), 20)
+    hits = ff.hits("eagain")
+    ff.clear()
+    assert done, f"the load is still running after 20 s ({hits} reads answered EAGAIN)"
+    assert isinstance(r, OSError) and (r.errno, r.operation, r.condemned) == (errno.EAGAIN, "read", None), r
+    assert counts.get("retry_eagain") == 3, counts
+    assert 4 <= hits <= 8, hits
+    assert secs < 5, secs
+    assert Path(ff.backing_of(p)).read_bytes() == view.tobytes()
+
+
+@pytest.mark.mount
+@pytest.mark.parametrize("o_direct", [True, False], ids=["o_direct", "buffered"])
+def test_eagain_on_store_writes_is_retried_3_times_then_fails(io_backend, ff, area, o_direct):
+    """Every write of the temp answers EAGAIN: a checksummed 2 MiB store (O_DIRECT: the C
+    core's io_uring path) follows P3: 3 retries from the start, then EAGAIN; no temp
+    left, nothing published; at most two writes reach the filesystem per try."""
+    bs = 2 << 20
+    [p] = block_paths(area, 1)
+    ff.add("eagain", "/" + os.path.relpath(p, ff.mnt) + "_*.tmp", count=-1)
+    view = blocks_of(1, bs, 6)
+    counts = {}
+    done, r, secs = _in_thread(lambda: io_backend.batch_store_block([p], view, [0], bs, checksum=True,
+                                                                    use_o_direct=o_direct, counts=counts), 20)
+    hits = ff.hits("eagain")
+    ff.clear()
+    assert done, f"the store is still running after 20 s ({hits} writes answered EAGAIN)"
+    assert isinstance(r, OSError) and (r.errno, r.operation) == (errno.EAGAIN, "write"), r
+    assert counts.get("retry_eagain") == 3, counts
+    assert 4 <= hits <= 8, hits
+    assert secs < 5, secs
+    assert not os.path.exists(p)
+    assert [f for f in os.listdir(os.path.dirname(ff.backing_of(p)))] == []

@@ -407,11 +407,14 @@ static int call_records(const kvt_store_records *rec, uint32_t crc)
  * blocks the file already has inside its size (else -EAGAIN under
  * IOCB_NOWAIT, and io_uring hands the write to a kernel worker thread that
  * issues it; on 2 busy vCPUs that worker waits for a CPU, 2-3x the store's
- * time). ftruncate where fallocate is refused (a filesystem without it):
- * then no extending writes at least. 0, KVT_WRITE_RECORD, EIO (the ring
- * broke with a write out: not retried, it may land late in the temp, which
- * the store removes), or EAGAIN (redo on the plain path; what was written
- * lands in the temp and is rewritten, the records set again). */
+ * time; the ring's ops carry RWF_NOWAIT, uring.c, so such a write would come
+ * back EAGAIN and the block be written on the plain path). ftruncate where
+ * fallocate is refused (a filesystem without it): no extending writes, but
+ * the ring's first write needs blocks and comes back EAGAIN: the plain path.
+ * 0, KVT_WRITE_RECORD, EIO (the ring broke with a write out: not retried, it
+ * may land late in the temp, which the store removes), or EAGAIN (redo on the
+ * plain path; what was written lands in the temp and is rewritten, the
+ * records set again). */
 static int write_uring(kvt_uring *ring, int fd, const uint8_t *src, size_t len, uint8_t *priv, int fused,
                        const kvt_store_records *rec, uint32_t *crc)
 {
