@@ -509,9 +509,6 @@ def _whole_file_verifies(fd, size, crc_fn):
     return crc == want
 
 
-_MISMATCH_CRC = "checksum"
-
-
 def _get_record(fd, name):
     """A record of the open block: its bytes, None when absent (ENODATA, except in
     strict mode's CRC record read: the caller asks), b"" when longer than any record
@@ -529,8 +526,9 @@ def _get_record(fd, name):
 
 def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=False, data_out=None):
     """Records then data. Returns (mismatch, short, unverified): mismatch "checksum"
-    for a CRC mismatch or malformed record, "identity" for an identity record other
-    than ``ident``, else None; short for a short read; unverified when read without
+    for a CRC mismatch or malformed record, "identity" for a well-formed identity record
+    of another block than ``ident``'s (a damaged one is judged by user.vllm.kv_crc32c),
+    else None; short for a short read; unverified when read without
     a CRC record (counted by the caller once the block is loaded). OSErrors (getxattr other
     than ENODATA, read) propagate with ``kvt_op`` (file kept); ENODATA in
     strict mode too (a miss). ``reread`` (after a mismatch): buffered, each
@@ -538,15 +536,15 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=F
     is judged on bytes no other thread of the caller can write (as the C core
     does). ``data_out[0]`` is set True once every byte of the block was read
     into ``mv`` (a mismatch of the data, not of a record)."""
-    want = None
+    want = verdict = idrec = crcrec = None
     unverified = False
     if checksum:
         # The identity record first: written by kvtier it carries the CRC too (one xattr per
-        # load); user.vllm.kv_crc32c only without it (stored by vLLM). Judged by
+        # load); user.vllm.kv_crc32c only without it (stored by vLLM) or with a damaged one
+        # (P11), and when the bytes differ from the CRC it carries (P10, _judged). Judged by
         # kvtier._blockio.records.judge, as kvtier scrub judges them.
         idrec = _get_record(fd, _rec.ID_XATTR_NAME)
-        crcrec = None
-        if _rec.needs_crc_record(idrec):
+        if _rec.needs_crc_record(idrec, ident):
             try:
                 crcrec = _get_record(fd, XATTR_NAME)
             except OSError as e:
@@ -595,7 +593,7 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=F
             _bounce_give(bounce)
         if data_out is not None:
             data_out[0] = True
-        return (_MISMATCH_CRC if want is not None and crc != want else None), False, unverified
+        return _judged(fd, verdict, idrec, crcrec, ident, crc), False, unverified
     for off in range(0, len(mv), IO_CHUNK):
         chunk = mv[off : off + IO_CHUNK]
         got, direct = _op("read", _read_full, fd, chunk, off, direct)
@@ -605,7 +603,23 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=F
             crc = crc_fn(chunk, crc)
     if data_out is not None:
         data_out[0] = True
-    return (_MISMATCH_CRC if want is not None and crc != want else None), False, unverified
+    return _judged(fd, verdict, idrec, crcrec, ident, crc), False, unverified
+
+
+def _judged(fd, verdict, idrec, crcrec, ident, crc):
+    """The mismatch ("checksum" or None) of a block read whole with CRC32C ``crc``, its
+    records judged before the read as ``verdict`` (None: checksums off). A CRC from the
+    identity record that differs from the bytes is asked of user.vllm.kv_crc32c too (the C
+    core's vllm_record_is): the identity record's CRC bytes alone damaged are no proof
+    against the bytes (P10, issue #24); bytes that changed match neither record."""
+    if verdict is None or verdict.want is None or crc == verdict.want:
+        return None
+    if verdict.source == _rec.ID_XATTR_NAME and crcrec is None:
+        try:
+            crcrec = _retry_eintr(_os.getxattr, fd, XATTR_NAME)
+        except OSError:  # none, or unreadable: nothing tells a damaged record from changed data
+            crcrec = None
+    return _rec.judge(idrec, crcrec, ident, crc).cause
 
 
 _LT_OK, _LT_ERR, _LT_SHORT, _LT_SIZE = range(4)

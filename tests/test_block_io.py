@@ -418,12 +418,15 @@ def test_malformed_or_wrong_record_is_mismatch(io_backend, tmp_path, record):
     assert not os.path.exists(p[0])
 
 
-@pytest.mark.parametrize("crc_part", [b"\x01\x02\x03", b"\x00" * 5, b"\x22" * 40, "swapped", "wrong"])
-def test_malformed_or_wrong_identity_record_is_mismatch(io_backend, tmp_path, crc_part):
+@pytest.mark.parametrize("crc_part", [b"", b"\x01\x02\x03", b"\x00" * 5, b"\x22" * 40, "swapped", "wrong"])
+def test_malformed_or_wrong_identity_record_is_judged_by_the_crc_record(io_backend, tmp_path, crc_part):
     """The identity record a store sets is the identity (8 bytes) then the CRC32C (4): a
-    load checks that CRC (not user.vllm.kv_crc32c). This identity followed by a wrong CRC
-    is a checksum failure; by a part of another length (12 bytes in all or 8 only) an
-    identity failure."""
+    load checks that CRC. This identity followed by a wrong CRC, by nothing (8 bytes) or by
+    a part of another length: the identity record is damaged, which is no proof against the
+    bytes (issue #24, design.md P10/P11): user.vllm.kv_crc32c verifies them and the block
+    loads (strict mode too); without that record a wrong CRC is a checksum failure
+    (removed) and a record of another length counts as none (loaded unverified, a miss in
+    strict mode)."""
     bs = 8192
     view = rand_blocks(1, bs, seed=19)
     p = block_paths(tmp_path, 1)
@@ -436,9 +439,24 @@ def test_malformed_or_wrong_identity_record_is_mismatch(io_backend, tmp_path, cr
     elif crc_part == "wrong":
         crc_part = ((int.from_bytes(good, "big") + 1) & 0xFFFFFFFF).to_bytes(4, "big")
     os.setxattr(p[0], ID_XATTR, ident + crc_part)
+    for mode in (True, "strict"):
+        out = np.zeros(bs, dtype=np.uint8)
+        counts = {}
+        assert io_backend.batch_load_block(p, out, [0], bs, checksum=mode, counts=counts) == 0
+        assert np.array_equal(out, view) and counts == {}, counts
+    os.removexattr(p[0], XATTR)
+    if len(crc_part) != 4:
+        out = np.zeros(bs, dtype=np.uint8)
+        counts = {}
+        io_backend.batch_load_block(p, out, [0], bs, checksum=True, counts=counts)
+        assert np.array_equal(out, view) and counts == {"unverified": 1}, counts
+        with pytest.raises(OSError) as ei:
+            io_backend.batch_load_block(p, out, [0], bs, checksum="strict")
+        assert (ei.value.errno, ei.value.condemned) == (errno.ENODATA, None)
+        assert os.path.exists(p[0])
+        return
     err, _ = load_expect_error(io_backend, p, bs)
-    cause = "checksum" if len(crc_part) == 4 else "identity"
-    assert (err.errno, err.checksum_failed, err.num_succeeded, err.condemned) == (errno.EBADMSG, True, 0, cause)
+    assert (err.errno, err.checksum_failed, err.num_succeeded, err.condemned) == (errno.EBADMSG, True, 0, "checksum")
     assert not os.path.exists(p[0])
 
 
@@ -506,9 +524,9 @@ def test_c_identity_equals_python_identity_on_messy_spellings(tmp_path, monkeypa
 
 def test_load_checks_the_crc_of_the_identity_record(io_backend, tmp_path):
     """A block kvtier stored is verified by the CRC its identity record carries: one
-    xattr per load. user.vllm.kv_crc32c (vLLM's reader's) is not read: a block whose
-    vLLM record was removed or is wrong still loads verified, in strict mode too; a flipped
-    byte fails either way."""
+    xattr per load. user.vllm.kv_crc32c (vLLM's reader's) is read only when the bytes do
+    not match that CRC (P10): a block whose vLLM record was removed or is wrong still loads
+    verified, in strict mode too; a flipped byte fails either way (it matches neither)."""
     bs = 3 * 4096
     view = rand_blocks(4, bs, seed=29)
     p = block_paths(tmp_path, 4)

@@ -26,7 +26,7 @@ import tempfile
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvtier
@@ -156,7 +156,9 @@ def test_libfuzzer_xattr_record_parser(tmp_path):
              b"\x01" + bytes([errno.EIO]), b"\x00\x00", b"\x00\x00" + bytes(40),
              # the identity record parser: 12 bytes, 8 bytes and 9 bytes after this identity, an error
              b"\x06\x00" + bytes(8) + b"\x12\x34\x56\x78", b"\x06\x00" + bytes(8), b"\x06\x00" + bytes(9),
-             b"\x03" + bytes([errno.ENODATA])]
+             b"\x03" + bytes([errno.ENODATA]), b"\x03" + bytes([errno.ERANGE]),
+             # 12 bytes of this identity with 1, 4 (damaged) and 5 (another identity) bits flipped
+             b"\x1e\x03" + bytes(12), b"\x4e\x07" + bytes(12), b"\x5e\x02" + bytes(12)]
     runs, log = run_fuzzer(exe, tmp_path, max_len=64, seconds=max(3, SECONDS // 3), seeds=seeds)
     assert runs > 1000, log[-2000:]
 
@@ -237,12 +239,14 @@ def test_hypothesis_xattr_record(backend, stored_block, record):
 @pytest.mark.parametrize("backend", ["c", "python"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(tail=st.one_of(st.binary(max_size=40), st.binary(min_size=4, max_size=4), st.just(b"")),
-       own=st.booleans())
-def test_hypothesis_identity_record(backend, stored_block, tail, own):
-    """Any identity record: this block's identity + its CRC32C (12 bytes) loads; this
-    identity + 4 other bytes is a checksum failure; anything else an identity failure (both
-    EBADMSG, checksum_failed, removed)."""
-    assume(not (own and tail == b""))  # the 8-byte record (never released) is not a case
+       flips=st.one_of(st.just(0), st.integers(1, 4), st.integers(5, 16)))
+def test_hypothesis_identity_record(backend, stored_block, tail, flips):
+    """Any identity record, the block's user.vllm.kv_crc32c good: this block's identity
+    (``flips`` = 0) or one within 4 bits of it, followed by anything, loads (its own CRC32C;
+    else the record is damaged, or its CRC bytes are, and user.vllm.kv_crc32c verifies the
+    bytes: issue #24); a record of another length than 12 loads too (damaged); a
+    well-formed 12-byte record of another identity (5 or more bits flipped) is an identity
+    failure (EBADMSG, checksum_failed, removed)."""
     from kvtier import io as kio
     from kvtier._blockio import records
 
@@ -252,19 +256,19 @@ def test_hypothesis_identity_record(backend, stored_block, tail, own):
     p = os.path.join(d, f"id_{backend}.bin")
     if not os.path.exists(p):
         io.batch_store_block([p], data, [0], bs, checksum=True)
-    ident = records.block_identity(p, bs)
-    good = kvtier.crc32c(data).to_bytes(4, "big")
-    record = (ident if own else bytes(b ^ 1 for b in ident)) + tail
+    ident = int.from_bytes(records.block_identity(p, bs), "big")
+    for k in range(flips):  # distinct bits (29 is odd)
+        ident ^= 1 << (k * 29 % 64)
+    record = ident.to_bytes(8, "big") + tail
     os.setxattr(p, "user.kvtier.id", record)
     out = np.zeros(bs, dtype=np.uint8)
-    if own and tail == good:
+    if flips <= records.ID_DAMAGED_BITS or len(record) != records.ID_REC_LEN:
         io.batch_load_block([p], out, [0], bs, checksum=True)
         assert np.array_equal(out, data)
         return
     with pytest.raises(OSError) as ei:
         io.batch_load_block([p], out, [0], bs, checksum=True)
-    cause = "checksum" if own and len(tail) == 4 else "identity"
-    assert (ei.value.errno, ei.value.checksum_failed, ei.value.condemned) == (errno.EBADMSG, True, cause)
+    assert (ei.value.errno, ei.value.checksum_failed, ei.value.condemned) == (errno.EBADMSG, True, "identity")
     assert not os.path.exists(p)
 
 

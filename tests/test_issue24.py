@@ -185,3 +185,77 @@ def test_eagain_on_store_writes_is_retried_3_times_then_fails(io_backend, ff, ar
     assert secs < 5, secs
     assert not os.path.exists(p)
     assert [f for f in os.listdir(os.path.dirname(ff.backing_of(p)))] == []
+
+
+# ---------------------------------------------------------------- item 2: a damaged identity record
+
+def _flip(b: bytes, bit: int) -> bytes:
+    a = bytearray(b)
+    a[bit // 8] ^= 1 << (bit % 8)
+    return bytes(a)
+
+
+DAMAGES = {
+    "flip_identity_bit": lambda rec: _flip(rec, 13),
+    "flip_crc_bit": lambda rec: _flip(rec, 8 * 8 + 3),
+    "empty": lambda rec: b"",
+    "8_bytes": lambda rec: rec[:8],
+    "11_bytes": lambda rec: rec[:11],
+    "13_bytes": lambda rec: rec + b"\0",
+    "100_bytes": lambda rec: b"x" * 100,
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+@pytest.mark.parametrize("checksum", [True, "strict"])
+def test_good_block_with_a_damaged_identity_record_is_kept_and_loads(io_backend, tmp_path, damage, checksum):
+    """A good block whose identity record alone is damaged (a flipped bit, a record of
+    0/8/11/13/100 bytes) while its data and user.vllm.kv_crc32c agree: loads its bytes
+    (verified by user.vllm.kv_crc32c, strict mode too), never deleted; scrub calls it ok
+    with a note, not corrupt."""
+    from kvtier._blockio import records
+    from kvtier.cli.scrub import scrub
+
+    bs = 3 * 4096
+    [p] = block_paths(tmp_path, 1)
+    view = blocks_of(1, bs, 2)
+    io_backend.batch_store_block([p], view, [0], bs, checksum=True)
+    rec = os.getxattr(p, records.ID_XATTR_NAME)
+    assert len(rec) == records.ID_REC_LEN
+    os.setxattr(p, records.ID_XATTR_NAME, DAMAGES[damage](rec))
+    out = np.zeros(bs, np.uint8)
+    counts = {}
+    io_backend.batch_load_block([p], out, [0], bs, checksum=checksum, counts=counts)
+    assert out.tobytes() == view.tobytes()
+    assert {k: v for k, v in counts.items() if v} == {}, counts  # verified, nothing re-read
+    assert Path(p).read_bytes() == view.tobytes()
+    d = scrub(str(tmp_path), progress=False)
+    assert d["counts"]["ok"] == 1 and d["counts"]["corrupt"] == 0, d
+    [f] = d["findings"]
+    assert "identity record user.kvtier.id is damaged" in f["detail"], f
+    # the data changed too: neither record verifies it: condemned as before (P10)
+    with open(p, "r+b") as fh:
+        fh.seek(5)
+        fh.write(bytes([view[5] ^ 0xFF]))
+    with pytest.raises(OSError) as ei:
+        io_backend.batch_load_block([p], out, [0], bs, checksum=checksum)
+    assert (ei.value.errno, ei.value.condemned) == (errno.EBADMSG, "checksum")
+    assert not os.path.exists(p)
+
+
+def test_a_misplaced_block_is_still_condemned_for_identity(io_backend, tmp_path):
+    """A block copied under another key's name carries a well-formed record of another
+    identity (about 32 of 64 bits differ): still EBADMSG, condemned="identity" (P11)."""
+    import shutil
+
+    bs = 3 * 4096
+    a, b = block_paths(tmp_path, 2)
+    view = blocks_of(1, bs, 3)
+    io_backend.batch_store_block([a], view, [0], bs, checksum=True)
+    os.makedirs(os.path.dirname(b), exist_ok=True)
+    shutil.copy2(a, b)
+    out = np.zeros(bs, np.uint8)
+    with pytest.raises(OSError) as ei:
+        io_backend.batch_load_block([b], out, [0], bs, checksum=True)
+    assert (ei.value.errno, ei.value.condemned) == (errno.EBADMSG, "identity")
+    assert not os.path.exists(b) and os.path.exists(a)

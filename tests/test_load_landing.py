@@ -201,3 +201,32 @@ def test_the_tier_uses_the_mode_of_its_root(tmpfs_dir, monkeypatch):
             m.shutdown()
     with pytest.raises(ValueError, match="load_landing"):
         FileSystemTierManager(primary, os.path.join(tmpfs_dir, "x"), "m", block_size=BS, load_landing="yes")
+
+
+@pytest.mark.parametrize("use_o_direct", [True, False])
+def test_direct_landing_judges_a_damaged_identity_record_by_the_crc_record(io_backend, tmp_path, use_o_direct):
+    """Issue #24 item 2 on the direct landing: an identity record whose CRC bytes alone are
+    damaged (user.vllm.kv_crc32c verifies the bytes) loads, nothing re-read, the file kept;
+    a record of another length likewise; with the data changed too, condemned (checksum)."""
+    from kvtier._blockio import records
+
+    data, paths = stored(io_backend, str(tmp_path), 1)
+    rec = os.getxattr(paths[0], records.ID_XATTR_NAME)
+    for bad in (rec[:11] + bytes([rec[11] ^ 1]), rec[:8]):
+        os.setxattr(paths[0], records.ID_XATTR_NAME, bad)
+        out = aligned(BS)
+        js = kio.JobState()
+        counts = {}
+        assert io_backend.batch_load_block(paths, out, [0], BS, use_o_direct=use_o_direct, checksum=True,
+                                           job_state=js, landing="direct", counts=counts) == 0
+        assert np.array_equal(out, data) and js.blocks_done == 1
+        assert {k: v for k, v in counts.items() if v} == {}, counts
+    os.setxattr(paths[0], records.ID_XATTR_NAME, rec[:11] + bytes([rec[11] ^ 1]))
+    with open(paths[0], "r+b") as f:
+        f.seek(7)
+        f.write(bytes([data[7] ^ 0x20]))
+    with pytest.raises(OSError) as ei:
+        io_backend.batch_load_block(paths, aligned(BS), [0], BS, use_o_direct=use_o_direct, checksum=True,
+                                    job_state=kio.JobState(), landing="direct")
+    assert (ei.value.errno, ei.value.condemned) == (errno.EBADMSG, "checksum")
+    assert not os.path.exists(paths[0])

@@ -308,11 +308,27 @@ def check_P11(io_backend, shim, d):
     r = child(io_backend, shim, d, "load", a, f"fgetxattr:{errno.ERANGE}:1")
     assert r["ok"] and r["sha"] == sha(data), r
     only(r["counts"])
-    # a record really longer than any (neither 8 nor 12 bytes): malformed, as above
+    # a record really longer than any (not 12 bytes), one bit of its identity flipped, or
+    # its CRC bytes flipped: the record itself is damaged, not another block's (issue #24):
+    # the block is judged by user.vllm.kv_crc32c, which verifies it
+    rec = os.getxattr(a, records.ID_XATTR_NAME)
+    for bad in (b"x" * 100, rec[:8], bytes([rec[0] ^ 4]) + rec[1:], rec[:11] + bytes([rec[11] ^ 1])):
+        os.setxattr(a, records.ID_XATTR_NAME, bad)
+        r = get(io_backend, a)
+        assert r["ok"] and r["sha"] == sha(data), r
+        only(r["counts"])
     os.setxattr(a, records.ID_XATTR_NAME, b"x" * 100)
+    os.removexattr(a, "user.vllm.kv_crc32c")  # no record left that verifies it: as P12
     r = get(io_backend, a)
-    assert (r["ok"], r["errno"], r["condemned"]) == (False, errno.EBADMSG, "identity"), r
-    only(r["counts"], reread_identity=1, condemned_identity=1)
+    assert r["ok"] and r["sha"] == sha(data), r
+    only(r["counts"], unverified=1)
+    assert Path(a).read_bytes() == data
+    # its CRC bytes flipped and no user.vllm.kv_crc32c to tell the record from the data: P10
+    os.setxattr(a, records.ID_XATTR_NAME, rec[:11] + bytes([rec[11] ^ 1]))
+    r = get(io_backend, a)
+    assert (r["ok"], r["errno"], r["condemned"]) == (False, errno.EBADMSG, "checksum"), r
+    only(r["counts"], reread_checksum=1, condemned_checksum=1)
+    assert not os.path.exists(a)
 
 
 def check_P12(io_backend, shim, d):

@@ -496,9 +496,23 @@ static int record_error(int fd, size_t len, int checksum, load_look *lk, int xer
     return e ? e : xerr;
 }
 
+/* Whether the open file's user.vllm.kv_crc32c is well formed and equals
+ * `crc` (the CRC of the bytes just read): asked when the CRC its identity
+ * record carries differs, so that a damaged identity record alone (its CRC
+ * bytes flipped) is not taken for damaged data (P10, issue #24): data that
+ * changed match neither record. */
+static int vllm_record_is(int fd, uint32_t crc)
+{
+    uint8_t rec[KVT_XATTR_BUF];
+    uint32_t v;
+    ssize_t r = kvt_fgetxattr_r(fd, KVT_XATTR_NAME, rec, sizeof rec);
+    return kvt_xattr_parse(rec, (long)r, r < 0 ? errno : 0, &v) == KVT_REC_OK && v == crc;
+}
+
 /* Read the records (with `checksum`) and the data of an open block. Returns
  * 0 with *mismatch = KVT_CAUSE_CHECKSUM (CRC mismatch or malformed record) /
- * KVT_CAUSE_IDENTITY (identity record not `id`), 0 with *mismatch = 0 when
+ * KVT_CAUSE_IDENTITY (a well-formed identity record not `id`'s), 0 with
+ * *mismatch = 0 when
  * good (or without CRC record: counted; a miss, ENODATA, in strict mode), or
  * an errno value (lk: the call, a sighting, a condemnation). A re-read
  * (`reread`) is buffered and checksummed by the active backend. */
@@ -509,8 +523,9 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
     /* Records first: a block without CRC record needs no CRC at all. The
      * identity record first: written by kvtier it carries the CRC too (one
      * xattr per load); user.vllm.kv_crc32c only without it (stored by vLLM)
-     * (stored by vLLM). */
-    int have_rec = 0;
+     * or with a damaged one (P11), and when the CRC it carries differs from
+     * the bytes (P10). */
+    int have_rec = 0, from_id = 0;
     uint32_t want = 0;
     if (checksum) {
         uint8_t rec[KVT_XATTR_BUF];
@@ -518,11 +533,12 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
         int xerr = r < 0 ? errno : 0;
         switch (kvt_id_parse(rec, (long)r, xerr, id, &want)) {
         case KVT_ID_CRC:
-            have_rec = 1;
+            have_rec = from_id = 1;
             break;
         case KVT_ID_ABSENT:
+        case KVT_ID_DAMAGED: /* the record itself damaged (P11): judged by user.vllm.kv_crc32c */
             break;
-        case KVT_ID_MISMATCH: /* another block's name or layout, or malformed */
+        case KVT_ID_MISMATCH: /* a well-formed record of another block's name or layout */
             return record_mismatch(fd, len, checksum, lk, KVT_CAUSE_IDENTITY, mismatch);
         default: /* EOPNOTSUPP, EIO, ...: not the block's fault, keep */
             return record_error(fd, len, checksum, lk, xerr);
@@ -580,7 +596,7 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
             return sighting(lk, LT_SHORT); /* shrank after fstat (P7 next open), or a short read */
         if (err)
             return err; /* a read error is the filesystem's, not the block's */
-        if (have_rec && got != want)
+        if (have_rec && got != want && !(from_id && vllm_record_is(fd, got)))
             *mismatch = KVT_CAUSE_CHECKSUM;
         return 0;
     }
@@ -625,7 +641,7 @@ static int read_verify(int fd, uint8_t *buf, size_t len, int *direct, int checks
         lk->op = err == ETIMEDOUT ? KVT_OP_NONE : KVT_OP_READ;
         return err; /* a read error is the filesystem's, not the block's */
     }
-    if (have_rec && got != want)
+    if (have_rec && got != want && !(from_id && vllm_record_is(fd, got)))
         *mismatch = KVT_CAUSE_CHECKSUM;
     return 0;
 }

@@ -33,11 +33,18 @@ int kvt_id_parse(const void *rec, long r, int err, const uint8_t id[KVT_ID_LEN],
         if (err == ENODATA)
             return KVT_ID_ABSENT;
         if (err == ERANGE)
-            return KVT_ID_MISMATCH;
+            return KVT_ID_DAMAGED;
         return KVT_ID_ERROR;
     }
-    if (r != KVT_ID_REC_LEN || memcmp(rec, id, KVT_ID_LEN) != 0)
-        return KVT_ID_MISMATCH;
+    if (r != KVT_ID_REC_LEN)
+        return KVT_ID_DAMAGED;
+    if (memcmp(rec, id, KVT_ID_LEN) != 0) {
+        int bits = 0;
+        for (int i = 0; i < KVT_ID_LEN; i++)
+            for (unsigned x = ((const uint8_t *)rec)[i] ^ id[i]; x; x &= x - 1)
+                bits++;
+        return bits <= KVT_ID_DAMAGED_BITS ? KVT_ID_DAMAGED : KVT_ID_MISMATCH;
+    }
     *crc = kvt_get_be32((const uint8_t *)rec + KVT_ID_LEN);
     return KVT_ID_CRC;
 }

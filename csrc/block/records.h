@@ -16,8 +16,12 @@
  * layout digest) and size, and carries its CRC32C, so that a load of a block
  * kvtier stored reads one xattr: 12 bytes, the identity (8 bytes big-endian,
  * kvt_block_identity()) then the CRC32C (4 bytes big-endian, the value of
- * user.vllm.kv_crc32c, which a store still sets for vLLM's reader). A
- * record of any other length is an identity failure. vLLM ignores this xattr. */
+ * user.vllm.kv_crc32c, which a store still sets for vLLM's reader). Only a
+ * well-formed record (12 bytes) of another identity is an identity failure (a
+ * block copied or renamed under this name); a damaged one (another length,
+ * ERANGE, a few bits of its identity flipped) is no proof against the bytes:
+ * the load judges the block by user.vllm.kv_crc32c (kvt_id_parse
+ * KVT_ID_DAMAGED, issue #24). vLLM ignores this xattr. */
 #define KVT_ID_XATTR_NAME "user.kvtier.id"
 #define KVT_ID_LEN 8
 #define KVT_ID_REC_LEN 12
@@ -50,11 +54,19 @@ int kvt_xattr_parse(const void *rec, long r, int err, uint32_t *crc);
  * rec, KVT_XATTR_BUF) returned and `err` the errno when r < 0; `id` the
  * identity of the block being loaded. Returns KVT_ID_CRC (12 bytes, the
  * identity `id`: *crc = the CRC32C it carries), KVT_ID_ABSENT (ENODATA:
- * stored by vLLM), KVT_ID_MISMATCH (another identity, or a length other than
- * 12, or ERANGE: longer than the buffer), KVT_ID_ERROR (any other errno:
- * the filesystem's, the block is kept). Reads at most min(r, KVT_XATTR_BUF)
- * bytes of rec. */
-enum { KVT_ID_CRC = 0, KVT_ID_ABSENT = 2, KVT_ID_MISMATCH = 3, KVT_ID_ERROR = 4 };
+ * stored by vLLM), KVT_ID_MISMATCH (12 bytes of another identity: more than
+ * KVT_ID_DAMAGED_BITS of its 64 bits differ from `id`, a block copied or
+ * renamed under this name), KVT_ID_DAMAGED (the record itself is damaged: a
+ * length other than 12, ERANGE (longer than the buffer, after the retry
+ * with the largest one), or 12 bytes whose identity differs from `id` in 1
+ * to KVT_ID_DAMAGED_BITS bits; a misplaced block carries a well-formed
+ * record of another identity, an FNV-1a hash that differs in about 32 bits:
+ * the load judges a damaged one's block by user.vllm.kv_crc32c, issue #24),
+ * KVT_ID_ERROR (any other errno: the filesystem's, the block is kept). *crc
+ * is written only for KVT_ID_CRC. Reads at most min(r, KVT_XATTR_BUF) bytes
+ * of rec. */
+#define KVT_ID_DAMAGED_BITS 4
+enum { KVT_ID_CRC = 0, KVT_ID_ABSENT = 2, KVT_ID_MISMATCH = 3, KVT_ID_ERROR = 4, KVT_ID_DAMAGED = 5 };
 int kvt_id_parse(const void *rec, long r, int err, const uint8_t id[KVT_ID_LEN], uint32_t *crc);
 
 static inline uint32_t kvt_get_be32(const uint8_t in[4])

@@ -83,50 +83,91 @@ def identity_record(path: Union[str, bytes, "os.PathLike"], block_size: int, crc
     return block_identity(path, block_size) + (crc & 0xFFFFFFFF).to_bytes(XATTR_LEN, "big")
 
 
+ID_DAMAGED_BITS = 4
+"""An identity record whose identity differs from the block's in at most this many of its 64
+bits is a damaged record, not another block's (csrc/block/records.h ``KVT_ID_DAMAGED_BITS``):
+another block's identity, an FNV-1a hash, differs in about 32."""
+
+
+def identity_kind(id_rec: Optional[bytes], ident: bytes) -> str:
+    """What an identity record is for the block of identity ``ident`` (the C core's
+    kvt_id_parse): "absent" (None: stored by vLLM), "own" (12 bytes of this identity: it
+    carries the CRC a load checks), "other" (12 bytes of another identity, more than
+    :data:`ID_DAMAGED_BITS` of its bits differ: a block copied or renamed under this name,
+    an identity failure), "damaged" (the record itself: another length, b"" for one longer
+    than any record (ERANGE), or an identity within :data:`ID_DAMAGED_BITS` bits of
+    ``ident``: no proof against the bytes, issue #24)."""
+    if id_rec is None:
+        return "absent"
+    if len(id_rec) != ID_REC_LEN:
+        return "damaged"
+    if id_rec[:ID_LEN] != ident:
+        bits = bin(int.from_bytes(id_rec[:ID_LEN], "big") ^ int.from_bytes(ident, "big")).count("1")
+        return "damaged" if bits <= ID_DAMAGED_BITS else "other"
+    return "own"
+
+
 class Judgement(NamedTuple):
     """What a block's records say (:func:`judge`)."""
 
     cause: Optional[str]
-    """None (the records, and the bytes when given, are fine), "identity" (an identity record
-    that is not this block's, or of another length) or "checksum" (a malformed CRC record, or
-    bytes whose CRC32C is not the recorded one): a load condemns the block (EBADMSG)."""
+    """None (the records, and the bytes when given, are fine), "identity" (a well-formed
+    identity record of another block) or "checksum" (a malformed CRC record, or bytes whose
+    CRC32C is not the recorded one): a load condemns the block (EBADMSG)."""
     want: Optional[int]
     """The CRC32C the block's bytes must have; None: no CRC record (loaded unverified, a miss
     in strict mode), or refused on its records."""
     source: str
     """The record ``want`` came from (:data:`ID_XATTR_NAME` or :data:`XATTR_NAME`), or ""."""
+    id_damaged: bool = False
+    """The identity record is damaged (:func:`identity_kind` "damaged", or its CRC bytes
+    differ from the bytes that user.vllm.kv_crc32c verifies): the block was judged by
+    user.vllm.kv_crc32c alone."""
 
 
-def needs_crc_record(id_rec: Optional[bytes]) -> bool:
-    """Whether a load reads user.vllm.kv_crc32c: only without an identity record (a block
-    stored by vLLM). ``id_rec``: the identity record, None when absent."""
-    return id_rec is None
+def needs_crc_record(id_rec: Optional[bytes], ident: bytes) -> bool:
+    """Whether a load reads user.vllm.kv_crc32c before the bytes: without an identity record
+    (a block stored by vLLM) or with a damaged one (:func:`identity_kind`). (After the bytes
+    are read it reads it too when their CRC32C differs from the one this block's identity
+    record carries: :func:`judge` with ``crc``.) ``id_rec``: the identity record, None when
+    absent; ``ident``: the loading block's :func:`block_identity`."""
+    return identity_kind(id_rec, ident) in ("absent", "damaged")
 
 
 def judge(id_rec: Optional[bytes], crc_rec: Optional[bytes], ident: bytes, crc: Optional[int] = None) -> Judgement:
     """Judge a block's records as a load does (docs/design.md P10, P11, P22).
 
     ``id_rec``: the identity record (None: absent; b"" for one longer than any record,
-    ERANGE); ``crc_rec``: user.vllm.kv_crc32c likewise (consulted only without identity
-    record, :func:`needs_crc_record`); ``ident``: the loading block's
-    :func:`block_identity`; ``crc``: the CRC32C of the block's bytes once read (None: the
-    records alone). An identity record of this block (12 bytes) carries the CRC a load
-    checks; any other identity record is an identity failure; without one, a 4-byte
-    user.vllm.kv_crc32c gives the CRC, another length is a checksum failure, none at all
-    means unverified."""
-    if id_rec is not None:
-        if len(id_rec) != ID_REC_LEN or id_rec[:ID_LEN] != ident:
-            return Judgement("identity", None, "")
-        want, source = int.from_bytes(id_rec[ID_LEN:], "big"), ID_XATTR_NAME
-    elif crc_rec is None:
-        return Judgement(None, None, "")
-    elif len(crc_rec) != XATTR_LEN:
-        return Judgement("checksum", None, "")
-    else:
-        want, source = int.from_bytes(crc_rec, "big"), XATTR_NAME
+    ERANGE); ``crc_rec``: user.vllm.kv_crc32c likewise (None when absent or not read:
+    :func:`needs_crc_record`); ``ident``: the loading block's :func:`block_identity`;
+    ``crc``: the CRC32C of the block's bytes once read (None: the records alone).
+
+    An identity record of this block (12 bytes) carries the CRC a load checks; when the
+    bytes differ from it but match a 4-byte ``crc_rec``, the identity record's CRC bytes are
+    what is damaged, not the data: fine, ``id_damaged``. A well-formed identity record of
+    another block is an identity failure. A damaged identity record (another length, ERANGE,
+    a few bits of its identity flipped) is no proof: the block is judged by ``crc_rec`` as if
+    it had none (``id_damaged``). Then a 4-byte user.vllm.kv_crc32c gives the CRC, another
+    length is a checksum failure, none at all means unverified."""
+    kind = identity_kind(id_rec, ident)
+    if kind == "other":
+        return Judgement("identity", None, "")
+    if kind == "own":
+        want = int.from_bytes(id_rec[ID_LEN:], "big")
+        if crc is None or crc == want:
+            return Judgement(None, want, ID_XATTR_NAME)
+        if crc_rec is not None and len(crc_rec) == XATTR_LEN and int.from_bytes(crc_rec, "big") == crc:
+            return Judgement(None, crc, XATTR_NAME, True)  # the identity record's CRC bytes damaged
+        return Judgement("checksum", want, ID_XATTR_NAME)
+    damaged = kind == "damaged"
+    if crc_rec is None:
+        return Judgement(None, None, "", damaged)
+    if len(crc_rec) != XATTR_LEN:
+        return Judgement("checksum", None, "", damaged)
+    want = int.from_bytes(crc_rec, "big")
     if crc is not None and crc != want:
-        return Judgement("checksum", want, source)
-    return Judgement(None, want, source)
+        return Judgement("checksum", want, XATTR_NAME, damaged)
+    return Judgement(None, want, XATTR_NAME, damaged)
 
 
 def unlink_if_same(path, fd: int) -> str:

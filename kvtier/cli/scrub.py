@@ -12,12 +12,16 @@ ok            CRC32C equals every CRC recorded: xattr ``user.vllm.kv_crc32c`` an
 corrupt       judged as a load judges it (docs/design.md P10, P11, P22): CRC32C differs
               on two reads (the second after POSIX_FADV_DONTNEED) from the CRC a 12-byte
               identity record of this block carries, else from ``user.vllm.kv_crc32c``, or
-              that xattr is not 4 bytes, or the identity record is present and not this
-              block's (a block stored under another key's name): a load would fail with
-              EBADMSG and remove it.  With a good identity record, a malformed or
-              disagreeing ``user.vllm.kv_crc32c`` is a note on an ``ok`` block (a reader
-              checking that record, as the open upstream vLLM checksum PR's would, rejects
-              it; vLLM 0.33 checks no CRC; kvtier's load does not read it)
+              that xattr is not 4 bytes, or the identity record is a well-formed record of
+              another block (a block stored under another key's name): a load would fail
+              with EBADMSG and remove it.  A damaged identity record (another length, a few
+              bits of its identity flipped, or its CRC bytes differing from bytes that
+              ``user.vllm.kv_crc32c`` verifies) is no proof: judged by
+              ``user.vllm.kv_crc32c``, as a load judges it, noted.  With a good identity
+              record, a malformed or disagreeing ``user.vllm.kv_crc32c`` is a note on an
+              ``ok`` block (a reader checking that record, as the open upstream vLLM
+              checksum PR's would, rejects it; vLLM 0.33 checks no CRC; kvtier's load does
+              not read it)
 no_checksum   no CRC recorded (stored with checksums off, by vLLM, or copied without
               xattrs): loads unverified (checksum_blocks=True) or is a miss ("strict")
 wrong_size    size differs from a known block size (a load would fail with EIO)
@@ -189,11 +193,22 @@ def _remove_if(remove: bool, f, path: str, fd: int):
 
 
 def _matches(verdict, wants: dict, crc: int, ident, rec, own: bytes) -> bool:
-    """Whether bytes of CRC32C ``crc`` pass: the load's judgement (records.judge) where the
-    records are this block's, else (an identity refused) every CRC recorded."""
+    """Whether bytes of CRC32C ``crc`` pass: the load's judgement (records.judge, which asks
+    user.vllm.kv_crc32c when the identity record's CRC differs) where the records are this
+    block's, else (a well-formed identity record of another block) every CRC recorded."""
     if verdict.cause == "identity":
         return all(crc == w for w in wants.values())
     return records.judge(ident, rec, own, crc).cause is None
+
+
+def _damaged_note(ident: bytes, crc_differs: bool) -> str:
+    """The note on a block whose identity record is damaged (records.identity_kind, or its
+    CRC bytes alone differing: ``crc_differs``), judged by user.vllm.kv_crc32c."""
+    what = f"{len(ident)} bytes" if ident else "longer than any record"
+    return (f"identity record user.kvtier.id is damaged ({what}"
+            + (", its CRC differs from the bytes" if crc_differs else "")
+            + "): no proof against the bytes (a well-formed record of another block would differ in "
+              "about 32 bits of its identity); judged by user.vllm.kv_crc32c, as a load judges it")
 
 
 def _adopt(fd: int, path: str, size: int, buf: bytearray) -> str:
@@ -290,7 +305,9 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
                           "checks no CRC) would reject it; kept")
         if verdict.cause is None and verdict.want is None:
             f.status = "no_checksum"
-            f.detail = "; ".join(filter(None, ["no xattr: unverified", guess_note]))
+            f.detail = "; ".join(filter(None, ["no xattr: unverified",
+                                               _damaged_note(ident, False) if verdict.id_damaged else "",
+                                               guess_note]))
             if size_note:  # unverifiable and of the wrong size: a load would fail (EIO)
                 f.status, f.detail = "wrong_size", size_note + "; no xattr"
                 _remove_if(remove, f, path, fd)
@@ -299,8 +316,10 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
                 f.adopted = not why
                 f.detail += "; " + (why or "adopted: CRC32C and identity recorded")
             return f
-        if verdict.cause == "checksum":  # a malformed user.vllm.kv_crc32c, no identity record
-            f.status, f.detail = "corrupt", f"xattr record is {len(rec)} bytes, not 4"
+        if verdict.cause == "checksum":  # a malformed user.vllm.kv_crc32c, no (good) identity record
+            f.status = "corrupt"
+            f.detail = "; ".join(filter(None, [f"xattr record is {len(rec)} bytes, not 4",
+                                               _damaged_note(ident, False) if verdict.id_damaged else ""]))
         else:
             for attempt in range(2):
                 try:
@@ -320,6 +339,8 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
                     except OSError:
                         pass  # advice only: the re-read still happens
             matches = _matches(verdict, wants, crc, ident, rec, own)
+            # the identity record's CRC bytes damaged: the bytes verify by user.vllm.kv_crc32c
+            crc_damaged = matches and not verdict.id_damaged and records.judge(ident, rec, own, crc).id_damaged
             if matches and size_note:
                 f.status = "wrong_size"
                 f.detail = size_note + "; CRC32C matches: kept (a layout or --block-size mismatch, not corruption)"
@@ -337,8 +358,10 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
                                  "POSIX_FADV_DONTNEED matched")
                 if guess_note:
                     notes.append(guess_note + "; CRC32C matches: kept")
-                if vllm_note:
+                if vllm_note and not crc_damaged:
                     notes.append(vllm_note)
+                if verdict.id_damaged or crc_damaged:
+                    notes.append(_damaged_note(ident, crc_damaged))
                 f.detail = "; ".join(notes)
                 return f
             if len(set(wants.values())) == 1:
@@ -349,7 +372,7 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
             f.detail = "; ".join(filter(None, [
                 f"CRC32C 0x{crc:08x}, recorded {recorded}"
                 + (" (twice: re-read after POSIX_FADV_DONTNEED)" if f.retried else ""),
-                guess_note, size_note]))
+                _damaged_note(ident, False) if verdict.id_damaged else "", guess_note, size_note]))
         return _remove_if(remove, f, path, fd)
     finally:
         os.close(fd)
