@@ -475,27 +475,24 @@ def policy_info():
 
 
 def _whole_file_verifies(fd, size, crc_fn):
-    """Whether the open file's CRC record matches all ``size`` bytes: True, False
+    """Whether one of the open file's CRC records matches all ``size`` bytes: True, False
     (no record, a malformed one, a mismatch) or None (an error, or the size
     changed while read: unknown, the file is kept)."""
     # The CRC its identity record carries (12 bytes; the identity is of its own size, not
-    # the caller's: not compared), else its CRC record.
-    try:
-        rec = _retry_eintr(_os.getxattr, fd, _rec.ID_XATTR_NAME)
-    except OSError as e:
-        if e.errno not in (_errno.ENODATA, _errno.ERANGE):
-            return None
-        rec = b""
-    if len(rec) == _rec.ID_REC_LEN:
-        want = int.from_bytes(rec[_rec.ID_LEN:], "big")
-    else:
+    # the caller's: not compared), and its CRC record: either verifying all its bytes proves
+    # them intact (csrc/block/block.c whole_file_verifies). Asked with checksums off too (issue
+    # #24); no xattrs on the filesystem (EOPNOTSUPP): no record.
+    wants, unknown = [], False
+    for name, length, at in ((_rec.ID_XATTR_NAME, _rec.ID_REC_LEN, _rec.ID_LEN), (XATTR_NAME, XATTR_LEN, 0)):
         try:
-            rec = _retry_eintr(_os.getxattr, fd, XATTR_NAME)
+            rec = _retry_eintr(_os.getxattr, fd, name)
         except OSError as e:
-            return False if e.errno in (_errno.ENODATA, _errno.ERANGE) else None
-        if len(rec) != XATTR_LEN:
-            return False
-        want = int.from_bytes(rec, "big")
+            unknown |= e.errno not in (_errno.ENODATA, _errno.ERANGE, _errno.EOPNOTSUPP)
+            continue
+        if len(rec) == length:
+            wants.append(int.from_bytes(rec[at:], "big"))
+    if not wants:
+        return None if unknown else False
     crc, off = 0, 0
     try:
         while off < size:
@@ -506,7 +503,7 @@ def _whole_file_verifies(fd, size, crc_fn):
             off += len(chunk)
     except OSError:
         return None
-    return crc == want
+    return True if crc in wants else (None if unknown else False)
 
 
 def _get_record(fd, name):
@@ -655,7 +652,7 @@ def _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retr
                 return _LT_SIZE
             # unless its own record proves its bytes intact (the caller asked for another
             # block size: kept); an error while finding out keeps it too
-            v = _whole_file_verifies(fd, st.st_size, crc_fn) if checksum else False
+            v = _whole_file_verifies(fd, st.st_size, crc_fn)  # checksums off too (issue #24)
             remove = v is False
             if remove:
                 _count_into(counts, "condemned_size")
@@ -860,7 +857,7 @@ def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False
     views = (_args.views(buffers, writable=True) if offsets is None
              else _args.views_at(buffers, offsets, block_size, len(source_paths), writable=True))
     word = None if job_state is None else _Word(job_state, job_state_cas)
-    crc_fn = crc32c if checksum else None
+    crc_fn = crc32c  # checksums off too: a file of another size is judged by its records (P8)
     private = None
     if word is not None:
         # page-aligned, so O_DIRECT stays usable; unmapped when the last view of

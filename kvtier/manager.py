@@ -32,7 +32,7 @@ from typing import Any, Hashable, List, Mapping, Optional, Sequence, Tuple
 from kvtier._blockio.buffers import is_torch_tensor as _is_torch_tensor, torch_bytes_view
 from kvtier._tier.config import TierConfig
 from kvtier._tier.engine import TierEngine
-from kvtier._tier.startup import RootGuard, filesystem_type, start
+from kvtier._tier.startup import GeometryGuard, RootGuard, filesystem_type, start
 from kvtier.file_mapper import FileMapper, Key
 from kvtier.metrics import TieringMetricsTracker, tier_label
 
@@ -288,8 +288,14 @@ class FileSystemTierManager:
                 "O_DIRECT is not supported at %r (%s); using buffered I/O for the %s tier",
                 self.root_dir, started.o_direct_refused_on, label,
             )
+        from kvtier.file_mapper import BLOCK_INFO_FILENAME
+
+        geometry = GeometryGuard(os.path.join(self.file_mapper.base_path, BLOCK_INFO_FILENAME), self.block_size,
+                                 self.file_mapper.read_block_info,
+                                 lambda: self.file_mapper.write_block_info(self.block_size),
+                                 self.metrics.counters, label)
         self._root_guard = RootGuard(self.root_dir, rank_path, started.root_id, write_config,
-                                     self.metrics.counters, label)
+                                     self.metrics.counters, label, geometry)
         self._export_dsa_counters()
         self.capacity = None  # the root's bound: kvtier._tier.capacity.Handle (docs/capacity.md)
         if cfg.capacity is not None:

@@ -50,6 +50,8 @@ per label value seen or defined:
                                                    ``errno`` (EIO, ENOENT, EBADMSG ...)
 ``kvtier:kv_offload_tiering_root_lost``            the tier root found deleted or replaced
                                                    while running (then restored)
+``kvtier:kv_offload_tiering_geometry_refused``     jobs refused: the root's kvtier.json records
+                                                   another block size (issue #24)
 ``kvtier:kv_offload_tiering_existing``             stores skipped: the block was already there
                                                    (a regular file of the block size; no bytes
                                                    counted in ``write_bytes``)
@@ -123,6 +125,7 @@ RETRIES = "kvtier:kv_offload_tiering_retries"
 UNVERIFIED_BLOCKS = "kvtier:kv_offload_tiering_unverified_blocks"
 IO_ERRORS = "kvtier:kv_offload_tiering_io_errors"
 ROOT_LOST = "kvtier:kv_offload_tiering_root_lost"
+GEOMETRY_REFUSED = "kvtier:kv_offload_tiering_geometry_refused"
 EXISTING = "kvtier:kv_offload_tiering_existing"
 DURABLE_EXISTING = "kvtier:kv_offload_tiering_durable_existing"
 REPLACED = "kvtier:kv_offload_tiering_replaced"
@@ -278,6 +281,10 @@ def _tracker_families(t: "TieringMetricsTracker") -> Iterable[CounterMetricFamil
     fam = CounterMetricFamily(ROOT_LOST, "Times the tier root was found deleted or replaced while running.",
                               labels=LABELNAMES)
     fam.add_metric([t.tier], float(snap.get("root_lost", 0)))
+    yield fam
+    fam = CounterMetricFamily(GEOMETRY_REFUSED, "Jobs refused because the root's kvtier.json records another "
+                              "block size (nothing read or written).", labels=LABELNAMES)
+    fam.add_metric([t.tier], float(snap.get("geometry_refused", 0)))
     yield fam
     for name, key in STORE_POLICY_COUNTERS.items():
         doc = COUNT_DOCS[key]

@@ -234,8 +234,8 @@ class KvtierTier(SecondaryTierManager):
         # module import stays cheap for the API server, which only needs the metrics).
         from vllm.v1.kv_offload.file_mapper import FileMapper
 
-        from kvtier._tier.startup import RootGuard, start
-        from kvtier.file_mapper import write_json_if_absent, write_block_info
+        from kvtier._tier.startup import GeometryGuard, RootGuard, start
+        from kvtier.file_mapper import BLOCK_INFO_FILENAME, read_block_info, write_block_info, write_json_if_absent
 
         label_root, root_dir = root_dir, os.path.abspath(root_dir)  # resolved once: a later chdir moves nothing
         self.file_mapper = FileMapper.from_offloading_spec(
@@ -270,7 +270,11 @@ class KvtierTier(SecondaryTierManager):
         if tc.capacity is not None:
             self.capacity = _capacity.attach(root_dir, tc.capacity, counters, self._on_evicted)
             counters.capacity_gauges = self.capacity.gauges
-        root_guard = RootGuard(root_dir, rank_path, started.root_id, write_config, counters, self.tier_label)
+        info_dir = os.path.dirname(self.file_mapper.get_config_file_path())
+        geometry = GeometryGuard(os.path.join(info_dir, BLOCK_INFO_FILENAME), bs, lambda: read_block_info(info_dir),
+                                 lambda: write_block_info(info_dir, bs), counters, self.tier_label)
+        root_guard = RootGuard(root_dir, rank_path, started.root_id, write_config, counters, self.tier_label,
+                               geometry)
         self._engine = TierEngine(flat, bs, self.file_mapper.get_file_name, use_o_direct=self.use_o_direct,
                                   counters=counters, thread_name="kvtier_vllm", root=root_dir,
                                   before_job=root_guard.check, landing=self.load_landing,

@@ -579,7 +579,8 @@ def test_wrong_size_is_eio_and_removed(io_backend, tmp_path, shape, checksum):
 @pytest.mark.parametrize("asked", [2048, 16384, 300 * 1024])
 def test_intact_block_loaded_with_another_block_size_is_eio_but_kept(io_backend, tmp_path, asked):
     """A caller asking for the wrong block size gets EIO, but a block whose own record
-    verifies all its bytes is not destroyed for it (a layout mismatch, not corruption)."""
+    verifies all its bytes is not destroyed for it (a layout mismatch, not corruption),
+    with checksums on or off (issue #24, design.md P8)."""
     bs = 4096 if asked != 300 * 1024 else 257 * 1024  # also a block larger than one I/O chunk
     view = rand_blocks(1, bs, seed=8)
     path = block_paths(tmp_path, 1)[0]
@@ -594,8 +595,16 @@ def test_intact_block_loaded_with_another_block_size_is_eio_but_kept(io_backend,
     out = np.zeros(bs, dtype=np.uint8)
     io_backend.batch_load_block([path], out, [0], bs, checksum=True)  # the right size still loads
     assert np.array_equal(out, view[:bs])
-    # without checksums nothing proves the bytes intact: the design table's EIO + remove
-    load_expect_error(io_backend, [path], asked, checksum=False)
+    # without checksums too: its records are asked all the same (issue #24: a checksum-off
+    # tier of another block size removed the other geometry's intact blocks)
+    err, _ = load_expect_error(io_backend, [path], asked, checksum=False)
+    assert (err.errno, err.condemned) == (errno.EIO, None) and "its own CRC record verifies" in str(err)
+    assert os.path.exists(path)
+    # its records removed, nothing proves the bytes intact: EIO, removed (P7)
+    for name in (XATTR, ID_XATTR):
+        os.removexattr(path, name)
+    err, _ = load_expect_error(io_backend, [path], asked, checksum=False)
+    assert (err.errno, err.condemned) == (errno.EIO, "size")
     assert not os.path.exists(path)
 
 

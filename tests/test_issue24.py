@@ -259,3 +259,102 @@ def test_a_misplaced_block_is_still_condemned_for_identity(io_backend, tmp_path)
         io_backend.batch_load_block([b], out, [0], bs, checksum=True)
     assert (ei.value.errno, ei.value.condemned) == (errno.EBADMSG, "identity")
     assert not os.path.exists(b) and os.path.exists(a)
+
+
+# ---------------------------------------------------------------- item 3: two block sizes on one root
+
+@pytest.mark.parametrize("checksum", [True, False])
+def test_checksum_off_load_of_another_block_size_keeps_a_file_its_record_verifies(io_backend, tmp_path, checksum):
+    """A file of another block size whose own CRC record verifies it (a block of another
+    geometry) is kept by a load with checksums off as with them on (P8); one whose record
+    does not verify it is condemned for its size (P7)."""
+    bs = 64 * 1024
+    a, b = block_paths(tmp_path, 2)
+    view = blocks_of(2, bs, 4)
+    io_backend.batch_store_block([a, b], view, [0, bs], bs, checksum=True)
+    with open(b, "r+b") as f:  # b's bytes no longer match its records
+        f.write(b"\0" * 10)
+    out = np.zeros(bs // 2, np.uint8)
+    with pytest.raises(OSError) as ei:
+        io_backend.batch_load_block([a], out, [0], bs // 2, checksum=checksum)
+    assert (ei.value.errno, ei.value.condemned) == (errno.EIO, None)
+    assert "its own CRC record verifies all its bytes" in ei.value.strerror
+    assert Path(a).read_bytes() == view[:bs].tobytes()
+    with pytest.raises(OSError) as ei:
+        io_backend.batch_load_block([b], out, [0], bs // 2, checksum=checksum)
+    assert (ei.value.errno, ei.value.condemned) == (errno.EIO, "size")
+    assert not os.path.exists(b)
+
+
+_TIER_LOOP = textwrap.dedent("""
+    import json, os, sys, time
+    import numpy as np
+    from kvtier.manager import FileSystemTierManager, TransferJob
+    root, bs, seconds, go, checksum = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5]
+    n = 32
+    buf = np.random.default_rng(bs).integers(0, 256, (n, bs), dtype=np.uint8)
+    m = FileSystemTierManager(buf, root, "m", checksum_blocks=checksum == "1", n_read_threads=2, n_write_threads=2)
+    keys = [(i.to_bytes(16, "big"), 0) for i in range(n)]
+    print("STARTED", flush=True)
+    while not os.path.exists(go):
+        time.sleep(0.01)
+    t_end = time.monotonic() + seconds
+    res = {"stored": 0, "loaded": 0, "failed": 0, "errnos": []}
+    j = 0
+    while time.monotonic() < t_end:
+        j += 1
+        m.submit_store(TransferJob(("s", j), keys, list(range(n))))
+        m.submit_load(TransferJob(("l", j), keys, list(range(n))))
+        m.drain_jobs(30)
+        for r in m.get_finished_jobs():
+            if r.success:
+                res["stored" if r.job_id[0] == "s" else "loaded"] += 1
+            else:
+                res["failed"] += 1
+                res["errnos"].append(getattr(r.error, "errno", None))
+                res.setdefault("first_error", str(r.error))
+    snap = m.metrics.counters.snapshot()
+    res["counters"] = {k: v for k, v in snap.items() if k.startswith("condemned") or k in ("geometry_refused",)}
+    m.shutdown()
+    print("RESULT " + json.dumps(res), flush=True)
+""")
+
+
+def test_two_block_sizes_on_one_root_delete_nothing(tmp_path):
+    """Two processes on the same paths, 64 KiB blocks without checksums and 32 KiB blocks
+    with: the 64 KiB tier starts (its kvtier.json), kvtier.json is then removed and the 32
+    KiB tier starts (writing its own): from its next job on the 64 KiB tier refuses every
+    job (EINVAL, counted geometry_refused, nothing read or written) and neither condemns
+    any block of the other: 0 deletions (e37af22: each condemned the other's blocks for
+    their size)."""
+    root = str(tmp_path / "root")
+    go = str(tmp_path / "go")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+
+    def start(bs, checksum):
+        p = subprocess.Popen([sys.executable, "-c", _TIER_LOOP, root, str(bs), "4", go, checksum], env=env,
+                             cwd=str(ROOT),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "STARTED", p.stderr.read()
+        return p
+
+    big = start(64 * 1024, "0")
+    info = os.path.join(root, [d for d in os.listdir(root) if d.startswith("m_")][0], "kvtier.json")
+    assert json.load(open(info)) == {"block_bytes": 64 * 1024}
+    os.unlink(info)  # absent: the next tier on this root writes its own
+    small = start(32 * 1024, "1")
+    assert json.load(open(info)) == {"block_bytes": 32 * 1024}
+    Path(go).touch()
+    out = {}
+    for name, p in (("big", big), ("small", small)):
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, stderr
+        out[name] = json.loads([ln for ln in stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    for name in out:
+        assert all(v == 0 for k, v in out[name]["counters"].items() if k.startswith("condemned")), out
+    assert out["big"]["counters"]["geometry_refused"] > 0 and out["big"]["stored"] == 0
+    assert set(out["big"]["errnos"]) == {errno.EINVAL}, out["big"]
+    # at most its first load, which ran beside its first store: ENOENT
+    assert set(out["small"]["errnos"]) <= {errno.ENOENT} and out["small"]["loaded"] > 0, out["small"]
+    blocks = [os.path.join(dp, f) for dp, _, fs in os.walk(root) for f in fs if f.endswith(".bin")]
+    assert len(blocks) == 32 and all(os.path.getsize(b) == 32 * 1024 for b in blocks)

@@ -17,7 +17,7 @@ def samples(registry):
 
 
 POLICY = [  # kvtier's error-policy families, always registered (docs/tier.md "Metrics")
-    f"{n}_total" for n in (m.CONDEMNED_BLOCKS, m.REREADS, m.RETRIES, m.UNVERIFIED_BLOCKS, m.ROOT_LOST,
+    f"{n}_total" for n in (m.CONDEMNED_BLOCKS, m.REREADS, m.RETRIES, m.UNVERIFIED_BLOCKS, m.ROOT_LOST, m.GEOMETRY_REFUSED,
                            m.EXISTING, m.DURABLE_EXISTING, m.REPLACED, m.BUFFERED_UNALIGNED)
 ]
 

@@ -215,6 +215,45 @@ def test_root_deleted_while_running_is_counted_and_restored(harness, tmp_path):
     assert tier.counters()["root_lost"] == 1  # reported once
 
 
+def test_another_block_size_recorded_on_the_root_refuses_jobs(harness, tmp_path):
+    """The vLLM tier checks kvtier.json before each job as the standalone one does
+    (kvtier._tier.startup.GeometryGuard, issue #24): while it records another block size
+    (another process with another geometry on this root) every job is refused (counted
+    geometry_refused, nothing written, no block of this tier judged); once it records this
+    size again jobs are served."""
+    h = harness("kvtier")
+    tier = h.tiers[0]
+    ks, data = keys_and_data(3, salt=11)
+    h.store(ks[:1], data[:1])
+    h.wait_tiers()
+    [info] = list((tmp_path / "kv").rglob("kvtier.json"))
+    good = info.read_text()
+    assert json.loads(good) == {"block_bytes": BS}
+
+    def replace(text):  # a new file, as another process's write_block_info makes it
+        tmp = info.with_name("kvtier.json.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, info)
+
+    replace(json.dumps({"block_bytes": 2 * BS}))
+    h.store(ks[1:2], data[1:2])
+    h.wait_tiers()
+    assert tier.counters()["geometry_refused"] >= 1
+    assert not os.path.exists(tier.file_mapper.get_file_name(ks[1]))
+    assert os.path.getsize(tier.file_mapper.get_file_name(ks[0])) == BS
+    replace(good)
+    h.store(ks[2:], data[2:])
+    h.wait_tiers()
+    refused = tier.counters()["geometry_refused"]
+    assert os.path.getsize(tier.file_mapper.get_file_name(ks[2])) == BS
+    h.reset()
+    rc = h.ctx()
+    assert h.lookup_all(ks[2:], rc)[ks[2]][-1] == "HIT"
+    assert h.load(ks[2:], rc) == data[2:]
+    h.finish(rc)
+    assert tier.counters()["geometry_refused"] == refused
+
+
 @pytest.mark.parametrize("kind", TIERS)
 def test_reset_cache_with_jobs_in_flight(harness, kind):
     """reset_cache drains the tier and asserts no job is left: every job reported once."""

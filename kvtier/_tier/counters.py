@@ -34,6 +34,8 @@ COUNTERS: Dict[str, str] = {
                        "earlier lookup is still stuck",
     "stuck_threads": "gauge: threads still in a filesystem call that outlived its deadline",
     "root_lost": "times the tier root was found deleted or replaced while running (restored)",
+    "geometry_refused": "jobs refused because the root's kvtier.json records another block size (another "
+                        "geometry on this root: nothing read or written)",
 }
 COUNTERS.update(_policy.COUNT_DOCS)  # the error policy's counters (kvtier._blockio.policy)
 COUNTERS.update(_capacity.COUNTER_DOCS)  # a bounded root's (kvtier._tier.capacity, docs/capacity.md)

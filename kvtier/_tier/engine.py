@@ -117,6 +117,11 @@ def check_no_duplicates(job_id: Hashable, keys: Sequence[Any], paths: Sequence[s
                          f"duplicate key; nothing done")
 
 
+class JobRefused(OSError):
+    """Raised by a ``before_job`` check to fail the job before any I/O (the OSError is the
+    job's error; nothing read or written): e.g. the tier root records another block size."""
+
+
 @dataclass(eq=False)  # identity: a running job is a member of the engine's set
 class Job:
     """A queued job: ``keys[i]`` (opaque to the engine) <-> file ``paths[i]`` <-> bytes
@@ -637,9 +642,12 @@ class TierEngine:
         n = len(job.keys)
         err: Optional[BaseException] = None
         n_ok, checksum_failed, retries = n, False, 0
+        refused: Optional[JobRefused] = None
         if self.before_job is not None:
             try:
                 self.before_job()
+            except JobRefused as e:  # the check says no: the job fails, nothing touched
+                refused = e
             except Exception:  # a check must never break the data path
                 logger.exception("the check before a job failed")
         counts: Dict[str, int] = {}
@@ -648,6 +656,8 @@ class TierEngine:
             raise RuntimeError("the tier is shut down")
         t0 = time.monotonic()
         try:
+            if refused is not None:
+                raise refused
             if job.is_promotion:
                 ret = kio.batch_load_block(job.paths, view, job.offsets, self.block_size,
                                            use_o_direct=self.use_o_direct, checksum=self.checksum,

@@ -5,7 +5,9 @@ deadline (``io_timeout_s``): :func:`prepare_root` (create the root and rank dire
 prove a file can be created, with checksums that user xattrs are kept), the stale-temp
 sweep, the shell's config files, the O_DIRECT probe, and the root's identity for
 :class:`RootGuard`, which checks before each job that the root is still the one started
-on (deleted or replaced: counted as ``root_lost``, then restored).
+on (deleted or replaced: counted as ``root_lost``, then restored), and
+:class:`GeometryGuard`, which checks that the root's ``kvtier.json`` still records this
+tier's block size (another: every job refused, ``geometry_refused``).
 """
 from __future__ import annotations
 
@@ -131,12 +133,18 @@ class RootGuard:
     went away removes its temp (both backends unlink the temp on any failure)."""
 
     def __init__(self, root: str, rank_path: str, root_id, write_config: Callable[[], None], counters,
-                 label: str) -> None:
+                 label: str, geometry: "Optional[GeometryGuard]" = None) -> None:
         self.root, self.rank_path, self.root_id = root, rank_path, root_id
         self.write_config, self.counters, self.label = write_config, counters, label
+        self.geometry = geometry  # checked after the root (GeometryGuard.check)
         self._lock = threading.Lock()
 
     def check(self) -> None:
+        self._check_root()
+        if self.geometry is not None:
+            self.geometry.check()
+
+    def _check_root(self) -> None:
         now = root_identity(self.root, self.rank_path)
         if now is not None and now == self.root_id:
             return
@@ -158,3 +166,74 @@ class RootGuard:
             prepare_root(real, os.path.join(real, os.path.relpath(self.rank_path, self.root)), False)
             self.write_config()
             self.root_id = root_identity(self.root, self.rank_path)
+
+
+class GeometryGuard:
+    """Before each job (after :class:`RootGuard`'s root check): the root's ``kvtier.json``
+    (``info_path``) still records this tier's ``block_size``, so that two geometries on one
+    root never judge each other's blocks (issue #24: a tier of another block size condemned
+    the files of this one for their size).  One stat per job; the file is read again only
+    when its (st_dev, st_ino, st_mtime_ns, st_size) changed.  Absent (removed while running):
+    written again (``write_info()``, the shell's: atomic, only if absent, ValueError when
+    another's appeared meanwhile).  Recording another size (``read_info()`` gives its
+    ``block_bytes``, ValueError when it is not JSON): an error log line once per change,
+    and every job refused (:class:`kvtier._tier.engine.JobRefused`, EINVAL, nothing read or
+    written; counted ``geometry_refused``) until it records this size again.  An OSError
+    while finding out (EIO, ESTALE ...) refuses nothing."""
+
+    def __init__(self, info_path: str, block_size: int, read_info: Callable[[], Any],
+                 write_info: Callable[[], Any], counters, label: str) -> None:
+        self.info_path, self.block_size = info_path, block_size
+        self.read_info, self.write_info = read_info, write_info
+        self.counters, self.label = counters, label
+        self._sig: Any = ()  # never a real signature: the first job reads the file
+        self._refusal: Optional[str] = None
+        self._lock = threading.Lock()
+
+    def _signature(self) -> Optional[Tuple[int, int, int, int]]:
+        try:
+            st = os.stat(self.info_path)
+        except FileNotFoundError:
+            return None
+        return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+
+    def check(self) -> None:
+        from kvtier._tier.engine import JobRefused
+
+        try:
+            sig = self._signature()
+        except OSError:
+            return  # cannot tell: not a reason to refuse
+        if sig is None or sig != self._sig:
+            with self._lock:
+                refusal = None
+                try:
+                    if self._signature() is None:
+                        logger.warning("%s is missing (removed while the %s tier runs): written again with "
+                                       "block_bytes=%d", self.info_path, self.label, self.block_size)
+                        self.write_info()
+                    else:
+                        have = (self.read_info() or {}).get("block_bytes")
+                        if have != self.block_size:
+                            raise ValueError(f"{self.info_path} records block_bytes={have}, but this tier uses "
+                                             f"{self.block_size}-byte blocks")
+                    sig_now = self._signature()
+                except ValueError as e:  # another geometry's (or not JSON)
+                    refusal = str(e)
+                    sig_now = self._signature()
+                except OSError:
+                    return
+                if refusal and refusal != self._refusal:
+                    logger.error("%s: another block geometry on this tier root; the %s tier refuses its jobs "
+                                 "(nothing read or written) until kvtier.json records %d again", refusal,
+                                 self.label, self.block_size)
+                elif not refusal and self._refusal:
+                    logger.warning("%s records block_bytes=%d again: the %s tier serves its jobs",
+                                   self.info_path, self.block_size, self.label)
+                self._refusal = refusal
+                self._sig = sig_now  # after the refusal: a job that sees this signature sees it
+        refusal = self._refusal
+        if refusal:
+            self.counters.add("geometry_refused")
+            raise JobRefused(errno.EINVAL, f"job refused: {refusal} (another block geometry on this tier root)",
+                             self.info_path)
