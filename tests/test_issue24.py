@@ -358,3 +358,55 @@ def test_two_block_sizes_on_one_root_delete_nothing(tmp_path):
     assert set(out["small"]["errnos"]) <= {errno.ENOENT} and out["small"]["loaded"] > 0, out["small"]
     blocks = [os.path.join(dp, f) for dp, _, fs in os.walk(root) for f in fs if f.endswith(".bin")]
     assert len(blocks) == 32 and all(os.path.getsize(b) == 32 * 1024 for b in blocks)
+
+
+# ---------------------------------------------------------------- item 4: the sweep's clock
+
+def test_sweep_with_the_wall_clock_an_hour_ahead_keeps_a_temp_being_written(tmp_path, monkeypatch):
+    """This host's wall clock an hour ahead of the filesystem's (NTP step, a node ahead of
+    the shared filesystem's server): a temp just written is not stale by the filesystem's
+    clock, so a starting tier's sweep keeps it and the store renames it; a temp that is old
+    by the filesystem's clock (mtime two hours back) is removed."""
+    import time
+
+    from kvtier.manager import FileSystemTierManager
+
+    root = tmp_path / "root"
+    with FileSystemTierManager(np.zeros((1, 4096), np.uint8), str(root), "m", n_read_threads=1,
+                               n_write_threads=1) as m:
+        rank = m.file_mapper.rank_path
+    live = os.path.join(rank, "abc", "de_g0", "abcdef0123456789.bin_00112233aabbccdd.tmp")
+    os.makedirs(os.path.dirname(live))
+    with open(live, "wb") as f:
+        f.write(b"x" * 4096)  # a peer's store in progress: written just now
+    old = os.path.join(rank, "abc", "de_g0", "abcdef0123456780.bin_00112233aabbccde.tmp")
+    Path(old).write_bytes(b"y")
+    t = time.time() - 2 * 3600
+    os.utime(old, (t, t))
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600)  # this host's clock an hour ahead
+    with FileSystemTierManager(np.zeros((1, 4096), np.uint8), str(root), "m", n_read_threads=1,
+                               n_write_threads=1, sweep_stale_temps_after=600) as m:
+        assert m.last_sweep.removed == [old], m.last_sweep
+        assert m.last_sweep.kept_recent == 1 and m.last_sweep.errors == []
+    assert os.path.exists(live) and not os.path.exists(old)
+    os.rename(live, live[:-len("_00112233aabbccdd.tmp")])  # the peer's rename succeeds
+
+
+def test_sweep_without_a_filesystem_clock_removes_nothing(tmp_path, monkeypatch):
+    """No probe file can be made in the directory (read-only, EACCES, full): no clock to
+    judge mtimes by: the error is recorded and nothing is removed."""
+    import kvtier._tier.sweep as sw
+
+    d = tmp_path / "t"
+    d.mkdir()
+    p = d / "aa.bin_01.tmp"
+    p.write_bytes(b"x")
+    os.utime(p, (0, 0))
+
+    def refuse(_):
+        raise PermissionError(errno.EACCES, "denied", str(d))
+    monkeypatch.setattr(sw, "filesystem_now", refuse)
+    res = sw.sweep_stale_temps(str(d), 60.0)
+    assert res.removed == [] and [e.errno for _, e in res.errors] == [errno.EACCES]
+    assert p.exists()

@@ -7,6 +7,12 @@ never becomes a block (only the rename publishes one) but it holds space. The
 sweep removes such temps when they are older than a threshold, so a temp that a
 live peer is still writing (its mtime moves with every write) is left alone.
 
+"Older" is judged by the filesystem's own clock, never this host's: the sweep first
+creates a probe file in the directory and takes its mtime as "now" (issue #24: a host
+whose wall clock is ahead of the filesystem's, an NTP step, a resumed VM, or a node ahead
+of a shared filesystem's server, made every temp look old, and a starting tier removed a
+temp a live peer was writing). Where no probe file can be made there, nothing is removed.
+
 The startup probes' ``.kvtier_probe_*`` files, left the same way by a kill
 during startup, are swept too.
 
@@ -73,13 +79,32 @@ def check_sweep_after(value: float) -> float:
     return check_older_than(value, "sweep_stale_temps_after", MIN_SWEEP_AFTER_S)
 
 
+def filesystem_now(directory: str) -> float:
+    """The filesystem's clock at ``directory``: the mtime of a probe file created there
+    (then removed; a kill in between leaves a ``.kvtier_probe_sweep_*``, which a later sweep
+    removes). OSError if none can be created (a missing directory: ENOENT)."""
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix=".kvtier_probe_sweep_", dir=directory)
+    try:
+        return os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 def sweep_stale_temps(
     directory: Union[str, "os.PathLike[str]"],
     older_than: float,
     now: Optional[float] = None,
 ) -> SweepResult:
     """Remove store temps under ``directory`` last modified more than
-    ``older_than`` seconds before ``now`` (default ``time.time()``).
+    ``older_than`` seconds before ``now`` (default: :func:`filesystem_now` of
+    ``directory``, the filesystem's clock, not this host's: a probe file that cannot be
+    made there is recorded in ``errors`` and nothing is removed).
 
     Walks ``directory`` recursively without following symlinks. A missing
     ``directory`` is an empty sweep. A temp that vanishes meanwhile (a peer
@@ -91,11 +116,18 @@ def sweep_stale_temps(
     """
     older_than = check_older_than(older_than)
     t0 = time.monotonic()
-    if now is None:
-        now = time.time()
-    cutoff = now - older_than
     res = SweepResult()
     top = os.fspath(directory)
+    if now is None:
+        try:
+            now = filesystem_now(top)
+        except FileNotFoundError:
+            return res  # a missing directory: an empty sweep
+        except OSError as e:  # read-only, full, EACCES ...: no clock to judge by, nothing removed
+            res.errors.append((top, e))
+            res.seconds = time.monotonic() - t0
+            return res
+    cutoff = now - older_than
 
     def onerror(e: OSError) -> None:
         if e.errno != errno.ENOENT:
@@ -130,4 +162,4 @@ def sweep_stale_temps(
     return res
 
 
-__all__ = ["SweepResult", "TEMP_NAME_RE", "check_older_than", "sweep_stale_temps"]
+__all__ = ["SweepResult", "TEMP_NAME_RE", "check_older_than", "filesystem_now", "sweep_stale_temps"]
