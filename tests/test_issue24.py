@@ -410,3 +410,75 @@ def test_sweep_without_a_filesystem_clock_removes_nothing(tmp_path, monkeypatch)
     res = sw.sweep_stale_temps(str(d), 60.0)
     assert res.removed == [] and [e.errno for _, e in res.errors] == [errno.EACCES]
     assert p.exists()
+
+
+# ---------------------------------------------------------------- item 6: durable, directory fsync EIO
+
+def test_durable_store_whose_directory_fsync_fails_then_a_later_durable_store_syncs_it(io_backend, io_fault,
+                                                                                      tmp_path):
+    """A durable store whose directory fsync after the rename fails (EIO): the store
+    reports EIO (operation "sync"), the block is published (its data fdatasync'ed before
+    the rename; its name maybe not durable: design.md P19). A later durable store of that
+    key does not skip it as stored: it fsyncs the file and its directory first (counted
+    durable_existing), and only then reports it stored."""
+    from test_policy import child
+
+    bs = 3 * 4096
+    [p] = block_paths(tmp_path, 1)
+    view = blocks_of(1, bs, 8)
+    data = view.tobytes()
+    r = child(io_backend, io_fault, tmp_path, "store", p, "fsync:5:-1", data=data, n=bs, durable=True)
+    assert (r["ok"], r["errno"], r["op"]) == (False, errno.EIO, "sync"), r
+    assert Path(p).read_bytes() == data  # published
+    log = tmp_path / "fsyncs.log"
+    r = child(io_backend, io_fault, tmp_path, "store", p, "fsync:4:1", data=data, n=bs, durable=True, log=log)
+    assert r["ok"], r
+    assert r["counts"].get("durable_existing") == 1 and r["counts"].get("existing") == 1, r
+    synced = {ln.split("\t")[2] for ln in log.read_text().splitlines() if ln.startswith("fsync")}
+    assert synced == {p, os.path.dirname(p)}, synced
+
+
+_DURABLE_TIER = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from kvtier.manager import FileSystemTierManager, TransferJob
+    root = sys.argv[1]
+    buf = np.random.default_rng(1).integers(0, 256, (2, 4096), dtype=np.uint8)
+    m = FileSystemTierManager(buf, root, "m", durable=True, checksum_blocks=True, n_read_threads=1,
+                              n_write_threads=1)
+    keys = [(b"\\x01" * 16, 0), (b"\\x01" * 15 + b"\\x02", 0)]  # one directory
+    out = {}
+    for step in ("first", "second"):
+        m.submit_store(TransferJob(step, keys, [0, 1]))
+        m.drain_jobs(30)
+        [r] = m.get_finished_jobs()
+        out[step] = [r.success, getattr(r.error, "errno", None), getattr(r.error, "operation", None),
+                     m.lookup(keys)]
+    out["durable_existing"] = m.metrics.counters.snapshot().get("durable_existing", 0)
+    m.shutdown()
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_tier_lookup_misses_a_block_whose_durable_store_failed_until_a_store_syncs_it(io_fault, tmp_path):
+    """Through the tier (durable=True): a store job whose directory fsync fails (EIO) is a
+    failed job, and lookups answer that block as a miss (so the caller stores it again,
+    instead of skipping a block not known durable); the next store job syncs it (file and
+    directory, durable_existing) and from then on lookups find it."""
+    from kvtier.manager import FileSystemTierManager
+
+    root = tmp_path / "root"
+    with FileSystemTierManager(np.zeros((2, 4096), np.uint8), str(root), "m", durable=True, checksum_blocks=True,
+                               n_read_threads=1, n_write_threads=1) as m:
+        rank = m.file_mapper.rank_path
+    # faults only under the blocks' directory (<rank>/010/10_g0), not the startup's files:
+    # its first fsync fails (EIO), then fsyncs work
+    env = dict(os.environ, LD_PRELOAD=preload(io_fault), KVT_FAULT_DIR=os.path.join(rank, "010"),
+               KVT_FAULT_DIRSYNC_EIO="1", KVT_FAULT_DIRSYNC_COUNT="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", _DURABLE_TIER, str(root)], env=env, cwd=str(ROOT),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    assert out["first"] == [False, errno.EIO, "sync", [False, False]], out
+    assert out["second"] == [True, None, None, [True, True]], out
+    assert out["durable_existing"] == 1, out

@@ -249,6 +249,11 @@ class TierEngine:
         self.use_o_direct = use_o_direct
         self.landing = landing  # where loads land: kvtier/_tier/landing.py
         self.durable = durable
+        # durable: paths whose durable store failed at a sync (P19: maybe published, not known
+        # durable); lookups answer them as misses until a durable store of them succeeds,
+        # which syncs the block there (P15), so the caller stores them again
+        self._not_durable: set = set()
+        self._not_durable_lock = threading.Lock()
         self.counters = counters if counters is not None else Counters()
         self.counters.stuck_gauge = lambda: self.stuck_threads
         if use_o_direct and not checksum and block_size % 4096 == 0 and len(view):
@@ -627,6 +632,9 @@ class TierEngine:
                 self.warnings.warn("lookup", "%s: answered as misses at once", e)
             return [False] * len(paths)
         found = [bool(x) for x in found]
+        if self._not_durable:
+            with self._not_durable_lock:
+                found = [f and p not in self._not_durable for f, p in zip(found, paths)]
         if self.capacity is not None:  # hits refresh recency, on the capacity thread
             self.capacity.touch_later([p for p, f in zip(paths, found) if f])
         return found
@@ -690,6 +698,11 @@ class TierEngine:
             e.__traceback__ = None
             e = e.__cause__ or e.__context__
         t1 = time.monotonic()
+        if self.durable and not job.is_promotion:
+            with self._not_durable_lock:
+                self._not_durable.difference_update(job.paths[:n_ok])  # synced now (P15)
+                if err is not None and getattr(err, "operation", "") == "sync" and n_ok < n:
+                    self._not_durable.add(job.paths[n_ok])  # P19: maybe published, not known durable
         if err is not None:
             op = "load" if job.is_promotion else "store"
             why = err

@@ -17,6 +17,8 @@
  *                            KVT_FAULT_PEER_SRC and KVT_FAULT_PEER_DST set, the
  *                            shim first renames SRC onto DST (a peer publishing
  *                            its block right after our rename).
+ *                            KVT_FAULT_DIRSYNC_COUNT=N: only the first N such fsyncs
+ *                            fail (a transient EIO), then they work.
  *   KVT_FAULT_ERRNO=f:E:N,.. the first N calls (N = -1: every call) of function f
  *                            per file fail with errno E (a number), nothing done.
  *                            Names: open, fstat (fstat, fstat64), pread (pread +
@@ -507,8 +509,11 @@ int fsync(int fd)
     if (fault_at("fsync", path, 1) != 0)
         return -1;
     const char *eio = getenv("KVT_FAULT_DIRSYNC_EIO");
+    const char *lim = getenv("KVT_FAULT_DIRSYNC_COUNT");
+    static long dirsyncs_failed;
     struct stat st;
-    if (eio && eio[0] == '1' && under_dir(path) && fstat(fd, &st) == 0 && S_ISDIR(st.st_mode)) {
+    if (eio && eio[0] == '1' && under_dir(path) && fstat(fd, &st) == 0 && S_ISDIR(st.st_mode) &&
+        (!lim || __atomic_fetch_add(&dirsyncs_failed, 1, __ATOMIC_RELAXED) < strtol(lim, NULL, 10))) {
         const char *src = getenv("KVT_FAULT_PEER_SRC"), *dst = getenv("KVT_FAULT_PEER_DST");
         if (src && dst) {
             REAL(rename, rename_t)
