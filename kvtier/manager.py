@@ -292,7 +292,8 @@ class FileSystemTierManager:
 
         geometry = GeometryGuard(os.path.join(self.file_mapper.base_path, BLOCK_INFO_FILENAME), self.block_size,
                                  self.file_mapper.read_block_info,
-                                 lambda: self.file_mapper.write_block_info(self.block_size),
+                                 lambda: (self.file_mapper.write_run_config(),  # both: a tree recreated
+                                          self.file_mapper.write_block_info(self.block_size)),
                                  self.metrics.counters, label)
         self._root_guard = RootGuard(self.root_dir, rank_path, started.root_id, write_config,
                                      self.metrics.counters, label, geometry)

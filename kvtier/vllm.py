@@ -272,7 +272,10 @@ class KvtierTier(SecondaryTierManager):
             counters.capacity_gauges = self.capacity.gauges
         info_dir = os.path.dirname(self.file_mapper.get_config_file_path())
         geometry = GeometryGuard(os.path.join(info_dir, BLOCK_INFO_FILENAME), bs, lambda: read_block_info(info_dir),
-                                 lambda: write_block_info(info_dir, bs), counters, self.tier_label)
+                                 lambda: (write_json_if_absent(self.file_mapper.get_config_file_path(),  # both:
+                                                               self.file_mapper.get_run_config()),  # a tree
+                                          write_block_info(info_dir, bs)),  # recreated under the same inodes
+                                 counters, self.tier_label)
         root_guard = RootGuard(root_dir, rank_path, started.root_id, write_config, counters, self.tier_label,
                                geometry)
         self._engine = TierEngine(flat, bs, self.file_mapper.get_file_name, use_o_direct=self.use_o_direct,

@@ -422,3 +422,21 @@ def test_a_relative_root_is_resolved_once_a_later_chdir_moves_nothing(tmp_path, 
         assert t.metrics.counters.snapshot()["root_lost"] == 0
     finally:
         t.shutdown()
+
+
+def test_config_files_removed_under_a_running_tier_are_both_written_again(tmp_path):
+    """config.json and kvtier.json gone while the tier runs, the directories still there (as
+    after the tree was removed and made again by an in-flight store on inode numbers ext4
+    reused, so the root's (dev, ino) did not change): the next job writes both back, with the
+    same contents (issue #24 item 9: they were never written again)."""
+    t, buf = make_tier(tmp_path)
+    try:
+        base = t.file_mapper.base_path
+        files = {n: (Path(base) / n).read_bytes() for n in ("config.json", "kvtier.json")}
+        for n in files:
+            os.unlink(os.path.join(base, n))
+        fill(buf, 7)
+        assert run(t, "s", keys(), list(range(N)), False).success
+        assert {n: (Path(base) / n).read_bytes() for n in files} == files
+    finally:
+        t.shutdown()

@@ -857,3 +857,20 @@ def test_a_relative_root_dir_is_resolved_once_a_later_chdir_moves_nothing(harnes
     h.lookup_all(ks, rc)
     assert h.load(ks, rc) == data
     h.finish(rc)
+
+
+def test_config_files_removed_under_a_running_vllm_tier_are_both_written_again(harness):
+    """vLLM's config.json and kvtier.json gone while the "kvtier" tier runs (the directories
+    kept, as when a store made the tree again under reused inode numbers): the next store job
+    writes both back, the same bytes (issue #24 item 9)."""
+    h = harness("kvtier")
+    tier = h.tiers[0]
+    cfg = tier.file_mapper.get_config_file_path()
+    paths = [cfg, os.path.join(os.path.dirname(cfg), "kvtier.json")]
+    before = [open(p, "rb").read() for p in paths]
+    for p in paths:
+        os.unlink(p)
+    ks, data = keys_and_data(1, salt=9)
+    h.store(ks, data)
+    h.wait_tiers()
+    assert [open(p, "rb").read() for p in paths] == before

@@ -173,9 +173,11 @@ class GeometryGuard:
     (``info_path``) still records this tier's ``block_size``, so that two geometries on one
     root never judge each other's blocks (issue #24: a tier of another block size condemned
     the files of this one for their size).  One stat per job; the file is read again only
-    when its (st_dev, st_ino, st_mtime_ns, st_size) changed.  Absent (removed while running):
-    written again (``write_info()``, the shell's: atomic, only if absent, ValueError when
-    another's appeared meanwhile).  Recording another size (``read_info()`` gives its
+    when its (st_dev, st_ino, st_mtime_ns, st_size) changed.  Absent (removed while running,
+    or the tree removed and made again by an in-flight store under inode numbers the filesystem
+    reused, which :class:`RootGuard`'s identity check cannot see): written again with the
+    shell's ``config.json`` (``write_info()``, the shell's: atomic, only if absent, ValueError
+    when another's appeared meanwhile).  Recording another size (``read_info()`` gives its
     ``block_bytes``, ValueError when it is not JSON): an error log line once per change,
     and every job refused (:class:`kvtier._tier.engine.JobRefused`, EINVAL, nothing read or
     written; counted ``geometry_refused``) until it records this size again.  An OSError
