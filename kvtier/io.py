@@ -53,6 +53,7 @@ temp instead of renaming it).
 """
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import secrets
@@ -120,6 +121,25 @@ def _tmp_with(dest, tag: str):
     if isinstance(d, bytes):
         return d + b"_" + tag.encode() + b".tmp"
     return f"{d}_{tag}.tmp"
+
+
+def _name_the_temp_suffix(e: OSError, tag: str) -> None:
+    """ENAMETOOLONG from a store whose block name fits the filesystem's NAME_MAX but whose
+    temp name (the name + ``_<16 hex>.tmp``, 21 bytes more) does not: the message says so
+    (it said only "File name too long" of a name that is not)."""
+    dest = e.filename
+    if dest is None:
+        return
+    d, name = os.path.split(os.fsencode(dest))
+    try:
+        name_max = os.pathconf(d or b".", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    extra = len(os.fsencode(_tmp_with("", tag)))
+    if len(name) <= name_max < len(name) + extra:
+        e.strerror = (f"File name too long: the block's name ({len(name)} bytes) fits NAME_MAX ({name_max}), "
+                      f"but its temp name (the name + '_<16 hex>.tmp', {len(name) + extra} bytes) does not; "
+                      f"keep block names at most {name_max - extra} bytes")
 
 
 def _job_state_arg(job_state, backend: str) -> dict:
@@ -199,8 +219,13 @@ class BlockIO:
         kw = _job_state_arg(job_state, self.backend)
         if counts is not None:
             kw["counts"] = counts
-        self.impl.batch_store_block(tmps, paths, mv, use_o_direct, checksum, durable=durable, offsets=offsets,
-                                    block_size=block_size, **kw)
+        try:
+            self.impl.batch_store_block(tmps, paths, mv, use_o_direct, checksum, durable=durable, offsets=offsets,
+                                        block_size=block_size, **kw)
+        except OSError as e:
+            if e.errno == errno.ENAMETOOLONG:
+                _name_the_temp_suffix(e, tag)
+            raise
 
     def batch_load_block(
         self,

@@ -1696,3 +1696,26 @@ def test_batch_error_under_allocation_failures():
     assert r.returncode == 0, r.stderr
     n_ok, n_bad = map(int, r.stdout.split())
     assert n_bad > n_ok, (n_ok, n_bad)  # some failures hit the error construction
+
+
+@pytest.mark.parametrize("name_len", [240, 254])
+def test_a_name_whose_temp_does_not_fit_name_max_says_so(io_backend, tmp_path, name_len):
+    """A block name of 235-255 bytes fits NAME_MAX but its temp (+ '_<16 hex>.tmp') does not:
+    ENAMETOOLONG names the temp suffix and the longest name that works, nothing is left
+    behind; a name that does not fit itself keeps the plain message (issue #24 item 15)."""
+    data = np.arange(4096, dtype=np.uint8)
+    dest = str(tmp_path / ("b" * (name_len - 4) + ".bin"))
+    with pytest.raises(OSError) as ei:
+        io_backend.batch_store_block([dest], data, [0], 4096, use_o_direct=False, checksum=True)
+    e = ei.value
+    assert e.errno == errno.ENAMETOOLONG and e.filename == dest and e.num_succeeded == 0
+    assert e.strerror == (f"File name too long: the block's name ({name_len} bytes) fits NAME_MAX (255), but its "
+                          f"temp name (the name + '_<16 hex>.tmp', {name_len + 21} bytes) does not; keep block "
+                          "names at most 234 bytes")
+    assert os.listdir(tmp_path) == []
+    ok = str(tmp_path / ("c" * 230 + ".bin"))  # 234 bytes: its temp is 255
+    io_backend.batch_store_block([ok], data, [0], 4096, use_o_direct=False, checksum=True)
+    assert os.listdir(tmp_path) == [os.path.basename(ok)]
+    with pytest.raises(OSError) as ei:
+        io_backend.batch_store_block([str(tmp_path / ("d" * 256))], data, [0], 4096, use_o_direct=False)
+    assert ei.value.errno == errno.ENAMETOOLONG and ei.value.strerror == "File name too long"
