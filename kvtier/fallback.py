@@ -346,11 +346,8 @@ class _Late(Exception):
 def _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, word=None):
     try:
         st = _os.lstat(dest)
-    except FileNotFoundError:
+    except OSError:  # absent, or not known (EIO ...): stored anew, as the C core
         st = None
-    except OSError as e:
-        e.kvt_op = "stat"
-        raise
     keep = st is not None and _stat.S_ISREG(st.st_mode) and st.st_size == len(mv)  # stored (by us or a peer)
     if keep and checksum and _lacks_crc_record(dest):
         keep = False  # unverifiable (strict: a miss for ever): replaced by the verified copy of mv

@@ -1719,3 +1719,12 @@ def test_a_name_whose_temp_does_not_fit_name_max_says_so(io_backend, tmp_path, n
     with pytest.raises(OSError) as ei:
         io_backend.batch_store_block([str(tmp_path / ("d" * 256))], data, [0], 4096, use_o_direct=False)
     assert ei.value.errno == errno.ENAMETOOLONG and ei.value.strerror == "File name too long"
+
+
+def test_a_destination_lstat_eio_stores_anew_on_both_backends(io_backend, io_fault, tmp_path):
+    """The first lstat of every store's destination fails with EIO (a sick client's look-up):
+    the store writes the block anew, as the C core always did, and every block round-trips;
+    the fallback failed the store (issue #24 item 15)."""
+    log = _run_under_faults(io_backend, io_fault, tmp_path, KVT_FAULT_ERRNO=f"lstat:{errno.EIO}:1")
+    failed = {p for f, _, p in log if f == "lstat"}
+    assert {str(tmp_path / "faulty" / "m" / f"{i:02x}" / f"blk{i}.bin") for i in range(FAULT_N)} <= failed

@@ -28,7 +28,8 @@
  *                            E: an error after a good read), fallocate (fallocate,
  *                            fallocate64: E = 95 is a filesystem without it), mkdir
  *                            (E = 2: a parent another node just made that this
- *                            client's name cache does not show yet). The error policy
+ *                            client's name cache does not show yet), lstat (lstat,
+ *                            lstat64: a store's look at its destination). The error policy
  *                            tests (tests/test_policy.py) walk docs/design.md's
  *                            table with it.
  *   (open covers openat relative to a directory fd too, keyed by the whole path.)
@@ -561,6 +562,20 @@ static int do_fstat(const char *name, int fd, struct stat *st)
 
 int fstat(int fd, struct stat *st) { return do_fstat("fstat", fd, st); }
 int fstat64(int fd, struct stat64 *st) { return do_fstat("fstat64", fd, (struct stat *)st); }
+
+/* lstat (a store's look at its destination): the faults of "lstat", keyed by the path. */
+typedef int (*lstat_t)(const char *, struct stat *);
+
+static int do_lstat(const char *name, const char *path, struct stat *st)
+{
+    if (fault_at("lstat", path, 1) != 0)
+        return -1;
+    lstat_t real = (lstat_t)dlsym(RTLD_NEXT, name);
+    return real(path, st);
+}
+
+int lstat(const char *path, struct stat *st) { return do_lstat("lstat", path, st); }
+int lstat64(const char *path, struct stat64 *st) { return do_lstat("lstat64", path, (struct stat *)st); }
 
 int fdatasync(int fd)
 {
