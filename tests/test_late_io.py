@@ -316,25 +316,25 @@ def test_late_load_with_the_lock_cas(lock_cas, ff, area):
     assert np.array_equal(out[:BS], view[:BS]) and (out[BS:] == 0x3C).all()
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("use_o_direct", [True, False])
-def test_blocks_counted_at_expiry_are_exactly_the_whole_ones(io_backend, tmp_path, use_o_direct):
-    """A load expired at a random moment from another thread: the count read right
-    after expire() is the call's own num_succeeded, those blocks are whole, nothing is
-    written after expire() returned, and no block after the failing one is touched
-    (the C core commits a block in pieces, the fallback in one copy)."""
-    n, bs = 48, 256 << 10
-    data = np.random.default_rng(8).integers(0, 256, n * bs, dtype=np.uint8)
+def expire_at_random(io_backend, tmp_path, use_o_direct, n=48, tries=24, alloc=np.zeros, **load_kw):
+    """Load ``n`` blocks of 256 KiB ``tries`` times (buffers from ``alloc(nbytes, dtype)``,
+    ``load_kw`` to batch_load_block), each expired from another thread at a random moment or
+    once a random count of blocks is done: the count read right after expire() is the call's
+    own num_succeeded, those blocks are whole, nothing is written after expire() returned,
+    and no block after the failing one is touched. At least one try ends mid-batch."""
+    bs = 256 << 10
+    data = alloc(n * bs, np.uint8)
+    data[:] = np.random.default_rng(8).integers(0, 256, n * bs, dtype=np.uint8)
     paths = [str(tmp_path / f"b{i}.bin") for i in range(n)]
     io_backend.batch_store_block(paths, data, [i * bs for i in range(n)], bs, checksum=True)
     rng = np.random.default_rng(9)
     seen = set()
-    for _ in range(24):
+    for i in range(tries):
         js = kio.JobState()
-        out = np.zeros_like(data)
+        out = alloc(n * bs, np.uint8)
         snap = []
 
-        def expire(at=int(rng.integers(0, n)), delay=float(rng.uniform(0, 0.01)), by_count=bool(_ % 2)):
+        def expire(at=int(rng.integers(0, n)), delay=float(rng.uniform(0, 0.01)), by_count=bool(i % 2)):
             if by_count:  # as soon as `at` blocks are counted: a loaded host's late wake-up cannot miss it
                 while js.blocks_done < at:
                     time.sleep(0)  # lets the GIL go: the pure-Python loader needs it to progress
@@ -347,7 +347,7 @@ def test_blocks_counted_at_expiry_are_exactly_the_whole_ones(io_backend, tmp_pat
         t.start()
         try:
             io_backend.batch_load_block(paths, out, [i * bs for i in range(n)], bs, use_o_direct=use_o_direct,
-                                        checksum=True, job_state=js)
+                                        checksum=True, job_state=js, **load_kw)
         except TimeoutError as e:
             t.join()
             k, at_expiry = snap[0]
@@ -359,4 +359,12 @@ def test_blocks_counted_at_expiry_are_exactly_the_whole_ones(io_backend, tmp_pat
         else:
             t.join()
             assert not snap or snap[0][0] == n  # expired after the last block: all counted
-    assert seen, "no load was expired mid-batch in 24 tries"
+    assert seen, f"no load was expired mid-batch in {tries} tries"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("use_o_direct", [True, False])
+def test_blocks_counted_at_expiry_are_exactly_the_whole_ones(io_backend, tmp_path, use_o_direct):
+    """A load expired at a random moment from another thread (:func:`expire_at_random`; the
+    C core commits a block in pieces, the fallback in one copy)."""
+    expire_at_random(io_backend, tmp_path, use_o_direct)

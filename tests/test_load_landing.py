@@ -8,7 +8,6 @@ import errno
 import mmap
 import os
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -92,44 +91,10 @@ def test_direct_landing_expired_at_random_writes_nothing_after_expire(io_backend
     """As test_late_io's random expiry, landing direct: once expire() returned, the row is
     what it was then; the count is num_succeeded; those blocks whole, the ones after the
     failing one untouched (expire waited for the block's read)."""
-    n, bs = 32, 256 << 10
-    data = aligned(n * bs)
-    data[:] = np.random.default_rng(8).integers(0, 256, n * bs, dtype=np.uint8)
-    paths = [str(tmp_path / f"b{i}.bin") for i in range(n)]
-    io_backend.batch_store_block(paths, data, [i * bs for i in range(n)], bs, checksum=True)
-    rng = np.random.default_rng(9)
-    seen = set()
-    for k in range(16):
-        js = kio.JobState()
-        out = aligned(n * bs)
-        snap = []
+    from test_late_io import expire_at_random
 
-        def expire(at=int(rng.integers(0, n)), delay=float(rng.uniform(0, 0.01)), by_count=bool(k % 2)):
-            if by_count:
-                while js.blocks_done < at:
-                    pass
-            else:
-                time.sleep(delay)
-            assert js.expire()
-            snap.append((js.blocks_done, out.copy()))
-
-        t = threading.Thread(target=expire)
-        t.start()
-        try:
-            io_backend.batch_load_block(paths, out, [i * bs for i in range(n)], bs, use_o_direct=use_o_direct,
-                                        checksum=True, job_state=js, landing="direct")
-        except TimeoutError as e:
-            t.join()
-            got, at_expiry = snap[0]
-            assert e.num_succeeded == got == js.blocks_done
-            assert np.array_equal(out, at_expiry)
-            assert np.array_equal(out[:got * bs], data[:got * bs])
-            assert not out[(got + 1) * bs:].any()
-            seen.add(got)
-        else:
-            t.join()
-            assert not snap or snap[0][0] == n
-    assert seen, "no load was expired mid-batch in 16 tries"
+    expire_at_random(io_backend, tmp_path, use_o_direct, n=32, tries=16, alloc=lambda n, dt: aligned(n),
+                     landing="direct")
 
 
 # ------------------------------------------------------------ the choice per mount
