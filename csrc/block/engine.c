@@ -320,8 +320,9 @@ out:
  * dst. No pieces: each is one more request for the device to start, one
  * more kick and completion interrupt (a trap to the hypervisor on a virtio
  * disk) and one more sleep and wake-up of this thread, which the process pays
- * in CPU; with nothing to move there is nothing for a later piece to hide
- * (docs/block_io.md "Load landing"). */
+ * in CPU. With nothing to move, all a later piece could hide is the CRC
+ * pass, which costs the same CPU hidden or not (docs/block_io.md "Load
+ * landing"). No op is ever in flight into dst when this returns. */
 int kvt_engine_read_into(int fd, uint8_t *dst, size_t len, int *direct, int crc_on, uint32_t *crc)
 {
     ssize_t r = kvt_read_full(fd, dst, len, 0, direct);
