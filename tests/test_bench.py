@@ -234,3 +234,31 @@ def test_two_client_mode_needs_root(capsys):
 
     assert main(["bench", "--node-b", "/tmp"]) == 2
     assert "--node-b needs --root" in capsys.readouterr().err
+
+
+def test_bench_reports_cpu_per_gib_moved_not_per_pass(tmp_path):
+    """Load passes run several rounds, store passes one: the CPU the table and the rows
+    report is the pass's process CPU over the GiB it moved (bytes x rounds), so modes whose
+    passes ran different numbers of rounds compare per unit of work; the header says what
+    a pass is and the unit."""
+    d = bench.run_bench("tiny", blocks=8, jobs=(1, 2), root=str(tmp_path), repeat=1, progress=False,
+                        vllm="off", min_pass_s=0.2)
+    assert d["ok"]
+    rows = {(r["op"], r["jobs"], r["mode"]): r for r in d["rows"]}
+    assert sorted(rows) == [("load", 1, "off"), ("load", 1, "on"), ("load", 2, "off"), ("load", 2, "on"),
+                            ("store", 2, "off"), ("store", 2, "on")]
+    for (op, _, _), r in rows.items():
+        assert r["rounds"] == 1 if op == "store" else r["rounds"] >= 2, r
+        moved_gib = r["bytes"] * r["rounds"] / 2**30
+        assert r["cpu_s"] > 0 and r["cpu_s_per_gib"] == pytest.approx(r["cpu_s"] / moved_gib, rel=1e-9), r
+    table = bench.format_table(d).splitlines()
+    assert any("a store pass: 1 round; a load pass: rounds until >= 0.2 s" in x and "per GiB moved" in x
+               for x in table), table
+    hdr = next(x for x in table if x.startswith("op "))
+    assert "CPU s/GiB off" in hdr
+    for (op, jobs, _), r in rows.items():
+        line = next(x for x in table if x.split()[:2] == [op, str(jobs)])
+        cpu = line.split("|")[4].split()  # off, on, on/off
+        off, on = rows[(op, jobs, "off")], rows[(op, jobs, "on")]
+        assert cpu == [f"{off['cpu_s_per_gib']:.3f}", f"{on['cpu_s_per_gib']:.3f}",
+                       f"{on['cpu_s_per_gib'] / off['cpu_s_per_gib']:.2f}"], (line, off, on)

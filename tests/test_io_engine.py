@@ -326,3 +326,57 @@ def test_forked_child_makes_its_own_ring_without_a_getpid_per_block(tmp_path):
             calls = int(f[1])
     # 32 stores and 3 x 32 loads on the ring (128 blocks): one getpid per block before
     assert calls < n, out.read_text()
+
+
+DIRECT_SCRIPT = r"""
+import json, mmap, os, sys
+import numpy as np
+from kvtier import io, _C
+d = sys.argv[1]
+if not io.probe_o_direct(d):
+    print("RESULT " + json.dumps({"no_direct": True}))
+    sys.exit(0)
+bs = 3 << 20
+src = np.frombuffer(mmap.mmap(-1, bs), dtype=np.uint8)
+src[:] = np.random.default_rng(5).integers(0, 256, bs, dtype=np.uint8)
+p = os.path.join(d, "b.bin")
+io.batch_store_block([p], src, [0], bs, use_o_direct=True, checksum=True)
+out = {"bad": [], "ops": {}}
+for landing in ("direct", "bounce"):
+    for ck in (False, True):
+        dst = np.frombuffer(mmap.mmap(-1, bs), dtype=np.uint8)
+        before = _C.io_engine_status()
+        io.batch_load_block([p], dst, [0], bs, use_o_direct=True, checksum=ck, job_state=bytearray(8),
+                            landing=landing)
+        after = _C.io_engine_status()
+        if not np.array_equal(dst, src):
+            out["bad"].append([landing, ck])
+        out["ops"][f"{landing}-{int(ck)}"] = [after["uring_ops"] - before["uring_ops"],
+                                              after["plain_blocks"] - before["plain_blocks"]]
+out["engine"] = _C.io_engine_status()["engine"]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_direct_landing_is_one_read_not_ring_pieces(tmp_path):
+    """The direct landing reads an O_DIRECT block into the row in one read (then one CRC pass),
+    not in the bounce's io_uring pieces: each piece was one more device request, kick, interrupt
+    and wake-up, which made it cost 1.5-1.7x the plain pread floor's CPU (docs/vs_vllm.md, "The
+    direct landing at the floor's CPU"). The bounce, on the same engine, still uses the ring."""
+    _need_liburing()
+    d = tmp_path / "blocks"
+    d.mkdir()
+    e = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    e.update(KVTIER_IO_BACKEND="c", KVTIER_IO_URING="1")
+    r = subprocess.run([sys.executable, "-c", DIRECT_SCRIPT, str(d)], capture_output=True, text=True, env=e,
+                       cwd=str(ROOT), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+    if res.get("no_direct"):
+        pytest.skip(f"{d} does not accept O_DIRECT")
+    if res["engine"] != "io_uring":
+        unavailable("the kernel refuses io_uring here")
+    assert res["bad"] == []
+    ops = res["ops"]
+    assert ops["direct-0"] == [0, 0] and ops["direct-1"] == [0, 0], ops  # no ring op, not a plain engine block
+    assert ops["bounce-0"][0] >= 4 and ops["bounce-1"][0] >= 4, ops  # 3 MiB: halving pieces on the ring

@@ -10,9 +10,10 @@
  * This file decides what happens to a block (open, record, verify, retry,
  * condemn, publish); the bytes move through the I/O engine (engine.h):
  * large pieces, io_uring where the kernel gives it (uring.h), the CRC of each
- * piece computed while the next ones are in flight, and for loads private
- * memory + the fused copy + CRC into the caller's buffer, in the commit
- * sections of the job state (job_state.h). A load is open, fgetxattr, the
+ * piece computed while the next ones are in flight, and for bounce loads
+ * private memory + the fused copy + CRC into the caller's buffer, in the
+ * commit sections of the job state (job_state.h); a direct-landing load is
+ * one read into the caller's buffer, then one CRC pass over it. A load is open, fgetxattr, the
  * reads, close; what a failure needs to prove itself (fstat, a re-read) only
  * on the failure path.
  */

@@ -316,46 +316,15 @@ out:
     return e;
 }
 
-/* In place (the direct landing, engine.h): straight into dst, one read in
- * flight through the ring, the CRC of piece k (when `crc_on`) computed over
- * dst while the device fills piece k+1. 0, a read's errno, KVT_READ_SHORT,
- * or EAGAIN: something unusual (an error, a short piece): redo on the plain
- * path. No op is in flight when it returns, except after a failed wait (the
- * ring is then abandoned; not seen in practice). */
-static int read_into_uring(kvt_uring *ring, int fd, uint8_t *dst, size_t len, int crc_on, uint32_t *crc)
-{
-    size_t off = 0, n = load_piece(len);
-    *crc = 0;
-    if (ring_start(ring, 0, fd, dst, n, 0) != 0)
-        return EAGAIN;
-    for (;;) {
-        int r;
-        if (ring_reap(ring, &r) != 0)
-            return EIO; /* a read may still be in flight into dst: not redone */
-        if (r < 0 || (size_t)r != n)
-            return EAGAIN;
-        size_t next = off + n, m = next < len ? load_piece(len - next) : 0;
-        if (m > 0 && ring_start(ring, 0, fd, dst + next, m, next) != 0)
-            return EIO;
-        if (crc_on)
-            *crc = kvt_crc32c(*crc, dst + off, n);
-        if (m == 0)
-            return 0;
-        off = next;
-        n = m;
-    }
-}
-
+/* See engine.h: one read of the whole block, then (crc_on) one CRC pass over
+ * dst. No pieces: each is one more request for the device to start, one
+ * more kick and completion interrupt (a trap to the hypervisor on a virtio
+ * disk) and one more sleep and wake-up of this thread, which the process pays
+ * in CPU. With nothing to move, all a later piece could hide is the CRC
+ * pass, which costs the same CPU hidden or not (docs/block_io.md "Load
+ * landing"). No op is ever in flight into dst when this returns. */
 int kvt_engine_read_into(int fd, uint8_t *dst, size_t len, int *direct, int crc_on, uint32_t *crc)
 {
-    if (*direct) {
-        kvt_uring *ring = ring_for(len);
-        if (ring != NULL) {
-            int e = read_into_uring(ring, fd, dst, len, crc_on, crc);
-            if (e != EAGAIN)
-                return e;
-        }
-    }
     ssize_t r = kvt_read_full(fd, dst, len, 0, direct);
     if (r < 0)
         return errno ? errno : EIO;

@@ -65,9 +65,9 @@ int kvt_engine_read(int fd, uint8_t *dst, size_t len, int *direct, int move, kvt
  * `fd` at offset 0 straight into dst, the caller's row (O_DIRECT when
  * *direct: dst page aligned; cleared if the filesystem refuses it), with
  * *crc = their CRC32C when `crc_on` (the active backend, a pass over dst).
- * O_DIRECT blocks of more than KVT_PIECE_MIN through io_uring in the
- * halving pieces of kvt_engine_read, one read in flight, piece k checksummed
- * in dst while piece k+1 is read; else one read, then the pass. No private
+ * One read of the whole block (as vLLM's and the floor's), then the pass:
+ * no pieces (each one more device request, kick, completion interrupt and
+ * wake-up, paid in CPU: docs/block_io.md "Load landing"). No private
  * memory, no copy, no commit points: block.c holds the job's commit section
  * around the whole call, and the file's size is checked before (fstat).
  * Returns 0, KVT_READ_SHORT, or the errno of a failed read. */

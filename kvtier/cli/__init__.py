@@ -120,7 +120,7 @@ def _print_info(d: dict) -> None:
         print("I/O engine:     not available: the C core is not importable")
     else:
         if eng["engine"] == "io_uring":
-            how = ("io_uring (liburing): O_DIRECT loads in pieces, the next read in flight while one is moved; "
+            how = ("io_uring (liburing): bounce-landing O_DIRECT loads in pieces, the next read in flight while one is moved; "
                    "checksummed O_DIRECT stores: the CRC while the write is in flight")
         elif not eng["liburing"]:
             how = "plain pread/pwrite (built without liburing: apt-get install liburing-dev and rebuild)"

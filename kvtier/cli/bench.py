@@ -5,13 +5,16 @@ It fills a primary buffer (numpy) with random bytes, stores N blocks through
 loads them back with 1, 4 and 16 jobs in flight, with checksums off and on, and, when
 vLLM 0.33 is installed, with vLLM's own fs tier I/O (its C++ fs_io_C, no checksums, the
 same jobs on a pool of the same size); verifies every byte loaded, and prints GB/s with
-its spread over the repeats, p50/p99 job latency and process CPU time, with the on/off
-and on/vLLM ratios.  Exit status 1 if any byte differs or a job fails.
+its spread over the repeats, p50/p99 job latency and process CPU seconds per GiB moved
+(not per pass: a load pass runs as many rounds as fit its time, so passes of different
+modes move different amounts), with the on/off and on/vLLM ratios.  Exit status 1 if any byte differs or a job fails.
 
 Fair by construction: every mode loads the same files (stored with checksums on; a
 mode without checksums ignores the record), the modes take turns pass by pass (the
 order alternating between repeats), and a load pass repeats its jobs until it has
-run at least ``--min-pass-s`` seconds, so a pass is not one burst of a few ms.
+run at least ``--min-pass-s`` seconds, so a pass is not one burst of a few ms. A round
+is one job set moving every block once; a store pass is one round (a fresh copy of
+the blocks), a load pass one or more rounds.
 Every store pass (vLLM's too) starts from an empty root directory and creates the
 blocks' directories (the same two-level layout, :mod:`kvtier.file_mapper`'s) while timed.
 
@@ -51,10 +54,12 @@ class Row:
     (kvtier, checksums ``checksum``) or "vllm" (vLLM's own fs tier I/O).
 
     ``blocks`` and ``bytes``: moved per round; a load pass runs ``rounds`` rounds (median
-    over the repeats).  ``gbps_min`` / ``gbps_max``: the spread of GB/s over the repeats.
+    over the repeats), a store pass one.  ``gbps_min`` / ``gbps_max``: the spread of GB/s over the repeats.
     Medians over ``--repeat`` passes:
     ``wall_s`` (seconds, first submit to last job done), ``cpu_s`` (seconds of process CPU
-    time, user+sys of all threads, ``time.process_time``), ``gbps`` (``bytes / wall_s / 1e9``,
+    time, user+sys of all threads, ``time.process_time``, per pass), ``cpu_s_per_gib`` (the
+    pass's CPU seconds / the GiB it moved, ``bytes x rounds / 2**30``: comparable between
+    modes whose passes ran different numbers of rounds), ``gbps`` (``bytes / wall_s / 1e9``,
     decimal GB/s).  ``p50_ms`` / ``p99_ms``: percentiles of job latency (submit to done,
     milliseconds) over all passes.  Sums over all passes: ``failed_jobs`` (JobResult.success
     false), ``checksum_failures`` (jobs with a condemned block), ``mismatched_bytes`` (loaded
@@ -78,6 +83,7 @@ class Row:
     gbps_min: float
     gbps_max: float
     rounds: int
+    cpu_s_per_gib: float
 
 
 def _percentile(xs: List[float], q: float) -> float:
@@ -288,12 +294,13 @@ def run_bench(preset: str = DEFAULT_PRESET, tokens: int = DEFAULT_TOKENS, blocks
             lat = [x for s in samples for x in s[2]]
             rounds = [s[4] for s in samples]
             gb = [blocks * bs * s[4] / s[0] / 1e9 for s in samples]
+            per_gib = [s[1] / (blocks * bs * s[4] / 2**30) for s in samples]  # CPU per GiB moved, per pass
             w = statistics.median(wall)
             k = statistics.median(rounds)
             rows.append(Row(op, n_jobs, mode == "on", mode, blocks, blocks * bs, w, statistics.median(cpu),
                             statistics.median(gb), _percentile(lat, 50) * 1e3, _percentile(lat, 99) * 1e3,
                             sum(s[5] for s in samples), sum(sum(r.checksum_failed for r in s[3]) for s in samples),
-                            sum(s[6] for s in samples), min(gb), max(gb), int(k)))
+                            sum(s[6] for s in samples), min(gb), max(gb), int(k), statistics.median(per_gib)))
 
         store_jobs = max(jobs)
         for r in range(repeat):
@@ -385,7 +392,7 @@ def _mem_available() -> Optional[int]:
 def format_table(d: dict) -> str:
     """The text table for a :func:`run_bench` result ``d``: a setup header, then one line per
     (op, jobs) with GB/s (median and [min-max] over the repeats), p50/p99 job latency (ms)
-    and CPU seconds for checksum off and on, the on/off ratios, and vLLM's GB/s and the
+    and CPU seconds per GiB moved for checksum off and on, the on/off ratios, and vLLM's GB/s and the
     on/vLLM ratio when the peer ran ("-" where a mode was not run, and for GB/s where a
     pass had failed jobs).  Returns a str (no trailing newline).
     """
@@ -398,6 +405,8 @@ def format_table(d: dict) -> str:
         f"({d['fstype']}, {'O_DIRECT' if d['o_direct'] else 'buffered'}); {d['threads']}+{d['threads']} "
         f"threads; I/O {d['io_backend']} (engine {d.get('io_engine', '-')}), CRC32C {d['crc32c_backend']}; median [min-max] of {d['repeat']} "
         f"passes of >= {d.get('min_pass_s', 0):g} s, modes interleaved, every mode loading the same files",
+        f"a round: the jobs moving every block once; a store pass: 1 round; a load pass: rounds until >= "
+        f"{d.get('min_pass_s', 0):g} s; CPU: process CPU s (all threads) per GiB moved",
         f"vLLM: {d.get('vllm', '-')}",
         "",
     ]
@@ -410,9 +419,9 @@ def format_table(d: dict) -> str:
             keys.append(k)
     peer = any(m == "vllm" for (_, _, m) in by)
     hdr = (f"{'op':<6}{'jobs':>5} | {'GB/s off':>19}{'on':>19}{'on/off':>7} | {'p50 ms off':>11}{'on':>8} | "
-           f"{'p99 ms off':>11}{'on':>8} | {'CPU s off':>10}{'on':>7}{'on/off':>7}")
+           f"{'p99 ms off':>11}{'on':>8} | {'CPU s/GiB off':>14}{'on':>7}{'on/off':>7}")
     if peer:
-        hdr += f" | {'GB/s vLLM':>19}{'on/vLLM':>8}{'CPU s':>7}"
+        hdr += f" | {'GB/s vLLM':>19}{'on/vLLM':>8}{'CPU s/GiB':>10}"
     lines += [hdr, "-" * len(hdr)]
 
     def cell(v, fmt):
@@ -428,7 +437,7 @@ def format_table(d: dict) -> str:
         off, on, vl = by.get((op, jobs, "off")), by.get((op, jobs, "on")), by.get((op, jobs, "vllm"))
 
         def g_(r, f):
-            return None if r is None or (f == "gbps" and r["failed_jobs"]) else r[f]
+            return None if r is None or (f == "gbps" and r["failed_jobs"]) else r.get(f)  # a result saved by an older kvtier: "-"
 
         def ratio(a_, b_, f):
             a, b = g_(a_, f), g_(b_, f)
@@ -438,9 +447,10 @@ def format_table(d: dict) -> str:
                 f"{cell(ratio(off, on, 'gbps'), '7.2f')} | {cell(g_(off, 'p50_ms'), '11.1f')}"
                 f"{cell(g_(on, 'p50_ms'), '8.1f')} | "
                 f"{cell(g_(off, 'p99_ms'), '11.1f')}{cell(g_(on, 'p99_ms'), '8.1f')} | "
-                f"{cell(g_(off, 'cpu_s'), '10.2f')}{cell(g_(on, 'cpu_s'), '7.2f')}{cell(ratio(off, on, 'cpu_s'), '7.2f')}")
+                f"{cell(g_(off, 'cpu_s_per_gib'), '14.3f')}{cell(g_(on, 'cpu_s_per_gib'), '7.3f')}"
+                f"{cell(ratio(off, on, 'cpu_s_per_gib'), '7.2f')}")
         if peer:
-            line += f" | {gb(vl, 19)}{cell(ratio(vl, on, 'gbps'), '8.2f')}{cell(g_(vl, 'cpu_s'), '7.2f')}"
+            line += f" | {gb(vl, 19)}{cell(ratio(vl, on, 'gbps'), '8.2f')}{cell(g_(vl, 'cpu_s_per_gib'), '10.3f')}"
         lines.append(line)
     lines.append("")
     status = "OK" if d["ok"] else "FAILED"
@@ -452,7 +462,7 @@ def format_table(d: dict) -> str:
 def plot(d: dict, path: str) -> None:
     """Into ``path`` (PNG): GB/s per row and mode (checksum off, on, vLLM) with the spread
     over the repeats as error bars (min-max); the on/off and on/vLLM GB/s ratios with their
-    spread (min/max of on over max/min of the other); process CPU seconds."""
+    spread (min/max of on over max/min of the other); process CPU seconds per GiB moved."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -479,7 +489,7 @@ def plot(d: dict, path: str) -> None:
         err = [[(r["gbps"] - r.get("gbps_min", r["gbps"])) if r else 0 for r in rs],
                [(r.get("gbps_max", r["gbps"]) - r["gbps"]) if r else 0 for r in rs]]
         a1.bar(x + (i - (len(modes) - 1) / 2) * w, med, w, yerr=err, capsize=3, label=names[m])
-        a3.bar(x + (i - (len(modes) - 1) / 2) * w, [r["cpu_s"] if r else 0 for r in rs], w, label=names[m])
+        a3.bar(x + (i - (len(modes) - 1) / 2) * w, [r["cpu_s_per_gib"] if r else 0 for r in rs], w, label=names[m])
     pairs = [(m, "on") for m in ("off", "vllm") if m in modes and "on" in modes]
     for i, (base, top) in enumerate(pairs):
         med, lo, hi = [], [], []
@@ -496,7 +506,7 @@ def plot(d: dict, path: str) -> None:
                label=f"on / {'off' if base == 'off' else 'vLLM'}")
     a2.axhline(1.0, color="grey", lw=0.8)
     for a, t in ((a1, "throughput (GB/s), min-max over repeats"), (a2, "GB/s ratio, with spread"),
-                 (a3, "process CPU time (s)")):
+                 (a3, "process CPU s per GiB moved")):
         a.set_xticks(x, labels)
         a.set_title(t)
         a.legend(fontsize=8)
