@@ -121,10 +121,9 @@ def test_round_trip(io_backend, fs, bs, use_o_direct):
     assert leftovers(d) == []
 
 
+@pytest.mark.parametrize("fs", [k for k in FS_KINDS if not HAS_XATTR[k]], indirect=True)  # ramfs
 def test_checksum_store_without_xattrs_fails_cleanly(io_backend, fs):
     kind, root = fs
-    if HAS_XATTR[kind]:
-        pytest.skip(f"{kind} has user xattrs")
     d = fresh_dir(root)
     bs = 8192
     view = rand_view(2, bs, seed=1)
@@ -149,11 +148,10 @@ def test_checksum_store_without_xattrs_fails_cleanly(io_backend, fs):
 # ---------------------------------------------------------------- corruption
 
 
+@pytest.mark.parametrize("fs", [k for k in FS_KINDS if HAS_XATTR[k]], indirect=True)  # a checksum to verify
 @pytest.mark.parametrize("where", ["first", "last"])
 def test_same_size_corruption_is_ebadmsg_and_removed(io_backend, fs, where):
     kind, root = fs
-    if not HAS_XATTR[kind]:
-        pytest.skip(f"{kind} has no user xattrs: no checksum to verify")
     d = fresh_dir(root)
     bs = 256 * 1024 + 512
     n = 3
