@@ -32,7 +32,7 @@ from typing import Any, Hashable, List, Mapping, Optional, Sequence, Tuple
 from kvtier._blockio.buffers import is_torch_tensor as _is_torch_tensor, torch_bytes_view
 from kvtier._tier.config import TierConfig
 from kvtier._tier.engine import TierEngine
-from kvtier._tier.startup import GeometryGuard, RootGuard, filesystem_type, start
+from kvtier._tier.startup import GeometryGuard, RootGuard, filesystem_type, info_signature, start
 from kvtier.file_mapper import FileMapper, Key
 from kvtier.metrics import TieringMetricsTracker, tier_label
 
@@ -269,9 +269,15 @@ class FileSystemTierManager:
         # ---- startup checks that touch the filesystem, under the deadline ----
         rank_path = self.file_mapper.rank_path
 
+        from kvtier.file_mapper import BLOCK_INFO_FILENAME
+
+        info_path = os.path.join(self.file_mapper.base_path, BLOCK_INFO_FILENAME)
+        info_checked: list = [()]  # its signature once written or checked (GeometryGuard)
+
         def write_config() -> None:
             self.file_mapper.write_run_config()
-            self.file_mapper.write_block_info(self.block_size)
+            self.file_mapper.write_block_info(self.block_size)  # ValueError: another block size's
+            info_checked[0] = info_signature(info_path)
             self.load_landing, self.load_landing_why = _landing.resolve(load_landing, self.root_dir)  # mountinfo
 
         try:  # every filesystem touch of the constructor is in start(), under the deadline
@@ -288,13 +294,10 @@ class FileSystemTierManager:
                 "O_DIRECT is not supported at %r (%s); using buffered I/O for the %s tier",
                 self.root_dir, started.o_direct_refused_on, label,
             )
-        from kvtier.file_mapper import BLOCK_INFO_FILENAME
-
-        geometry = GeometryGuard(os.path.join(self.file_mapper.base_path, BLOCK_INFO_FILENAME), self.block_size,
-                                 self.file_mapper.read_block_info,
+        geometry = GeometryGuard(info_path, self.block_size, self.file_mapper.read_block_info,
                                  lambda: (self.file_mapper.write_run_config(),  # both: a tree recreated
                                           self.file_mapper.write_block_info(self.block_size)),
-                                 self.metrics.counters, label)
+                                 self.metrics.counters, label, info_checked[0])
         self._root_guard = RootGuard(self.root_dir, rank_path, started.root_id, write_config,
                                      self.metrics.counters, label, geometry)
         self._export_dsa_counters()

@@ -234,7 +234,7 @@ class KvtierTier(SecondaryTierManager):
         # module import stays cheap for the API server, which only needs the metrics).
         from vllm.v1.kv_offload.file_mapper import FileMapper
 
-        from kvtier._tier.startup import GeometryGuard, RootGuard, start
+        from kvtier._tier.startup import GeometryGuard, RootGuard, info_signature, start
         from kvtier.file_mapper import BLOCK_INFO_FILENAME, read_block_info, write_block_info, write_json_if_absent
 
         label_root, root_dir = root_dir, os.path.abspath(root_dir)  # resolved once: a later chdir moves nothing
@@ -244,11 +244,16 @@ class KvtierTier(SecondaryTierManager):
         self.root_dir = root_dir
         rank_path = f"{self.file_mapper.base_path}_r{self.file_mapper.rank}"
 
+        info_dir = os.path.dirname(self.file_mapper.get_config_file_path())
+        info_path = os.path.join(info_dir, BLOCK_INFO_FILENAME)
+        info_checked: list = [()]  # its signature once written or checked (GeometryGuard)
+
         def write_config() -> None:
             config_path = self.file_mapper.get_config_file_path()
             os.makedirs(os.path.dirname(config_path), exist_ok=True)
             write_json_if_absent(config_path, self.file_mapper.get_run_config())  # bytes as vLLM's
-            write_block_info(os.path.dirname(config_path), bs)  # kvtier.json, for `kvtier scrub`
+            write_block_info(os.path.dirname(config_path), bs)  # kvtier.json, for `kvtier scrub`; ValueError
+            info_checked[0] = info_signature(info_path)
             landed[:] = _landing.resolve(tc.load_landing, root_dir)  # mountinfo: under the deadline too
 
         landed: List[str] = []  # (load landing, why): kvtier/_tier/landing.py
@@ -270,12 +275,11 @@ class KvtierTier(SecondaryTierManager):
         if tc.capacity is not None:
             self.capacity = _capacity.attach(root_dir, tc.capacity, counters, self._on_evicted)
             counters.capacity_gauges = self.capacity.gauges
-        info_dir = os.path.dirname(self.file_mapper.get_config_file_path())
-        geometry = GeometryGuard(os.path.join(info_dir, BLOCK_INFO_FILENAME), bs, lambda: read_block_info(info_dir),
+        geometry = GeometryGuard(info_path, bs, lambda: read_block_info(info_dir),
                                  lambda: (write_json_if_absent(self.file_mapper.get_config_file_path(),  # both:
                                                                self.file_mapper.get_run_config()),  # a tree
                                           write_block_info(info_dir, bs)),  # recreated under the same inodes
-                                 counters, self.tier_label)
+                                 counters, self.tier_label, info_checked[0])
         root_guard = RootGuard(root_dir, rank_path, started.root_id, write_config, counters, self.tier_label,
                                geometry)
         self._engine = TierEngine(flat, bs, self.file_mapper.get_file_name, use_o_direct=self.use_o_direct,

@@ -108,7 +108,7 @@ def test_info_reports_the_io_engine():
         assert d["io_engine"]["engine"] == "plain"
         assert "I/O engine:     plain pread/pwrite (built without liburing" in text
     elif d["io_engine"]["engine"] == "io_uring":
-        assert "I/O engine:     io_uring (liburing): O_DIRECT loads in pieces, the next read in flight while one is " \
+        assert "I/O engine:     io_uring (liburing): bounce-landing O_DIRECT loads in pieces, the next read in flight while one is " \
                "moved; checksummed O_DIRECT stores: the CRC while the write is in flight; 0 io_uring ops, 0 plain " \
                "O_DIRECT blocks\n" in text
     else:  # the kernel refused a ring here

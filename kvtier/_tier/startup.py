@@ -168,6 +168,15 @@ class RootGuard:
             self.root_id = root_identity(self.root, self.rank_path)
 
 
+def info_signature(path: str) -> Optional[Tuple[int, int, int, int]]:
+    """(st_dev, st_ino, st_mtime_ns, st_size) of a tier's kvtier.json, None when absent."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+
+
 class GeometryGuard:
     """Before each job (after :class:`RootGuard`'s root check): the root's ``kvtier.json``
     (``info_path``) still records this tier's ``block_size``, so that two geometries on one
@@ -184,20 +193,18 @@ class GeometryGuard:
     while finding out (EIO, ESTALE ...) refuses nothing."""
 
     def __init__(self, info_path: str, block_size: int, read_info: Callable[[], Any],
-                 write_info: Callable[[], Any], counters, label: str) -> None:
+                 write_info: Callable[[], Any], counters, label: str, checked: Any = ()) -> None:
         self.info_path, self.block_size = info_path, block_size
         self.read_info, self.write_info = read_info, write_info
         self.counters, self.label = counters, label
-        self._sig: Any = ()  # never a real signature: the first job reads the file
+        # checked: the file's signature (info_signature) when the startup wrote or checked it, under
+        # its deadline; () is never a real signature: the first job reads the file
+        self._sig: Any = checked
         self._refusal: Optional[str] = None
         self._lock = threading.Lock()
 
     def _signature(self) -> Optional[Tuple[int, int, int, int]]:
-        try:
-            st = os.stat(self.info_path)
-        except FileNotFoundError:
-            return None
-        return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+        return info_signature(self.info_path)
 
     def check(self) -> None:
         from kvtier._tier.engine import JobRefused
