@@ -219,6 +219,83 @@ def test_a_block_changed_since_the_census_is_not_evicted(tmp_path):
     assert os.path.exists(paths[0]) and open(paths[1], "rb").read() == b"n" * BS
 
 
+def _ledger(root, name, d):
+    w = os.path.join(root, ".kvtier", "writers")
+    os.makedirs(w, exist_ok=True)
+    with open(os.path.join(w, name), "w") as f:
+        f.write(d if isinstance(d, str) else json.dumps(d))
+    return os.path.join(w, name)
+
+
+def test_a_garbage_ledger_counts_nothing_and_never_stops_the_evictor(tmp_path):
+    """A ledger file of the wrong shape (a pid that is no int, a NaN or far-future stamp
+    that would never age out, a list) is skipped or dead: read_ledgers never raises (it
+    did: int('x') in the pid check stopped every census) and counts only the good ledger."""
+    host, boot, ns = cap._host_identity()
+    now = time.time()
+    me = {"host": host, "boot": boot, "pidns": ns}
+    _ledger(tmp_path, "good", {**me, "pid": os.getpid(), "bytes": 12345, "t": now, "since": 7.0})
+    dead = [_ledger(tmp_path, "pidstr", {**me, "pid": "x", "bytes": 10**9, "t": now}),
+            _ledger(tmp_path, "pidnull", {**me, "pid": None, "bytes": 10**9, "t": now}),
+            _ledger(tmp_path, "pid0", {**me, "pid": 0, "bytes": 10**9, "t": now}),
+            _ledger(tmp_path, "future", {"host": "elsewhere", "pid": 1, "bytes": 10**9, "t": now + 10**6})]
+    skipped = [_ledger(tmp_path, "nan", '{"host": "elsewhere", "pid": 1, "bytes": 1000000000, "t": NaN}'),
+               _ledger(tmp_path, "list", [1, 2]), _ledger(tmp_path, "strbytes", {"bytes": "9", "t": now}),
+               _ledger(tmp_path, "torn", '{"bytes": 10, "t": 17')]
+    assert cap.read_ledgers(str(tmp_path), now=now, max_age=5.0, since=7.0) == (12345, 12345, 1)
+    assert cap.read_ledgers(str(tmp_path), now=now, max_age=5.0, remove_dead=True) == (12345, 0, 1)
+    assert not any(os.path.exists(p) for p in dead) and all(os.path.exists(p) for p in skipped)
+    # and a tier on the root censuses and evicts as usual beside them
+    _ledger(tmp_path, "pidstr", {**me, "pid": "x", "bytes": 10**9, "t": time.time() + 3600})
+    t, _ = _tier(tmp_path, max_bytes=20 * BS + 16384, census_interval_s=0.1)
+    try:
+        rc = cap.root_capacity(str(tmp_path))
+        ok = 0
+        for j in range(12):  # 2-block jobs: they fit in the band between the watermarks
+            ok += _run(t, TransferJob(j, _keys(j, 2), list(range(2))))[0].success
+            assert rc.wait_pass(5, after=rc.passes)
+        assert rc.censuses >= 2 and t.metrics.counters.snapshot()["evicted_capacity"] > 0 and ok >= 8
+    finally:
+        t.shutdown()
+
+
+@pytest.mark.parametrize("bad", [
+    {"bytes": 5}, {"bytes": 5, "scan_started": "x", "scan_finished": 1.0},
+    {"bytes": 5, "scan_started": 1.0, "scan_finished": 1.0, "alloc_ratio": "x"},
+    {"bytes": 5, "scan_started": 1.0, "scan_finished": 1.0, "room": "x"},
+    {"bytes": True, "scan_started": 1.0, "scan_finished": 1.0}, {"bytes": -5, "scan_started": 1.0, "scan_finished": 1.0},
+    [5], '{"bytes": 12, "scan_st'])
+def test_a_usage_file_of_the_wrong_shape_is_none_and_never_fails_a_store(tmp_path, bad):
+    """A usage.json that is valid JSON with a field its readers use of the wrong type (or
+    missing) reads as None, as a truncated one does; a writer that is not the evictor
+    then admits on its own counts: its store is a JobResult, never an exception out of
+    submit_store (KeyError 'scan_started' / ValueError before), and its gauges read."""
+    sd = tmp_path / ".kvtier"
+    (sd / "writers").mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from kvtier._tier import capacity as cap; "
+                               f"l = cap.EvictorLock({str(tmp_path)!r}); assert l.try_acquire(); print('held', flush=True); "
+                               "time.sleep(60)"], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert holder.stdout.readline().startswith("held")
+        (sd / "usage.json").write_text(bad if isinstance(bad, str) else json.dumps(bad))
+        assert cap.read_usage(str(tmp_path)) is None
+        t, _ = _tier(tmp_path, max_bytes=4 * BS, census_interval_s=0.1)
+        try:
+            time.sleep(0.15)  # the capacity thread has read the usage file
+            res = [_run(t, TransferJob(j, _keys(j, 4), list(range(4))))[0] for j in range(3)]
+            assert res[0].success and all(r.error.errno == errno.ENOSPC for r in res[1:])
+            snap = t.metrics.counters.snapshot()
+            assert snap["capacity_census_age"] == 0.0 and snap["stores_dropped"] == 2
+        finally:
+            t.shutdown()
+    finally:
+        holder.kill()
+        holder.wait()
+    good = {"bytes": 5, "scan_started": 1.0, "scan_finished": 2, "room": None, "alloc_ratio": 1.0, "evictor": "h:1"}
+    (sd / "usage.json").write_text(json.dumps(good))
+    assert cap.read_usage(str(tmp_path)) == good
+
+
 def test_restart_keeps_recency_order(tmp_path, io_backend, monkeypatch):
     """Recency is the files' mtime: a new tier (a restart) evicts what the old one used least."""
     _use_backend(monkeypatch, io_backend)

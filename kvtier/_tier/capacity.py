@@ -433,14 +433,39 @@ def state_dir(root: str) -> str:
     return os.path.join(root, STATE_DIR)
 
 
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _valid_usage(d: Any) -> bool:
+    """``d`` has the fields a reader of ``usage.json`` uses, of the types it uses them as:
+    ``bytes`` a count, ``scan_started`` / ``scan_finished`` finite numbers, and where
+    present ``evict_finished`` a number, ``room`` a count or None, ``alloc_ratio`` a
+    number >= 1, ``generation`` a count, ``evictor`` a string."""
+    if not (isinstance(d, dict) and _is_count(d.get("bytes")) and _is_num(d.get("scan_started"))
+            and _is_num(d.get("scan_finished"))):
+        return False
+    for k, ok in (("evict_finished", _is_num), ("room", lambda v: v is None or _is_count(v)),
+                  ("alloc_ratio", lambda v: _is_num(v) and v >= 1), ("generation", _is_count),
+                  ("evictor", lambda v: isinstance(v, str)), ("max_bytes", lambda v: v is None or _is_count(v))):
+        if k in d and not ok(d[k]):
+            return False
+    return True
+
+
 def read_usage(root: str) -> Optional[Dict[str, Any]]:
-    """The latest published census of ``root`` (``usage.json``), or None."""
+    """The latest published census of ``root`` (``usage.json``), or None (none, unreadable,
+    truncated, or a field of the wrong type: :func:`_valid_usage`)."""
     try:
         with open(os.path.join(state_dir(root), USAGE_FILE), "rb") as f:
             d = json.loads(f.read())
-        return d if isinstance(d, dict) and isinstance(d.get("bytes"), int) else None
     except (OSError, ValueError):
         return None
+    return d if _valid_usage(d) else None
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -491,9 +516,12 @@ def read_ledgers(root: str, now: Optional[float] = None, max_age: float = 2 * DE
                  skip: Optional[str] = None, remove_dead: bool = False,
                  since: Optional[float] = None) -> Tuple[int, int, int]:
     """``(bytes, current, live writers)``: the sum of the live writers' ledgers of ``root``
-    (except file ``skip``), and of those counting from the census started at ``since``.  A ledger is dead when its writer's pid is gone on this host (same
-    boot and pid namespace) or it was not republished for ``max_age`` seconds; dead ones
-    count nothing and with ``remove_dead`` are removed."""
+    (except file ``skip``), and of those counting from the census started at ``since``.
+    A ledger is dead when its writer's pid is gone on this host (same boot and pid
+    namespace), it was not republished for ``max_age`` seconds, or it is stamped more
+    than ``max_age`` ahead of this clock; dead ones count nothing and with
+    ``remove_dead`` are removed.  A file that is no ledger (not a JSON object with a
+    finite ``t`` and a count ``bytes``) counts nothing and is left alone."""
     now = time.time() if now is None else now
     wdir = os.path.join(state_dir(root), WRITERS_DIR)
     me = _host_identity()
@@ -510,11 +538,16 @@ def read_ledgers(root: str, now: Optional[float] = None, max_age: float = 2 * DE
         try:
             with open(p, "rb") as f:
                 d = json.loads(f.read(LEDGER_RECORD * 2))
-            t, b = float(d["t"]), int(d["bytes"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError):
             continue
-        dead = now - t > max_age or ((d.get("host"), d.get("boot"), d.get("pidns")) == me
-                                     and not _pid_alive(int(d.get("pid", 0))))
+        if not isinstance(d, dict) or not _is_num(d.get("t")) or not _is_count(d.get("bytes")):
+            continue  # not a ledger (or torn mid-rewrite): counts nothing
+        t, b, pid = float(d["t"]), d["bytes"], d.get("pid")
+        # dead: not republished for max_age, stamped further ahead than that (a clock
+        # far off, or garbage: it would never age out), or its pid gone on this host
+        dead = (not -max_age <= now - t <= max_age
+                or ((d.get("host"), d.get("boot"), d.get("pidns")) == me
+                    and not (_is_count(pid) and pid > 0 and _pid_alive(pid))))
         if dead:
             if remove_dead:
                 try:
@@ -523,9 +556,9 @@ def read_ledgers(root: str, now: Optional[float] = None, max_age: float = 2 * DE
                     pass
             continue
         live += 1
-        total += max(0, b)
+        total += b
         if since is not None and d.get("since") == since:
-            current += max(0, b)
+            current += b
     return total, current, live
 
 
