@@ -769,6 +769,7 @@ class RootCapacity:
         self._touch_q: "collections.deque[str]" = collections.deque(maxlen=TOUCH_LRU)
         self._request: Optional[str] = None
         self._request_seen = 0.0
+        self._job_max = 0  # bytes of the largest store job (<= the bound) seen: room a pass leaves
         self._asked_at = 0.0
         self._wake = threading.Event()
         self._stop = False
@@ -827,6 +828,19 @@ class RootCapacity:
         room = self._room if self.lock.held else (self._usage or {}).get("room")
         return self.max_bytes if not room else min(self.max_bytes, int(room))
 
+    def marks(self, mx: int) -> Tuple[int, int]:
+        """``(high, low)`` in bytes for the bound ``mx``: ``evict_high`` and ``evict_low``
+        of it, both moved down (the band kept) when the largest store job seen
+        (:attr:`_job_max`) does not fit between the high mark and the bound: a job
+        larger than ``(1 - evict_high) * max_bytes`` would otherwise be dropped at every
+        usage between ``max_bytes - job`` and the high mark, where no pass starts."""
+        high, low = int(self.high * mx), int(self.low * mx)
+        job = self._job_max
+        if 0 < job <= mx and mx - job < high:
+            low = max(0, low - (high - (mx - job)))
+            high = mx - job
+        return high, low
+
     def estimate(self) -> int:
         """Usage estimate, bytes: latest census (after its eviction) + the other writers'
         ledgers (as last read) + this process's reservations."""
@@ -837,6 +851,8 @@ class RootCapacity:
         with self._lock:
             est = self.estimate()
             bound = self.bound()
+            if nbytes <= bound and nbytes > self._job_max:  # a pass leaves room for it
+                self._job_max = nbytes
             if est + nbytes > bound:
                 self._ask("drop")
                 u = self._usage
@@ -856,7 +872,7 @@ class RootCapacity:
             self._inflight += nbytes
             self._own += nbytes
             self._dirty = True
-            if est + nbytes > self.high * bound:
+            if est + nbytes > self.marks(bound)[0]:
                 self._ask("capacity")
         return None
 
@@ -997,10 +1013,11 @@ class RootCapacity:
                 self._next_census = mono + self.interval
                 if req:  # ask the holder
                     with self._lock:
-                        self._request = None
+                        self._request, need = None, self._job_max
                     try:
                         _write_atomic(os.path.join(state_dir(self.root), REQUEST_FILE),
-                                      json.dumps({"reason": req, "by": self.name, "t": time.time()}).encode())
+                                      json.dumps({"reason": req, "need": need, "by": self.name,
+                                                  "t": time.time()}).encode())
                     except OSError:
                         pass
                 return
@@ -1032,11 +1049,14 @@ class RootCapacity:
                 return
             self._request_seen = rq.st_mtime
             with open(path, "rb") as f:
-                r2 = json.loads(f.read()).get("reason", "capacity")
+                rq = json.loads(f.read())
+            r2, need = rq.get("reason", "capacity"), rq.get("need", 0)
         except (OSError, ValueError, AttributeError):
             return
         with self._lock:
-            r2 = r2 if r2 in _PRIORITY and r2 else "capacity"
+            r2 = r2 if isinstance(r2, str) and r2 in _PRIORITY else "capacity"
+            if _is_count(need):
+                self._job_max = max(self._job_max, need)
             if _PRIORITY[r2] > _PRIORITY[self._request]:
                 self._request = r2
 
@@ -1051,11 +1071,12 @@ class RootCapacity:
             self._room = c.bytes + st.f_bavail * st.f_frsize
         except OSError:
             self._room = None
-        # keep the oldest blocks that hold what must go now plus half a bound: what the
-        # evictor may remove before the next census (it censuses early when they run out)
+        # keep the oldest blocks that hold what must go now plus half a bound (or four of
+        # the largest job): what the evictor may remove before the next census (it
+        # censuses early when they run out)
         bound = self.bound()
-        need = max(0, c.bytes - int(self.low * bound))
-        self._cands = Candidates(c.entries, keep_bytes=need + bound // 2)
+        need = max(0, c.bytes - self.marks(bound)[1])
+        self._cands = Candidates(c.entries, keep_bytes=need + max(bound // 2, 4 * self._job_max))
         c.entries = []
         rec = {"bytes": c.bytes, "files": c.files, "blocks": c.blocks, "scan_started": c.scan_started,
                "scan_finished": c.scan_finished, "evict_finished": c.scan_finished, "generation": self.generation,
@@ -1079,7 +1100,10 @@ class RootCapacity:
 
     def _evict_more(self, why: Optional[str], census_only: bool = False) -> None:
         """Evict from the candidates when the estimate passes the high watermark (or a
-        request says so), down to the low one; publish the usage when anything changed."""
+        request says so), down to the low one, or lower: down to the bound less the
+        largest store job seen (this process's, or a requester's ``need``), so that a job
+        larger than the band between the watermarks fits after a pass instead of being
+        dropped for ever; publish the usage when anything changed."""
         cpu0 = time.thread_time()
         u = self._usage
         if u is None or self._cands is None:
@@ -1092,8 +1116,8 @@ class RootCapacity:
         mx = self.bound()
         if why == "enospc":
             target = int(self.low * mx)
-        elif est > self.high * mx or why == "drop":
-            target = int(self.low * mx)
+        elif est > self.marks(mx)[0] or why == "drop":
+            target = self.marks(mx)[1]
         else:
             if census_only:
                 self._publish(u)
