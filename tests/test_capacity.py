@@ -397,6 +397,43 @@ def test_jobs_larger_than_the_watermark_bands_are_not_dropped_for_ever(tmp_path,
         t.shutdown()
 
 
+def test_the_state_directory_removed_under_a_running_tier_is_made_again(tmp_path, io_backend, monkeypatch):
+    """``rm -rf ROOT/.kvtier`` under a running bounded tier: the ledger, the lock file and
+    usage.json come back within an interval, the lock is held on the new file (another
+    process is refused it), and stores and eviction go on within the bound. Before, the
+    ledger went to an unlinked file, usage.json could never be published again (a warning
+    every pass), and the old holder kept a lock on a file no one else could see."""
+    import shutil
+
+    _use_backend(monkeypatch, io_backend)
+    t, _ = _tier(tmp_path, rows=4, max_bytes=40 * BS, census_interval_s=0.1)
+    try:
+        rc = cap.root_capacity(str(tmp_path))
+        assert rc.wait_pass(5, after=0)
+        for j in range(4):
+            assert _run(t, TransferJob(j, _keys(j, 4), list(range(4))))[0].success
+        shutil.rmtree(tmp_path / ".kvtier")
+        end = time.monotonic() + 5
+        while not (os.path.exists(rc.ledger_path) and cap.read_usage(str(tmp_path))):
+            assert time.monotonic() < end, sorted(os.listdir(tmp_path))
+            time.sleep(0.01)
+        ok = 0
+        for j in range(4, 24):
+            ok += _run(t, TransferJob(j, _keys(j, 4), list(range(4))))[0].success
+            assert rc.wait_pass(5, after=rc.passes)
+        assert ok >= 15 and cap.census(str(tmp_path)).bytes <= 40 * BS
+        assert rc.lock.held and os.stat(rc.lock.path).st_ino == os.fstat(rc.lock._fd).st_ino
+        r = subprocess.run([sys.executable, "-c", "import sys; from kvtier._tier import capacity as cap; "
+                            f"print(cap.EvictorLock({str(tmp_path)!r}).try_acquire())"],
+                           capture_output=True, text=True, cwd=REPO)
+        assert r.stdout.strip() == "False", r.stderr
+        u = cap.read_usage(str(tmp_path))
+        assert u["evictor"].endswith(f":{os.getpid()}") and time.time() - u["scan_started"] < 2
+    finally:
+        t.shutdown()
+    assert not os.listdir(tmp_path / ".kvtier" / "writers")
+
+
 WRITER = r"""
 import os, sys, time, numpy as np
 sys.path.insert(0, {repo!r})

@@ -590,6 +590,22 @@ class EvictorLock:
         self.held = True
         return True
 
+    def check(self) -> bool:
+        """False (and the lock dropped: the next :meth:`try_acquire` opens the file anew)
+        when ``evictor.lock`` is no longer the file this fd locks: removed or replaced
+        (``rm -rf .kvtier`` under a running tier).  Its holder held a lock nobody else
+        could see: another process may have made and locked a new file meanwhile."""
+        if self._fd is None:
+            return True
+        try:
+            a, b = os.stat(self.path), os.fstat(self._fd)
+            if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):
+                return True
+        except OSError:
+            pass
+        self.release()
+        return False
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # drops the lock
@@ -970,6 +986,31 @@ class RootCapacity:
             logger.warning("kvtier capacity: cannot publish the ledger %s: %s", self.ledger_path, e)
         self._published_at = time.monotonic()
 
+    def _check_state(self) -> None:
+        """Make ``.kvtier/``, this process's ledger and the lock file again when they were
+        removed under the running tier (an operator's ``rm -rf ROOT/.kvtier``): else the
+        ledger is written to an unlinked file nobody reads, the usage cannot be published,
+        the other writers read no census again (their own bytes never trimmed: they drop
+        every store) and the old lock holder holds a lock no other process sees."""
+        try:
+            gone = os.fstat(self._ledger_fd).st_nlink == 0
+        except OSError:
+            gone = True
+        if gone:
+            try:
+                os.makedirs(os.path.join(state_dir(self.root), WRITERS_DIR), exist_ok=True)
+                fd = os.open(self.ledger_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                logger.warning("kvtier capacity: the ledger %s was removed and cannot be made again: %s",
+                               self.ledger_path, e)
+                return
+            os.close(self._ledger_fd)
+            self._ledger_fd, self._dirty = fd, True
+            logger.warning("kvtier capacity: %s was removed under the running tier: made again",
+                           state_dir(self.root))
+        if not self.lock.check():
+            self._next_census = 0.0  # try the new lock file at once
+
     def _refresh(self) -> None:
         """Re-read the usage and the other writers' ledgers."""
         u = read_usage(self.root) if not self.lock.held else None  # the evictor has its own, newer
@@ -999,6 +1040,8 @@ class RootCapacity:
         mono = time.monotonic()
         if mono - self._others_at >= LEDGER_PUBLISH_S:
             self._refresh()
+        if mono - self._published_at >= self.interval / 2:
+            self._check_state()
         if self._dirty or mono - self._published_at >= self.interval / 2:
             self._publish_ledger()
         while self._touch_q:
