@@ -679,6 +679,38 @@ def test_kvtier_evict_dry_run_deletes_nothing_and_the_real_run_evicts(tmp_path, 
     assert r.returncode == 2 and "powers of 1024" in r.stderr
 
 
+def test_kvtier_evict_uses_the_bound_in_force_on_a_filesystem_smaller_than_max_bytes():
+    """``kvtier evict --max-bytes 1T`` on a 4 MiB tmpfs filled behind the root's back: the
+    bound in force is the room (census bytes + free space), as a tier's evictor has it,
+    so the pass evicts down to its low mark; before, the CLI compared with 1 TiB and
+    evicted nothing from a full filesystem. The filler is never touched."""
+    from mounts import mount_tmpfs
+
+    with mount_tmpfs(size="4m") as d:
+        root = os.path.join(d, "root")
+        t, _ = _tier(root, rows=12)
+        try:
+            assert all(r.success for r in _run(t, TransferJob(1, _keys(1, 12), list(range(12)))))
+        finally:
+            t.shutdown()
+        st = os.statvfs(d)
+        filler = os.path.join(d, "filler")
+        with open(filler, "wb") as f:
+            f.write(b"f" * (st.f_bavail * st.f_frsize - 4096))
+        used = cap.census(root).bytes
+        cmd = [sys.executable, "-m", "kvtier", "evict", root, "--max-bytes", "1T", "--json"]
+        r = subprocess.run(cmd + ["--dry-run"], capture_output=True, text=True, cwd=REPO)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["evicted"] > 0 and all(os.path.exists(p) for p in out["paths"])  # nothing deleted yet
+        assert out["max_bytes"] == 1 << 40 and out["bound"] == out["room"] == used + 4096
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        real = json.loads(r.stdout)
+        assert r.returncode == 0 and real["paths"] == out["paths"]
+        assert not any(os.path.exists(p) for p in real["paths"])
+        assert cap.census(root).bytes <= int(0.85 * (used + 4096)) and os.path.getsize(filler) > 0
+
+
 def test_kvtier_scrub_shows_a_bounded_roots_last_census(tmp_path):
     """`kvtier scrub`'s first line (and --json "capacity") carries .kvtier/usage.json: the
     bytes used of max_bytes at the evictor's latest census, its age and its maker; an

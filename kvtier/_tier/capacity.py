@@ -644,14 +644,22 @@ def one_pass(root: str, max_bytes: int, high: float = DEFAULT_HIGH, low: float =
     max_bytes`` whatever the census; ``force="enospc"`` (the filesystem is full): down to
     ``low`` of the smaller of the bound and the usage.  The decision is the census's alone: the writers' ledgers
     count what may have been written since it began, which the next census sees, so
-    adding them would evict twice for the same bytes.  Returns the census, the eviction
-    and the usage record (not published here)."""
+    adding them would evict twice for the same bytes.  The bound is the one in force, as
+    for a tier: ``max_bytes`` or less, the census bytes + the free space (statvfs
+    ``f_bavail``) when the filesystem has less room.  Returns the census, the eviction
+    and the usage record (not published here; its ``room`` is that room)."""
     c = census(root)
     usage = c.bytes
+    try:
+        st = os.statvfs(root)
+        room: Optional[int] = c.bytes + st.f_bavail * st.f_frsize
+    except OSError:
+        room = None
+    mx = max_bytes if room is None else min(max_bytes, room)
     if force == "enospc":
-        target = int(low * min(max_bytes, usage))
-    elif usage > high * max_bytes or force == "drop":
-        target = int(low * max_bytes)
+        target = int(low * min(mx, usage))
+    elif usage > high * mx or force == "drop":
+        target = int(low * mx)
     else:
         target = usage
     r = evict(c, usage, target, dry_run=dry_run)
@@ -659,7 +667,7 @@ def one_pass(root: str, max_bytes: int, high: float = DEFAULT_HIGH, low: float =
            "blocks": c.blocks - len(r.evicted) * (not dry_run), "scan_started": c.scan_started,
            "scan_finished": c.scan_finished, "evict_finished": time.time(), "generation": generation,
            "evictor": evictor, "max_bytes": max_bytes, "evicted": 0 if dry_run else len(r.evicted),
-           "evicted_bytes": 0 if dry_run else r.evicted_bytes, "census_cpu_s": c.cpu_s}
+           "evicted_bytes": 0 if dry_run else r.evicted_bytes, "census_cpu_s": c.cpu_s, "room": room}
     return c, r, rec
 
 

@@ -67,8 +67,11 @@ def cmd_evict(args: argparse.Namespace) -> int:
     finally:
         if lock is not None:
             lock.release()
-    out = {"root": root, "max_bytes": bound, "high_bytes": int(cfg.evict_high * bound),  # type: ignore
-           "low_bytes": int(cfg.evict_low * bound), "dry_run": bool(args.dry_run),  # type: ignore
+    room = rec.get("room")
+    mx = bound if room is None else min(bound, room)  # the bound in force (one_pass's)
+    out = {"root": root, "max_bytes": bound, "bound": mx, "room": room,
+           "high_bytes": int(cfg.evict_high * mx),  # type: ignore
+           "low_bytes": int(cfg.evict_low * mx), "dry_run": bool(args.dry_run),  # type: ignore
            "census": {"bytes": c.bytes, "files": c.files, "blocks": c.blocks, "block_bytes": c.block_bytes,
                       "dirs": c.dirs, "seconds": round(c.scan_finished - c.scan_started, 6),
                       "cpu_s": round(c.cpu_s, 6)},
@@ -80,8 +83,9 @@ def cmd_evict(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         verb = "would evict" if args.dry_run else "evicted"
+        less = f" (the filesystem's room: --max-bytes {bound} is more)" if mx < bound else ""
         print(f"{root}: {c.bytes} bytes in {c.files} files ({c.blocks} blocks, {c.block_bytes} bytes); bound "
-              f"{bound} (high {out['high_bytes']}, low {out['low_bytes']})")
+              f"{mx}{less} (high {out['high_bytes']}, low {out['low_bytes']})")
         print(f"{verb} {len(r.evicted)} blocks, {r.evicted_bytes} bytes; usage after: {r.usage_after} bytes"
               f"{f'; {len(r.errors)} errors' if r.errors else ''}")
     return 1 if r.errors else 0
