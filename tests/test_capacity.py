@@ -62,7 +62,9 @@ def _find_bytes(root) -> int:
 
 @pytest.mark.parametrize("value,want", [
     (4096, 4096), ("4096", 4096), ("64M", 64 << 20), ("64m", 64 << 20), ("500G", 500 << 30),
-    ("1.5T", int(1.5 * (1 << 40))), ("2GiB", 2 << 30), ("1K", 1024), (" 3 G ", 3 << 30), (None, None)])
+    ("1.5T", int(1.5 * (1 << 40))), ("2GiB", 2 << 30), ("1K", 1024), (" 3 G ", 3 << 30), (None, None),
+    ("9007199254740993", 2**53 + 1), ("3.999999999999999999999G", (4 << 30) - 1), ("3.", 3), (".5K", 512),
+    ("0.1K", 102)])
 def test_parse_max_bytes(value, want):
     assert cap.parse_max_bytes(value) == want
 

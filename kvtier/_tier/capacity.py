@@ -30,6 +30,7 @@ lookup-hit touches on the capacity thread.
 from __future__ import annotations
 
 import collections
+import decimal
 import errno
 import fcntl
 import json
@@ -124,7 +125,7 @@ def parse_size(value: Any, name: str = "max_bytes") -> int:
         if not m:
             raise ValueError(f"{name}: cannot parse {value!r}: give bytes (int), a size like '500G', '1.5T', '64M' "
                              f"(K, M, G, T = powers of 1024) or a percentage of the filesystem like '90%'")
-        n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+        n = int(decimal.Decimal(m.group(1)) * _UNITS[m.group(2).upper()])  # exact: no float rounding
     if n < 1:
         raise ValueError(f"{name} must be >= 1 byte, got {value!r}")
     return n
