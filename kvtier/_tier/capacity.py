@@ -1091,6 +1091,8 @@ class RootCapacity:
             self._census_pass(req)
         else:
             self._evict_more(req)
+            if self._next_census == 0.0:  # the candidates ran out short of the target: census now
+                self._census_pass(req)
 
     def _read_request_file(self) -> None:
         """The evictor: a request file newer than the last one seen is a request."""
