@@ -715,6 +715,28 @@ def test_kvtier_evict_uses_the_bound_in_force_on_a_filesystem_smaller_than_max_b
         assert cap.census(root).bytes <= int(0.85 * (used + 4096)) and os.path.getsize(filler) > 0
 
 
+def test_kvtier_evict_with_unusable_state_files_says_so_and_exits_1(tmp_path):
+    """``.kvtier/evictor.lock`` that cannot be opened (a directory here; EROFS on a
+    read-only .kvtier) is exit 1 with a message and nothing evicted, not a traceback; a
+    usage.json that cannot be replaced after the eviction is exit 1 with a message."""
+    t, _ = _tier(tmp_path, rows=12)
+    try:
+        assert all(r.success for r in _run(t, TransferJob(1, _keys(1, 12), list(range(12)))))
+    finally:
+        t.shutdown()
+    paths = t.file_mapper.get_file_names(_keys(1, 12))
+    (tmp_path / ".kvtier" / "evictor.lock").mkdir(parents=True)
+    cmd = [sys.executable, "-m", "kvtier", "evict", str(tmp_path), "--max-bytes", str(6 * BS)]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 1 and "cannot take the evictor lock" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert all(os.path.exists(p) for p in paths)
+    (tmp_path / ".kvtier" / "evictor.lock").rmdir()
+    (tmp_path / ".kvtier" / "usage.json").mkdir()
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 1 and "cannot publish the census" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "evicted" in r.stdout and sum(os.path.exists(p) for p in paths) < 12
+
+
 def test_kvtier_scrub_shows_a_bounded_roots_last_census(tmp_path):
     """`kvtier scrub`'s first line (and --json "capacity") carries .kvtier/usage.json: the
     bytes used of max_bytes at the evictor's latest census, its age and its maker; an

@@ -9,7 +9,8 @@ newest) down to ``--evict-low``: the policy and the evictor lock of the tiers
 its census to ``ROOT/.kvtier/usage.json`` as a tier's evictor does.
 
 Exit status: 0 done; 1 the root is missing, another process holds the evictor lock (it
-enforces its own bound), or an eviction failed; 2 bad arguments.
+enforces its own bound), an eviction failed, or ``.kvtier/`` cannot be used (the lock
+opened, the census published); 2 bad arguments.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
         print(f"kvtier evict: {e}", file=sys.stderr)
         return 2
     lock = None
+    published = True
     if not args.dry_run:
         try:
             os.makedirs(os.path.join(_cap.state_dir(root), _cap.WRITERS_DIR), exist_ok=True)
@@ -49,7 +51,13 @@ def cmd_evict(args: argparse.Namespace) -> int:
             print("kvtier evict: a tier of this process bounds this root", file=sys.stderr)
             return 1
         lock = _cap.EvictorLock(root)
-        if not lock.try_acquire():
+        try:
+            got = lock.try_acquire()
+        except OSError as e:  # .kvtier read-only, evictor.lock not a file ...
+            print(f"kvtier evict: cannot take the evictor lock of {root}: {e}; nothing done", file=sys.stderr)
+            lock.release()
+            return 1
+        if not got:
             u = _cap.read_usage(root) or {}
             print(f"kvtier evict: another process holds the evictor lock of {root} (pid {_cap.lock_holder(root)} by "
                   f"F_GETLK; latest census by {u.get('evictor', '?')}): it enforces its own bound; nothing done",
@@ -63,7 +71,11 @@ def cmd_evict(args: argparse.Namespace) -> int:
                                   force="drop" if args.force else None, generation=gen,
                                   evictor=f"{socket.gethostname()}:{os.getpid()}")
         if not args.dry_run:
-            _cap.publish_usage(root, rec)
+            try:
+                _cap.publish_usage(root, rec)
+            except OSError as e:  # the eviction is done; the tiers census again themselves
+                print(f"kvtier evict: cannot publish the census: {e}", file=sys.stderr)
+                published = False
     finally:
         if lock is not None:
             lock.release()
@@ -88,7 +100,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
               f"{mx}{less} (high {out['high_bytes']}, low {out['low_bytes']})")
         print(f"{verb} {len(r.evicted)} blocks, {r.evicted_bytes} bytes; usage after: {r.usage_after} bytes"
               f"{f'; {len(r.errors)} errors' if r.errors else ''}")
-    return 1 if r.errors else 0
+    return 1 if r.errors or not published else 0
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
