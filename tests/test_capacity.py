@@ -737,6 +737,24 @@ def test_kvtier_evict_with_unusable_state_files_says_so_and_exits_1(tmp_path):
     assert "evicted" in r.stdout and sum(os.path.exists(p) for p in paths) < 12
 
 
+def test_kvtier_evict_refuses_a_directory_that_is_no_cache_root(tmp_path):
+    """A real run on a directory with no .kvtier/ and no rank directory (a typo, $HOME)
+    is exit 1 and leaves it as it was (before: .kvtier/ made there, usage.json written);
+    --dry-run censuses it (0 blocks); a missing root is exit 1."""
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_bytes(b"x" * 5000)
+    cmd = [sys.executable, "-m", "kvtier", "evict", "--max-bytes", "1"]
+    r = subprocess.run(cmd + [str(tmp_path)], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 1 and "no cache root" in r.stderr, (r.returncode, r.stderr)
+    assert sorted(os.listdir(tmp_path)) == ["notes"] and os.listdir(tmp_path / "notes") == ["a.txt"]
+    r = subprocess.run(cmd + ["--dry-run", "--json", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["census"]["blocks"] == 0 and out["census"]["files"] == 1 and out["evicted"] == 0
+    assert sorted(os.listdir(tmp_path)) == ["notes"]
+    r = subprocess.run(cmd + [str(tmp_path / "missing")], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 1 and "not a directory" in r.stderr
+
+
 def test_kvtier_scrub_shows_a_bounded_roots_last_census(tmp_path):
     """`kvtier scrub`'s first line (and --json "capacity") carries .kvtier/usage.json: the
     bytes used of max_bytes at the evictor's latest census, its age and its maker; an

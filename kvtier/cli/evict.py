@@ -8,7 +8,8 @@ newest) down to ``--evict-low``: the policy and the evictor lock of the tiers
 ``--dry-run`` deletes nothing, takes no lock and lists what would go. A real run publishes
 its census to ``ROOT/.kvtier/usage.json`` as a tier's evictor does.
 
-Exit status: 0 done; 1 the root is missing, another process holds the evictor lock (it
+Exit status: 0 done; 1 the root is missing or holds no cache (no ``.kvtier/``, no
+``<model>_<digest>_r<rank>/``: a real run refuses it, ``--dry-run`` censuses it), another process holds the evictor lock (it
 enforces its own bound), an eviction failed, or ``.kvtier/`` cannot be used (the lock
 opened, the census published); 2 bad arguments.
 """
@@ -21,6 +22,17 @@ import socket
 import sys
 
 from kvtier._tier import capacity as _cap
+
+
+def _looks_like_a_root(root: str) -> bool:
+    """``root`` holds ``.kvtier/`` or a rank directory of a cache layout (kvtier's or
+    vLLM's ``"fs"`` tier: ``<model>_<digest>_r<rank>``)."""
+    try:
+        with os.scandir(root) as it:
+            return any(e.is_dir(follow_symlinks=False) and (e.name == _cap.STATE_DIR or _cap._RANK_RE.match(e.name))
+                       for e in it)
+    except OSError:
+        return False
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
@@ -41,6 +53,10 @@ def cmd_evict(args: argparse.Namespace) -> int:
         return 2
     lock = None
     published = True
+    if not args.dry_run and not _looks_like_a_root(root):
+        print(f"kvtier evict: {root} is no cache root (no .kvtier/ and no <model>_<digest>_r<rank>/ directory in it): "
+              f"nothing done (a typo would make .kvtier/ there and scan the whole tree)", file=sys.stderr)
+        return 1
     if not args.dry_run:
         try:
             os.makedirs(os.path.join(_cap.state_dir(root), _cap.WRITERS_DIR), exist_ok=True)
