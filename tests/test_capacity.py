@@ -116,6 +116,23 @@ def test_the_capacity_keys_are_checked_with_the_other_tier_keys():
         TierConfig(evict_low=2)
 
 
+def test_two_tiers_of_one_process_on_one_root_need_the_same_bound_by_value(tmp_path):
+    """Same values written differently ("1G", 1073741824, "1024M") are the same bound: the
+    second tier shares the root's capacity (ValueError before); another bound or another
+    watermark is a ValueError naming the keys."""
+    a, _ = _tier(tmp_path, max_bytes="1G")
+    try:
+        for same in (1 << 30, "1024M", "1 GiB"):
+            b, _ = _tier(tmp_path, max_bytes=same)
+            assert b.capacity.rc is a.capacity.rc
+            b.shutdown()
+        for other in ({"max_bytes": "2G"}, {"max_bytes": "1G", "evict_low": 0.5}):
+            with pytest.raises(ValueError, match="already bounded in this process"):
+                _tier(tmp_path, **other)
+    finally:
+        a.shutdown()
+
+
 def test_bad_capacity_keys_fail_the_vllm_tier_before_any_io(tmp_path):
     pytest.importorskip("vllm")
     from vllm_harness import Harness

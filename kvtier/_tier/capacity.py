@@ -688,7 +688,7 @@ def attach(root: str, config: CapacityConfig, counters: Any = None,
     real = os.path.realpath(root)
     with _roots_lock:
         rc = _roots.get(real)
-        if rc is not None and rc.config != config:
+        if rc is not None and rc.config != config and _resolved(rc.config, real) != _resolved(config, real):
             raise ValueError(f"tier root {root!r} is already bounded in this process with {rc.config}; "
                              f"a second tier on it must use the same capacity keys, got {config}")
         if rc is None:
@@ -696,6 +696,12 @@ def attach(root: str, config: CapacityConfig, counters: Any = None,
         h = Handle(rc, counters, on_evicted)
         rc._attach(h)
     return h
+
+
+def _resolved(config: CapacityConfig, root: str) -> Tuple[int, float, float, float, float]:
+    """The knobs as values: ``"1G"``, ``"1024M"`` and ``1073741824`` are one bound."""
+    return (config.bound(root), config.evict_high, config.evict_low, config.census_interval_s,
+            config.touch_window_s)
 
 
 class Handle:
