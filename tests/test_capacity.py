@@ -455,6 +455,24 @@ def test_the_state_directory_removed_under_a_running_tier_is_made_again(tmp_path
     assert not os.listdir(tmp_path / ".kvtier" / "writers")
 
 
+def test_a_dead_writers_state_temps_are_swept_by_the_evictor(tmp_path):
+    """A process killed between the open and the rename of usage.json's or evict.request's
+    temp leaves ``.kvtier/<name>_<hex>.tmp``: counted by every census, removed by nothing
+    before. The evictor's census removes those older than a minute, never a fresh one."""
+    sd = tmp_path / ".kvtier"
+    sd.mkdir()
+    old, fresh = sd / "usage.json_00112233deadbeef.tmp", sd / "evict.request_0011223344556677.tmp"
+    for p in (old, fresh):
+        p.write_bytes(b"{" * 5000)
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    t, _ = _tier(tmp_path, max_bytes="1G", census_interval_s=3600)
+    try:
+        assert cap.root_capacity(str(tmp_path)).wait_pass(5, after=0)
+        assert not old.exists() and fresh.read_bytes() == b"{" * 5000
+    finally:
+        t.shutdown()
+
+
 WRITER = r"""
 import os, sys, time, numpy as np
 sys.path.insert(0, {repo!r})

@@ -483,6 +483,30 @@ def _write_atomic(path: str, data: bytes) -> None:
         raise
 
 
+STATE_TEMP_AGE_S = 60.0
+"""A temp in ``.kvtier/`` (of usage.json or evict.request: temp + rename) older than this
+is a dead writer's (SIGKILL between its open and its rename): the evictor removes it."""
+
+
+def sweep_state_temps(root: str, older_than: float = STATE_TEMP_AGE_S) -> int:
+    """Remove ``.kvtier/*.tmp`` files older than ``older_than`` seconds; their number."""
+    n, now = 0, time.time()
+    try:
+        it = os.scandir(state_dir(root))
+    except OSError:
+        return 0
+    with it:
+        for e in it:
+            try:
+                if (e.name.endswith(".tmp") and e.is_file(follow_symlinks=False)
+                        and now - e.stat(follow_symlinks=False).st_mtime > older_than):
+                    os.unlink(e.path)
+                    n += 1
+            except OSError:
+                continue
+    return n
+
+
 def publish_usage(root: str, d: Dict[str, Any]) -> None:
     """Publish ``d`` as ``usage.json`` (temp + rename: a reader sees the old or the new)."""
     _write_atomic(os.path.join(state_dir(root), USAGE_FILE), json.dumps(d, sort_keys=True).encode())
@@ -1124,6 +1148,7 @@ class RootCapacity:
         """A census (recalibrates the usage, rebuilds the candidates), then evict if due."""
         cpu0 = time.thread_time()
         read_ledgers(self.root, max_age=2 * self.interval + 1.0, skip=self.name, remove_dead=True)
+        sweep_state_temps(self.root)
         self.generation = max(self.generation, int((self._usage or {}).get("generation", 0))) + 1
         c = census(self.root)
         try:  # the room on the filesystem: what the root holds + what is still free
