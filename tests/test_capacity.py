@@ -473,6 +473,31 @@ def test_a_dead_writers_state_temps_are_swept_by_the_evictor(tmp_path):
         t.shutdown()
 
 
+def test_a_usage_file_that_cannot_be_published_warns_once_a_minute(tmp_path, caplog):
+    """usage.json that cannot be replaced (a directory here; EROFS on a read-only .kvtier)
+    fails every pass: one warning a minute, not one a pass (16 a second before), and the
+    tier goes on storing within its bound."""
+    import logging
+
+    t, _ = _tier(tmp_path, rows=4, max_bytes=40 * BS, census_interval_s=0.05)
+    try:
+        rc = cap.root_capacity(str(tmp_path))
+        assert rc.wait_pass(5, after=0)
+        os.unlink(tmp_path / ".kvtier" / "usage.json")
+        (tmp_path / ".kvtier" / "usage.json").mkdir()
+        with caplog.at_level(logging.WARNING, logger="kvtier._tier.capacity"):
+            ok = 0
+            for j in range(20):
+                ok += _run(t, TransferJob(j, _keys(j, 4), list(range(4))))[0].success
+                assert rc.wait_pass(5, after=rc.passes)
+        warned = [r for r in caplog.records if "cannot publish" in r.getMessage()]
+        assert len(warned) == 1, len(warned)
+        assert rc.publish_failures >= 10
+        assert ok >= 15 and cap.census(str(tmp_path)).bytes <= 40 * BS
+    finally:
+        t.shutdown()
+
+
 WRITER = r"""
 import os, sys, time, numpy as np
 sys.path.insert(0, {repo!r})

@@ -812,6 +812,8 @@ class RootCapacity:
         self._done: "collections.deque[Tuple[float, int]]" = collections.deque()
         self._own = 0  # _inflight + the bytes of _done
         self._warned_drop = -1e9
+        self._publish_warned = -1e9
+        self.publish_failures = 0  # usage.json publications that failed
         self._others = 0  # the other writers' ledgers (admission)
         self._others_current = 0  # those of them that count from the latest census (eviction)
         self._others_at = 0.0
@@ -1243,10 +1245,17 @@ class RootCapacity:
                            len(r.errors), self.root, r.errors[0][0], r.errors[0][1])
 
     def _publish(self, rec: Dict[str, Any]) -> None:
+        """Publish the usage; a failure is a warning at most once a minute (a read-only or
+        full ``.kvtier/`` fails every pass: tens a second), with the count since the last."""
         try:
             publish_usage(self.root, rec)
         except OSError as e:
-            logger.warning("kvtier capacity: cannot publish %s: %s", os.path.join(state_dir(self.root), USAGE_FILE), e)
+            self.publish_failures += 1
+            if time.monotonic() - self._publish_warned >= 60.0:
+                self._publish_warned = time.monotonic()
+                logger.warning("kvtier capacity: cannot publish %s: %s (%d failures so far; this warning at most "
+                               "once a minute)", os.path.join(state_dir(self.root), USAGE_FILE), e,
+                               self.publish_failures)
 
     # ------------------------------------------------------------------ tests / tools
     def wait_pass(self, timeout: float = 10.0, after: Optional[int] = None) -> bool:
