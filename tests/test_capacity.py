@@ -498,6 +498,29 @@ def test_a_usage_file_that_cannot_be_published_warns_once_a_minute(tmp_path, cap
         t.shutdown()
 
 
+def test_a_transient_stat_error_of_the_lock_file_keeps_the_lock(tmp_path, monkeypatch):
+    """EvictorLock.check drops the lock only when evictor.lock is gone or another file:
+    an EIO from its stat (a DFS hiccup) keeps it."""
+    (tmp_path / ".kvtier").mkdir()
+    lock = cap.EvictorLock(str(tmp_path))
+    try:
+        assert lock.try_acquire() and lock.check()
+        real = os.stat
+
+        def eio(p, *a, **k):
+            if str(p) == lock.path:
+                raise OSError(errno.EIO, "injected", p)
+            return real(p, *a, **k)
+
+        monkeypatch.setattr(cap.os, "stat", eio)
+        assert lock.check() and lock.held
+        monkeypatch.setattr(cap.os, "stat", real)
+        os.unlink(lock.path)
+        assert not lock.check() and not lock.held and lock._fd is None
+    finally:
+        lock.release()
+
+
 WRITER = r"""
 import os, sys, time, numpy as np
 sys.path.insert(0, {repo!r})

@@ -626,8 +626,10 @@ class EvictorLock:
             a, b = os.stat(self.path), os.fstat(self._fd)
             if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):
                 return True
-        except OSError:
+        except FileNotFoundError:
             pass
+        except OSError:  # a transient error (EIO, ETIMEDOUT on a DFS) says nothing: keep it
+            return True
         self.release()
         return False
 
@@ -1035,8 +1037,8 @@ class RootCapacity:
         every store) and the old lock holder holds a lock no other process sees."""
         try:
             gone = os.fstat(self._ledger_fd).st_nlink == 0
-        except OSError:
-            gone = True
+        except OSError:  # (fstat of an open fd: EIO at most) a transient error says nothing
+            gone = False
         if gone:
             try:
                 os.makedirs(os.path.join(state_dir(self.root), WRITERS_DIR), exist_ok=True)
