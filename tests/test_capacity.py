@@ -62,7 +62,9 @@ def _find_bytes(root) -> int:
 
 @pytest.mark.parametrize("value,want", [
     (4096, 4096), ("4096", 4096), ("64M", 64 << 20), ("64m", 64 << 20), ("500G", 500 << 30),
-    ("1.5T", int(1.5 * (1 << 40))), ("2GiB", 2 << 30), ("1K", 1024), (" 3 G ", 3 << 30), (None, None)])
+    ("1.5T", int(1.5 * (1 << 40))), ("2GiB", 2 << 30), ("1K", 1024), (" 3 G ", 3 << 30), (None, None),
+    ("9007199254740993", 2**53 + 1), ("3.999999999999999999999G", (4 << 30) - 1), ("3.", 3), (".5K", 512),
+    ("0.1K", 102)])
 def test_parse_max_bytes(value, want):
     assert cap.parse_max_bytes(value) == want
 
@@ -112,6 +114,23 @@ def test_the_capacity_keys_are_checked_with_the_other_tier_keys():
         TierConfig(max_bytes="1G", evict_high=0.5, evict_low=0.6)
     with pytest.raises(ValueError, match="evict_low"):  # checked even while off, as the others are
         TierConfig(evict_low=2)
+
+
+def test_two_tiers_of_one_process_on_one_root_need_the_same_bound_by_value(tmp_path):
+    """Same values written differently ("1G", 1073741824, "1024M") are the same bound: the
+    second tier shares the root's capacity (ValueError before); another bound or another
+    watermark is a ValueError naming the keys."""
+    a, _ = _tier(tmp_path, max_bytes="1G")
+    try:
+        for same in (1 << 30, "1024M", "1 GiB"):
+            b, _ = _tier(tmp_path, max_bytes=same)
+            assert b.capacity.rc is a.capacity.rc
+            b.shutdown()
+        for other in ({"max_bytes": "2G"}, {"max_bytes": "1G", "evict_low": 0.5}):
+            with pytest.raises(ValueError, match="already bounded in this process"):
+                _tier(tmp_path, **other)
+    finally:
+        a.shutdown()
 
 
 def test_bad_capacity_keys_fail_the_vllm_tier_before_any_io(tmp_path):
@@ -219,6 +238,83 @@ def test_a_block_changed_since_the_census_is_not_evicted(tmp_path):
     assert os.path.exists(paths[0]) and open(paths[1], "rb").read() == b"n" * BS
 
 
+def _ledger(root, name, d):
+    w = os.path.join(root, ".kvtier", "writers")
+    os.makedirs(w, exist_ok=True)
+    with open(os.path.join(w, name), "w") as f:
+        f.write(d if isinstance(d, str) else json.dumps(d))
+    return os.path.join(w, name)
+
+
+def test_a_garbage_ledger_counts_nothing_and_never_stops_the_evictor(tmp_path):
+    """A ledger file of the wrong shape (a pid that is no int, a NaN or far-future stamp
+    that would never age out, a list) is skipped or dead: read_ledgers never raises (it
+    did: int('x') in the pid check stopped every census) and counts only the good ledger."""
+    host, boot, ns = cap._host_identity()
+    now = time.time()
+    me = {"host": host, "boot": boot, "pidns": ns}
+    _ledger(tmp_path, "good", {**me, "pid": os.getpid(), "bytes": 12345, "t": now, "since": 7.0})
+    dead = [_ledger(tmp_path, "pidstr", {**me, "pid": "x", "bytes": 10**9, "t": now}),
+            _ledger(tmp_path, "pidnull", {**me, "pid": None, "bytes": 10**9, "t": now}),
+            _ledger(tmp_path, "pid0", {**me, "pid": 0, "bytes": 10**9, "t": now}),
+            _ledger(tmp_path, "future", {"host": "elsewhere", "pid": 1, "bytes": 10**9, "t": now + 10**6})]
+    skipped = [_ledger(tmp_path, "nan", '{"host": "elsewhere", "pid": 1, "bytes": 1000000000, "t": NaN}'),
+               _ledger(tmp_path, "list", [1, 2]), _ledger(tmp_path, "strbytes", {"bytes": "9", "t": now}),
+               _ledger(tmp_path, "torn", '{"bytes": 10, "t": 17')]
+    assert cap.read_ledgers(str(tmp_path), now=now, max_age=5.0, since=7.0) == (12345, 12345, 1)
+    assert cap.read_ledgers(str(tmp_path), now=now, max_age=5.0, remove_dead=True) == (12345, 0, 1)
+    assert not any(os.path.exists(p) for p in dead) and all(os.path.exists(p) for p in skipped)
+    # and a tier on the root censuses and evicts as usual beside them
+    _ledger(tmp_path, "pidstr", {**me, "pid": "x", "bytes": 10**9, "t": time.time() + 3600})
+    t, _ = _tier(tmp_path, max_bytes=20 * BS + 16384, census_interval_s=0.1)
+    try:
+        rc = cap.root_capacity(str(tmp_path))
+        ok = 0
+        for j in range(12):  # 2-block jobs: they fit in the band between the watermarks
+            ok += _run(t, TransferJob(j, _keys(j, 2), list(range(2))))[0].success
+            assert rc.wait_pass(5, after=rc.passes)
+        assert rc.censuses >= 2 and t.metrics.counters.snapshot()["evicted_capacity"] > 0 and ok >= 8
+    finally:
+        t.shutdown()
+
+
+@pytest.mark.parametrize("bad", [
+    {"bytes": 5}, {"bytes": 5, "scan_started": "x", "scan_finished": 1.0},
+    {"bytes": 5, "scan_started": 1.0, "scan_finished": 1.0, "alloc_ratio": "x"},
+    {"bytes": 5, "scan_started": 1.0, "scan_finished": 1.0, "room": "x"},
+    {"bytes": True, "scan_started": 1.0, "scan_finished": 1.0}, {"bytes": -5, "scan_started": 1.0, "scan_finished": 1.0},
+    [5], '{"bytes": 12, "scan_st'])
+def test_a_usage_file_of_the_wrong_shape_is_none_and_never_fails_a_store(tmp_path, bad):
+    """A usage.json that is valid JSON with a field its readers use of the wrong type (or
+    missing) reads as None, as a truncated one does; a writer that is not the evictor
+    then admits on its own counts: its store is a JobResult, never an exception out of
+    submit_store (KeyError 'scan_started' / ValueError before), and its gauges read."""
+    sd = tmp_path / ".kvtier"
+    (sd / "writers").mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from kvtier._tier import capacity as cap; "
+                               f"l = cap.EvictorLock({str(tmp_path)!r}); assert l.try_acquire(); print('held', flush=True); "
+                               "time.sleep(60)"], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert holder.stdout.readline().startswith("held")
+        (sd / "usage.json").write_text(bad if isinstance(bad, str) else json.dumps(bad))
+        assert cap.read_usage(str(tmp_path)) is None
+        t, _ = _tier(tmp_path, max_bytes=4 * BS, census_interval_s=0.1)
+        try:
+            time.sleep(0.15)  # the capacity thread has read the usage file
+            res = [_run(t, TransferJob(j, _keys(j, 4), list(range(4))))[0] for j in range(3)]
+            assert res[0].success and all(r.error.errno == errno.ENOSPC for r in res[1:])
+            snap = t.metrics.counters.snapshot()
+            assert snap["capacity_census_age"] == 0.0 and snap["stores_dropped"] == 2
+        finally:
+            t.shutdown()
+    finally:
+        holder.kill()
+        holder.wait()
+    good = {"bytes": 5, "scan_started": 1.0, "scan_finished": 2, "room": None, "alloc_ratio": 1.0, "evictor": "h:1"}
+    (sd / "usage.json").write_text(json.dumps(good))
+    assert cap.read_usage(str(tmp_path)) == good
+
+
 def test_restart_keeps_recency_order(tmp_path, io_backend, monkeypatch):
     """Recency is the files' mtime: a new tier (a restart) evicts what the old one used least."""
     _use_backend(monkeypatch, io_backend)
@@ -291,6 +387,138 @@ def test_a_store_over_the_bound_is_dropped_at_once_and_counted(tmp_path, io_back
         assert 'kvtier:kv_offload_tiering_evictions_total{reason="enospc",tier="1:kvtier"} 0.0' in text
     finally:
         t.shutdown()
+
+
+@pytest.mark.parametrize("per_job", [4, 8, 16])
+def test_jobs_larger_than_the_watermark_bands_are_not_dropped_for_ever(tmp_path, io_backend, monkeypatch, per_job):
+    """A store job larger than the band between evict_low and the bound (8 or 16 blocks
+    of a 40-block bound: 20%, 40% > 15%) was dropped at every try once the root first
+    filled (the pass after a drop stopped at evict_low, where the job still did not fit),
+    and one of 4 blocks (10% > the 5% above evict_high) every other try (no pass starts
+    below the high mark, where the job does not fit). The marks move down by what the
+    largest job needs: never two drops in a row, at most 2 in 30 jobs (11 to 28 before)."""
+    _use_backend(monkeypatch, io_backend)
+    t, _ = _tier(tmp_path, rows=per_job, max_bytes=40 * BS, census_interval_s=0.1)
+    try:
+        rc = cap.root_capacity(str(tmp_path))
+        assert rc.wait_pass(5, after=0)
+        res = ""
+        for j in range(30):
+            r = _run(t, TransferJob(j, _keys(j, per_job), list(range(per_job))))[0]
+            assert r.success or r.error.errno == errno.ENOSPC
+            res += "o" if r.success else "x"
+            assert rc.wait_pass(5, after=rc.passes)
+            end = time.monotonic() + 0.5  # the evictor made room for the next job (or never will)
+            while rc.estimate() + per_job * BS > 40 * BS and time.monotonic() < end:
+                time.sleep(0.005)
+        assert "xx" not in res and res.count("x") <= 2, res
+        assert all(os.path.exists(p) for p in t.file_mapper.get_file_names(_keys(29, per_job)))  # the newest job
+        assert cap.census(str(tmp_path)).bytes <= 40 * BS
+    finally:
+        t.shutdown()
+
+
+def test_the_state_directory_removed_under_a_running_tier_is_made_again(tmp_path, io_backend, monkeypatch):
+    """``rm -rf ROOT/.kvtier`` under a running bounded tier: the ledger, the lock file and
+    usage.json come back within an interval, the lock is held on the new file (another
+    process is refused it), and stores and eviction go on within the bound. Before, the
+    ledger went to an unlinked file, usage.json could never be published again (a warning
+    every pass), and the old holder kept a lock on a file no one else could see."""
+    import shutil
+
+    _use_backend(monkeypatch, io_backend)
+    t, _ = _tier(tmp_path, rows=4, max_bytes=40 * BS, census_interval_s=0.1)
+    try:
+        rc = cap.root_capacity(str(tmp_path))
+        assert rc.wait_pass(5, after=0)
+        for j in range(4):
+            assert _run(t, TransferJob(j, _keys(j, 4), list(range(4))))[0].success
+        shutil.rmtree(tmp_path / ".kvtier")
+        end = time.monotonic() + 5
+        while not (os.path.exists(rc.ledger_path) and cap.read_usage(str(tmp_path))):
+            assert time.monotonic() < end, sorted(os.listdir(tmp_path))
+            time.sleep(0.01)
+        ok = 0
+        for j in range(4, 24):
+            ok += _run(t, TransferJob(j, _keys(j, 4), list(range(4))))[0].success
+            assert rc.wait_pass(5, after=rc.passes)
+        assert ok >= 15 and cap.census(str(tmp_path)).bytes <= 40 * BS
+        assert rc.lock.held and os.stat(rc.lock.path).st_ino == os.fstat(rc.lock._fd).st_ino
+        r = subprocess.run([sys.executable, "-c", "import sys; from kvtier._tier import capacity as cap; "
+                            f"print(cap.EvictorLock({str(tmp_path)!r}).try_acquire())"],
+                           capture_output=True, text=True, cwd=REPO)
+        assert r.stdout.strip() == "False", r.stderr
+        u = cap.read_usage(str(tmp_path))
+        assert u["evictor"].endswith(f":{os.getpid()}") and time.time() - u["scan_started"] < 2
+    finally:
+        t.shutdown()
+    assert not os.listdir(tmp_path / ".kvtier" / "writers")
+
+
+def test_a_dead_writers_state_temps_are_swept_by_the_evictor(tmp_path):
+    """A process killed between the open and the rename of usage.json's or evict.request's
+    temp leaves ``.kvtier/<name>_<hex>.tmp``: counted by every census, removed by nothing
+    before. The evictor's census removes those older than a minute, never a fresh one."""
+    sd = tmp_path / ".kvtier"
+    sd.mkdir()
+    old, fresh = sd / "usage.json_00112233deadbeef.tmp", sd / "evict.request_0011223344556677.tmp"
+    for p in (old, fresh):
+        p.write_bytes(b"{" * 5000)
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    t, _ = _tier(tmp_path, max_bytes="1G", census_interval_s=3600)
+    try:
+        assert cap.root_capacity(str(tmp_path)).wait_pass(5, after=0)
+        assert not old.exists() and fresh.read_bytes() == b"{" * 5000
+    finally:
+        t.shutdown()
+
+
+def test_a_usage_file_that_cannot_be_published_warns_once_a_minute(tmp_path, caplog):
+    """usage.json that cannot be replaced (a directory here; EROFS on a read-only .kvtier)
+    fails every pass: one warning a minute, not one a pass (16 a second before), and the
+    tier goes on storing within its bound."""
+    import logging
+
+    t, _ = _tier(tmp_path, rows=4, max_bytes=40 * BS, census_interval_s=0.05)
+    try:
+        rc = cap.root_capacity(str(tmp_path))
+        assert rc.wait_pass(5, after=0)
+        os.unlink(tmp_path / ".kvtier" / "usage.json")
+        (tmp_path / ".kvtier" / "usage.json").mkdir()
+        with caplog.at_level(logging.WARNING, logger="kvtier._tier.capacity"):
+            ok = 0
+            for j in range(20):
+                ok += _run(t, TransferJob(j, _keys(j, 4), list(range(4))))[0].success
+                assert rc.wait_pass(5, after=rc.passes)
+        warned = [r for r in caplog.records if "cannot publish" in r.getMessage()]
+        assert len(warned) == 1, len(warned)
+        assert rc.publish_failures >= 10
+        assert ok >= 15 and cap.census(str(tmp_path)).bytes <= 40 * BS
+    finally:
+        t.shutdown()
+
+
+def test_a_transient_stat_error_of_the_lock_file_keeps_the_lock(tmp_path, monkeypatch):
+    """EvictorLock.check drops the lock only when evictor.lock is gone or another file:
+    an EIO from its stat (a DFS hiccup) keeps it."""
+    (tmp_path / ".kvtier").mkdir()
+    lock = cap.EvictorLock(str(tmp_path))
+    try:
+        assert lock.try_acquire() and lock.check()
+        real = os.stat
+
+        def eio(p, *a, **k):
+            if str(p) == lock.path:
+                raise OSError(errno.EIO, "injected", p)
+            return real(p, *a, **k)
+
+        monkeypatch.setattr(cap.os, "stat", eio)
+        assert lock.check() and lock.held
+        monkeypatch.setattr(cap.os, "stat", real)
+        os.unlink(lock.path)
+        assert not lock.check() and not lock.held and lock._fd is None
+    finally:
+        lock.release()
 
 
 WRITER = r"""
@@ -538,6 +766,78 @@ def test_kvtier_evict_dry_run_deletes_nothing_and_the_real_run_evicts(tmp_path, 
     assert r.returncode == 2 and "powers of 1024" in r.stderr
 
 
+def test_kvtier_evict_uses_the_bound_in_force_on_a_filesystem_smaller_than_max_bytes():
+    """``kvtier evict --max-bytes 1T`` on a 4 MiB tmpfs filled behind the root's back: the
+    bound in force is the room (census bytes + free space), as a tier's evictor has it,
+    so the pass evicts down to its low mark; before, the CLI compared with 1 TiB and
+    evicted nothing from a full filesystem. The filler is never touched."""
+    from mounts import mount_tmpfs
+
+    with mount_tmpfs(size="4m") as d:
+        root = os.path.join(d, "root")
+        t, _ = _tier(root, rows=12)
+        try:
+            assert all(r.success for r in _run(t, TransferJob(1, _keys(1, 12), list(range(12)))))
+        finally:
+            t.shutdown()
+        st = os.statvfs(d)
+        filler = os.path.join(d, "filler")
+        with open(filler, "wb") as f:
+            f.write(b"f" * (st.f_bavail * st.f_frsize - 4096))
+        used = cap.census(root).bytes
+        cmd = [sys.executable, "-m", "kvtier", "evict", root, "--max-bytes", "1T", "--json"]
+        r = subprocess.run(cmd + ["--dry-run"], capture_output=True, text=True, cwd=REPO)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["evicted"] > 0 and all(os.path.exists(p) for p in out["paths"])  # nothing deleted yet
+        assert out["max_bytes"] == 1 << 40 and out["bound"] == out["room"] == used + 4096
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        real = json.loads(r.stdout)
+        assert r.returncode == 0 and real["paths"] == out["paths"]
+        assert not any(os.path.exists(p) for p in real["paths"])
+        assert cap.census(root).bytes <= int(0.85 * (used + 4096)) and os.path.getsize(filler) > 0
+
+
+def test_kvtier_evict_with_unusable_state_files_says_so_and_exits_1(tmp_path):
+    """``.kvtier/evictor.lock`` that cannot be opened (a directory here; EROFS on a
+    read-only .kvtier) is exit 1 with a message and nothing evicted, not a traceback; a
+    usage.json that cannot be replaced after the eviction is exit 1 with a message."""
+    t, _ = _tier(tmp_path, rows=12)
+    try:
+        assert all(r.success for r in _run(t, TransferJob(1, _keys(1, 12), list(range(12)))))
+    finally:
+        t.shutdown()
+    paths = t.file_mapper.get_file_names(_keys(1, 12))
+    (tmp_path / ".kvtier" / "evictor.lock").mkdir(parents=True)
+    cmd = [sys.executable, "-m", "kvtier", "evict", str(tmp_path), "--max-bytes", str(6 * BS)]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 1 and "cannot take the evictor lock" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert all(os.path.exists(p) for p in paths)
+    (tmp_path / ".kvtier" / "evictor.lock").rmdir()
+    (tmp_path / ".kvtier" / "usage.json").mkdir()
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 1 and "cannot publish the census" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "evicted" in r.stdout and sum(os.path.exists(p) for p in paths) < 12
+
+
+def test_kvtier_evict_refuses_a_directory_that_is_no_cache_root(tmp_path):
+    """A real run on a directory with no .kvtier/ and no rank directory (a typo, $HOME)
+    is exit 1 and leaves it as it was (before: .kvtier/ made there, usage.json written);
+    --dry-run censuses it (0 blocks); a missing root is exit 1."""
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_bytes(b"x" * 5000)
+    cmd = [sys.executable, "-m", "kvtier", "evict", "--max-bytes", "1"]
+    r = subprocess.run(cmd + [str(tmp_path)], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 1 and "no cache root" in r.stderr, (r.returncode, r.stderr)
+    assert sorted(os.listdir(tmp_path)) == ["notes"] and os.listdir(tmp_path / "notes") == ["a.txt"]
+    r = subprocess.run(cmd + ["--dry-run", "--json", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["census"]["blocks"] == 0 and out["census"]["files"] == 1 and out["evicted"] == 0
+    assert sorted(os.listdir(tmp_path)) == ["notes"]
+    r = subprocess.run(cmd + [str(tmp_path / "missing")], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 1 and "not a directory" in r.stderr
+
+
 def test_kvtier_scrub_shows_a_bounded_roots_last_census(tmp_path):
     """`kvtier scrub`'s first line (and --json "capacity") carries .kvtier/usage.json: the
     bytes used of max_bytes at the evictor's latest census, its age and its maker; an
@@ -627,6 +927,7 @@ def test_vllm_tier_with_a_bound_emits_removed_events_and_misses(tmp_path):
         rc = cap.root_capacity(root)
         base = cap.census(root).bytes
         rc.max_bytes = int((base - 6 * bs) / 0.85) + 1  # room for b only, below the low watermark
+        rc._job_max = 0  # (a bound this small has no room for b and another 6-block job: the marks would move down)
         n = rc.passes
         rc.request_evict("capacity")
         assert rc.wait_pass(10, after=n) and len(rc.last_pass.evicted) == 6

@@ -30,6 +30,7 @@ lookup-hit touches on the capacity thread.
 from __future__ import annotations
 
 import collections
+import decimal
 import errno
 import fcntl
 import json
@@ -124,7 +125,7 @@ def parse_size(value: Any, name: str = "max_bytes") -> int:
         if not m:
             raise ValueError(f"{name}: cannot parse {value!r}: give bytes (int), a size like '500G', '1.5T', '64M' "
                              f"(K, M, G, T = powers of 1024) or a percentage of the filesystem like '90%'")
-        n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+        n = int(decimal.Decimal(m.group(1)) * _UNITS[m.group(2).upper()])  # exact: no float rounding
     if n < 1:
         raise ValueError(f"{name} must be >= 1 byte, got {value!r}")
     return n
@@ -433,14 +434,39 @@ def state_dir(root: str) -> str:
     return os.path.join(root, STATE_DIR)
 
 
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _valid_usage(d: Any) -> bool:
+    """``d`` has the fields a reader of ``usage.json`` uses, of the types it uses them as:
+    ``bytes`` a count, ``scan_started`` / ``scan_finished`` finite numbers, and where
+    present ``evict_finished`` a number, ``room`` a count or None, ``alloc_ratio`` a
+    number >= 1, ``generation`` a count, ``evictor`` a string."""
+    if not (isinstance(d, dict) and _is_count(d.get("bytes")) and _is_num(d.get("scan_started"))
+            and _is_num(d.get("scan_finished"))):
+        return False
+    for k, ok in (("evict_finished", _is_num), ("room", lambda v: v is None or _is_count(v)),
+                  ("alloc_ratio", lambda v: _is_num(v) and v >= 1), ("generation", _is_count),
+                  ("evictor", lambda v: isinstance(v, str)), ("max_bytes", lambda v: v is None or _is_count(v))):
+        if k in d and not ok(d[k]):
+            return False
+    return True
+
+
 def read_usage(root: str) -> Optional[Dict[str, Any]]:
-    """The latest published census of ``root`` (``usage.json``), or None."""
+    """The latest published census of ``root`` (``usage.json``), or None (none, unreadable,
+    truncated, or a field of the wrong type: :func:`_valid_usage`)."""
     try:
         with open(os.path.join(state_dir(root), USAGE_FILE), "rb") as f:
             d = json.loads(f.read())
-        return d if isinstance(d, dict) and isinstance(d.get("bytes"), int) else None
     except (OSError, ValueError):
         return None
+    return d if _valid_usage(d) else None
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -455,6 +481,30 @@ def _write_atomic(path: str, data: bytes) -> None:
         except OSError:
             pass
         raise
+
+
+STATE_TEMP_AGE_S = 60.0
+"""A temp in ``.kvtier/`` (of usage.json or evict.request: temp + rename) older than this
+is a dead writer's (SIGKILL between its open and its rename): the evictor removes it."""
+
+
+def sweep_state_temps(root: str, older_than: float = STATE_TEMP_AGE_S) -> int:
+    """Remove ``.kvtier/*.tmp`` files older than ``older_than`` seconds; their number."""
+    n, now = 0, time.time()
+    try:
+        it = os.scandir(state_dir(root))
+    except OSError:
+        return 0
+    with it:
+        for e in it:
+            try:
+                if (e.name.endswith(".tmp") and e.is_file(follow_symlinks=False)
+                        and now - e.stat(follow_symlinks=False).st_mtime > older_than):
+                    os.unlink(e.path)
+                    n += 1
+            except OSError:
+                continue
+    return n
 
 
 def publish_usage(root: str, d: Dict[str, Any]) -> None:
@@ -491,9 +541,12 @@ def read_ledgers(root: str, now: Optional[float] = None, max_age: float = 2 * DE
                  skip: Optional[str] = None, remove_dead: bool = False,
                  since: Optional[float] = None) -> Tuple[int, int, int]:
     """``(bytes, current, live writers)``: the sum of the live writers' ledgers of ``root``
-    (except file ``skip``), and of those counting from the census started at ``since``.  A ledger is dead when its writer's pid is gone on this host (same
-    boot and pid namespace) or it was not republished for ``max_age`` seconds; dead ones
-    count nothing and with ``remove_dead`` are removed."""
+    (except file ``skip``), and of those counting from the census started at ``since``.
+    A ledger is dead when its writer's pid is gone on this host (same boot and pid
+    namespace), it was not republished for ``max_age`` seconds, or it is stamped more
+    than ``max_age`` ahead of this clock; dead ones count nothing and with
+    ``remove_dead`` are removed.  A file that is no ledger (not a JSON object with a
+    finite ``t`` and a count ``bytes``) counts nothing and is left alone."""
     now = time.time() if now is None else now
     wdir = os.path.join(state_dir(root), WRITERS_DIR)
     me = _host_identity()
@@ -510,11 +563,16 @@ def read_ledgers(root: str, now: Optional[float] = None, max_age: float = 2 * DE
         try:
             with open(p, "rb") as f:
                 d = json.loads(f.read(LEDGER_RECORD * 2))
-            t, b = float(d["t"]), int(d["bytes"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError):
             continue
-        dead = now - t > max_age or ((d.get("host"), d.get("boot"), d.get("pidns")) == me
-                                     and not _pid_alive(int(d.get("pid", 0))))
+        if not isinstance(d, dict) or not _is_num(d.get("t")) or not _is_count(d.get("bytes")):
+            continue  # not a ledger (or torn mid-rewrite): counts nothing
+        t, b, pid = float(d["t"]), d["bytes"], d.get("pid")
+        # dead: not republished for max_age, stamped further ahead than that (a clock
+        # far off, or garbage: it would never age out), or its pid gone on this host
+        dead = (not -max_age <= now - t <= max_age
+                or ((d.get("host"), d.get("boot"), d.get("pidns")) == me
+                    and not (_is_count(pid) and pid > 0 and _pid_alive(pid))))
         if dead:
             if remove_dead:
                 try:
@@ -523,9 +581,9 @@ def read_ledgers(root: str, now: Optional[float] = None, max_age: float = 2 * DE
                     pass
             continue
         live += 1
-        total += max(0, b)
+        total += b
         if since is not None and d.get("since") == since:
-            current += max(0, b)
+            current += b
     return total, current, live
 
 
@@ -556,6 +614,24 @@ class EvictorLock:
             raise
         self.held = True
         return True
+
+    def check(self) -> bool:
+        """False (and the lock dropped: the next :meth:`try_acquire` opens the file anew)
+        when ``evictor.lock`` is no longer the file this fd locks: removed or replaced
+        (``rm -rf .kvtier`` under a running tier).  Its holder held a lock nobody else
+        could see: another process may have made and locked a new file meanwhile."""
+        if self._fd is None:
+            return True
+        try:
+            a, b = os.stat(self.path), os.fstat(self._fd)
+            if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):
+                return True
+        except FileNotFoundError:
+            pass
+        except OSError:  # a transient error (EIO, ETIMEDOUT on a DFS) says nothing: keep it
+            return True
+        self.release()
+        return False
 
     def release(self) -> None:
         if self._fd is not None:
@@ -595,14 +671,22 @@ def one_pass(root: str, max_bytes: int, high: float = DEFAULT_HIGH, low: float =
     max_bytes`` whatever the census; ``force="enospc"`` (the filesystem is full): down to
     ``low`` of the smaller of the bound and the usage.  The decision is the census's alone: the writers' ledgers
     count what may have been written since it began, which the next census sees, so
-    adding them would evict twice for the same bytes.  Returns the census, the eviction
-    and the usage record (not published here)."""
+    adding them would evict twice for the same bytes.  The bound is the one in force, as
+    for a tier: ``max_bytes`` or less, the census bytes + the free space (statvfs
+    ``f_bavail``) when the filesystem has less room.  Returns the census, the eviction
+    and the usage record (not published here; its ``room`` is that room)."""
     c = census(root)
     usage = c.bytes
+    try:
+        st = os.statvfs(root)
+        room: Optional[int] = c.bytes + st.f_bavail * st.f_frsize
+    except OSError:
+        room = None
+    mx = max_bytes if room is None else min(max_bytes, room)
     if force == "enospc":
-        target = int(low * min(max_bytes, usage))
-    elif usage > high * max_bytes or force == "drop":
-        target = int(low * max_bytes)
+        target = int(low * min(mx, usage))
+    elif usage > high * mx or force == "drop":
+        target = int(low * mx)
     else:
         target = usage
     r = evict(c, usage, target, dry_run=dry_run)
@@ -610,7 +694,7 @@ def one_pass(root: str, max_bytes: int, high: float = DEFAULT_HIGH, low: float =
            "blocks": c.blocks - len(r.evicted) * (not dry_run), "scan_started": c.scan_started,
            "scan_finished": c.scan_finished, "evict_finished": time.time(), "generation": generation,
            "evictor": evictor, "max_bytes": max_bytes, "evicted": 0 if dry_run else len(r.evicted),
-           "evicted_bytes": 0 if dry_run else r.evicted_bytes, "census_cpu_s": c.cpu_s}
+           "evicted_bytes": 0 if dry_run else r.evicted_bytes, "census_cpu_s": c.cpu_s, "room": room}
     return c, r, rec
 
 
@@ -630,7 +714,7 @@ def attach(root: str, config: CapacityConfig, counters: Any = None,
     real = os.path.realpath(root)
     with _roots_lock:
         rc = _roots.get(real)
-        if rc is not None and rc.config != config:
+        if rc is not None and rc.config != config and _resolved(rc.config, real) != _resolved(config, real):
             raise ValueError(f"tier root {root!r} is already bounded in this process with {rc.config}; "
                              f"a second tier on it must use the same capacity keys, got {config}")
         if rc is None:
@@ -638,6 +722,12 @@ def attach(root: str, config: CapacityConfig, counters: Any = None,
         h = Handle(rc, counters, on_evicted)
         rc._attach(h)
     return h
+
+
+def _resolved(config: CapacityConfig, root: str) -> Tuple[int, float, float, float, float]:
+    """The knobs as values: ``"1G"``, ``"1024M"`` and ``1073741824`` are one bound."""
+    return (config.bound(root), config.evict_high, config.evict_low, config.census_interval_s,
+            config.touch_window_s)
 
 
 class Handle:
@@ -724,6 +814,8 @@ class RootCapacity:
         self._done: "collections.deque[Tuple[float, int]]" = collections.deque()
         self._own = 0  # _inflight + the bytes of _done
         self._warned_drop = -1e9
+        self._publish_warned = -1e9
+        self.publish_failures = 0  # usage.json publications that failed
         self._others = 0  # the other writers' ledgers (admission)
         self._others_current = 0  # those of them that count from the latest census (eviction)
         self._others_at = 0.0
@@ -736,6 +828,7 @@ class RootCapacity:
         self._touch_q: "collections.deque[str]" = collections.deque(maxlen=TOUCH_LRU)
         self._request: Optional[str] = None
         self._request_seen = 0.0
+        self._job_max = 0  # bytes of the largest store job (<= the bound) seen: room a pass leaves
         self._asked_at = 0.0
         self._wake = threading.Event()
         self._stop = False
@@ -794,6 +887,19 @@ class RootCapacity:
         room = self._room if self.lock.held else (self._usage or {}).get("room")
         return self.max_bytes if not room else min(self.max_bytes, int(room))
 
+    def marks(self, mx: int) -> Tuple[int, int]:
+        """``(high, low)`` in bytes for the bound ``mx``: ``evict_high`` and ``evict_low``
+        of it, both moved down (the band kept) when the largest store job seen
+        (:attr:`_job_max`) does not fit between the high mark and the bound: a job
+        larger than ``(1 - evict_high) * max_bytes`` would otherwise be dropped at every
+        usage between ``max_bytes - job`` and the high mark, where no pass starts."""
+        high, low = int(self.high * mx), int(self.low * mx)
+        job = self._job_max
+        if 0 < job <= mx and mx - job < high:
+            low = max(0, low - (high - (mx - job)))
+            high = mx - job
+        return high, low
+
     def estimate(self) -> int:
         """Usage estimate, bytes: latest census (after its eviction) + the other writers'
         ledgers (as last read) + this process's reservations."""
@@ -804,6 +910,8 @@ class RootCapacity:
         with self._lock:
             est = self.estimate()
             bound = self.bound()
+            if nbytes <= bound and nbytes > self._job_max:  # a pass leaves room for it
+                self._job_max = nbytes
             if est + nbytes > bound:
                 self._ask("drop")
                 u = self._usage
@@ -823,7 +931,7 @@ class RootCapacity:
             self._inflight += nbytes
             self._own += nbytes
             self._dirty = True
-            if est + nbytes > self.high * bound:
+            if est + nbytes > self.marks(bound)[0]:
                 self._ask("capacity")
         return None
 
@@ -921,6 +1029,31 @@ class RootCapacity:
             logger.warning("kvtier capacity: cannot publish the ledger %s: %s", self.ledger_path, e)
         self._published_at = time.monotonic()
 
+    def _check_state(self) -> None:
+        """Make ``.kvtier/``, this process's ledger and the lock file again when they were
+        removed under the running tier (an operator's ``rm -rf ROOT/.kvtier``): else the
+        ledger is written to an unlinked file nobody reads, the usage cannot be published,
+        the other writers read no census again (their own bytes never trimmed: they drop
+        every store) and the old lock holder holds a lock no other process sees."""
+        try:
+            gone = os.fstat(self._ledger_fd).st_nlink == 0
+        except OSError:  # (fstat of an open fd: EIO at most) a transient error says nothing
+            gone = False
+        if gone:
+            try:
+                os.makedirs(os.path.join(state_dir(self.root), WRITERS_DIR), exist_ok=True)
+                fd = os.open(self.ledger_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                logger.warning("kvtier capacity: the ledger %s was removed and cannot be made again: %s",
+                               self.ledger_path, e)
+                return
+            os.close(self._ledger_fd)
+            self._ledger_fd, self._dirty = fd, True
+            logger.warning("kvtier capacity: %s was removed under the running tier: made again",
+                           state_dir(self.root))
+        if not self.lock.check():
+            self._next_census = 0.0  # try the new lock file at once
+
     def _refresh(self) -> None:
         """Re-read the usage and the other writers' ledgers."""
         u = read_usage(self.root) if not self.lock.held else None  # the evictor has its own, newer
@@ -950,6 +1083,8 @@ class RootCapacity:
         mono = time.monotonic()
         if mono - self._others_at >= LEDGER_PUBLISH_S:
             self._refresh()
+        if mono - self._published_at >= self.interval / 2:
+            self._check_state()
         if self._dirty or mono - self._published_at >= self.interval / 2:
             self._publish_ledger()
         while self._touch_q:
@@ -964,10 +1099,11 @@ class RootCapacity:
                 self._next_census = mono + self.interval
                 if req:  # ask the holder
                     with self._lock:
-                        self._request = None
+                        self._request, need = None, self._job_max
                     try:
                         _write_atomic(os.path.join(state_dir(self.root), REQUEST_FILE),
-                                      json.dumps({"reason": req, "by": self.name, "t": time.time()}).encode())
+                                      json.dumps({"reason": req, "need": need, "by": self.name,
+                                                  "t": time.time()}).encode())
                     except OSError:
                         pass
                 return
@@ -989,6 +1125,8 @@ class RootCapacity:
             self._census_pass(req)
         else:
             self._evict_more(req)
+            if self._next_census == 0.0:  # the candidates ran out short of the target: census now
+                self._census_pass(req)
 
     def _read_request_file(self) -> None:
         """The evictor: a request file newer than the last one seen is a request."""
@@ -999,11 +1137,14 @@ class RootCapacity:
                 return
             self._request_seen = rq.st_mtime
             with open(path, "rb") as f:
-                r2 = json.loads(f.read()).get("reason", "capacity")
+                rq = json.loads(f.read())
+            r2, need = rq.get("reason", "capacity"), rq.get("need", 0)
         except (OSError, ValueError, AttributeError):
             return
         with self._lock:
-            r2 = r2 if r2 in _PRIORITY and r2 else "capacity"
+            r2 = r2 if isinstance(r2, str) and r2 in _PRIORITY else "capacity"
+            if _is_count(need):
+                self._job_max = max(self._job_max, need)
             if _PRIORITY[r2] > _PRIORITY[self._request]:
                 self._request = r2
 
@@ -1011,6 +1152,7 @@ class RootCapacity:
         """A census (recalibrates the usage, rebuilds the candidates), then evict if due."""
         cpu0 = time.thread_time()
         read_ledgers(self.root, max_age=2 * self.interval + 1.0, skip=self.name, remove_dead=True)
+        sweep_state_temps(self.root)
         self.generation = max(self.generation, int((self._usage or {}).get("generation", 0))) + 1
         c = census(self.root)
         try:  # the room on the filesystem: what the root holds + what is still free
@@ -1018,11 +1160,12 @@ class RootCapacity:
             self._room = c.bytes + st.f_bavail * st.f_frsize
         except OSError:
             self._room = None
-        # keep the oldest blocks that hold what must go now plus half a bound: what the
-        # evictor may remove before the next census (it censuses early when they run out)
+        # keep the oldest blocks that hold what must go now plus half a bound (or four of
+        # the largest job): what the evictor may remove before the next census (it
+        # censuses early when they run out)
         bound = self.bound()
-        need = max(0, c.bytes - int(self.low * bound))
-        self._cands = Candidates(c.entries, keep_bytes=need + bound // 2)
+        need = max(0, c.bytes - self.marks(bound)[1])
+        self._cands = Candidates(c.entries, keep_bytes=need + max(bound // 2, 4 * self._job_max))
         c.entries = []
         rec = {"bytes": c.bytes, "files": c.files, "blocks": c.blocks, "scan_started": c.scan_started,
                "scan_finished": c.scan_finished, "evict_finished": c.scan_finished, "generation": self.generation,
@@ -1046,7 +1189,10 @@ class RootCapacity:
 
     def _evict_more(self, why: Optional[str], census_only: bool = False) -> None:
         """Evict from the candidates when the estimate passes the high watermark (or a
-        request says so), down to the low one; publish the usage when anything changed."""
+        request says so), down to the low one, or lower: down to the bound less the
+        largest store job seen (this process's, or a requester's ``need``), so that a job
+        larger than the band between the watermarks fits after a pass instead of being
+        dropped for ever; publish the usage when anything changed."""
         cpu0 = time.thread_time()
         u = self._usage
         if u is None or self._cands is None:
@@ -1059,8 +1205,8 @@ class RootCapacity:
         mx = self.bound()
         if why == "enospc":
             target = int(self.low * mx)
-        elif est > self.high * mx or why == "drop":
-            target = int(self.low * mx)
+        elif est > self.marks(mx)[0] or why == "drop":
+            target = self.marks(mx)[1]
         else:
             if census_only:
                 self._publish(u)
@@ -1101,10 +1247,17 @@ class RootCapacity:
                            len(r.errors), self.root, r.errors[0][0], r.errors[0][1])
 
     def _publish(self, rec: Dict[str, Any]) -> None:
+        """Publish the usage; a failure is a warning at most once a minute (a read-only or
+        full ``.kvtier/`` fails every pass: tens a second), with the count since the last."""
         try:
             publish_usage(self.root, rec)
         except OSError as e:
-            logger.warning("kvtier capacity: cannot publish %s: %s", os.path.join(state_dir(self.root), USAGE_FILE), e)
+            self.publish_failures += 1
+            if time.monotonic() - self._publish_warned >= 60.0:
+                self._publish_warned = time.monotonic()
+                logger.warning("kvtier capacity: cannot publish %s: %s (%d failures so far; this warning at most "
+                               "once a minute)", os.path.join(state_dir(self.root), USAGE_FILE), e,
+                               self.publish_failures)
 
     # ------------------------------------------------------------------ tests / tools
     def wait_pass(self, timeout: float = 10.0, after: Optional[int] = None) -> bool:

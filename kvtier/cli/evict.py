@@ -8,8 +8,10 @@ newest) down to ``--evict-low``: the policy and the evictor lock of the tiers
 ``--dry-run`` deletes nothing, takes no lock and lists what would go. A real run publishes
 its census to ``ROOT/.kvtier/usage.json`` as a tier's evictor does.
 
-Exit status: 0 done; 1 the root is missing, another process holds the evictor lock (it
-enforces its own bound), or an eviction failed; 2 bad arguments.
+Exit status: 0 done; 1 the root is missing or holds no cache (no ``.kvtier/``, no
+``<model>_<digest>_r<rank>/``: a real run refuses it, ``--dry-run`` censuses it), another process holds the evictor lock (it
+enforces its own bound), an eviction failed, or ``.kvtier/`` cannot be used (the lock
+opened, the census published); 2 bad arguments.
 """
 from __future__ import annotations
 
@@ -20,6 +22,17 @@ import socket
 import sys
 
 from kvtier._tier import capacity as _cap
+
+
+def _looks_like_a_root(root: str) -> bool:
+    """``root`` holds ``.kvtier/`` or a rank directory of a cache layout (kvtier's or
+    vLLM's ``"fs"`` tier: ``<model>_<digest>_r<rank>``)."""
+    try:
+        with os.scandir(root) as it:
+            return any(e.is_dir(follow_symlinks=False) and (e.name == _cap.STATE_DIR or _cap._RANK_RE.match(e.name))
+                       for e in it)
+    except OSError:
+        return False
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
@@ -39,6 +52,11 @@ def cmd_evict(args: argparse.Namespace) -> int:
         print(f"kvtier evict: {e}", file=sys.stderr)
         return 2
     lock = None
+    published = True
+    if not args.dry_run and not _looks_like_a_root(root):
+        print(f"kvtier evict: {root} is no cache root (no .kvtier/ and no <model>_<digest>_r<rank>/ directory in it): "
+              f"nothing done (a typo would make .kvtier/ there and scan the whole tree)", file=sys.stderr)
+        return 1
     if not args.dry_run:
         try:
             os.makedirs(os.path.join(_cap.state_dir(root), _cap.WRITERS_DIR), exist_ok=True)
@@ -49,7 +67,13 @@ def cmd_evict(args: argparse.Namespace) -> int:
             print("kvtier evict: a tier of this process bounds this root", file=sys.stderr)
             return 1
         lock = _cap.EvictorLock(root)
-        if not lock.try_acquire():
+        try:
+            got = lock.try_acquire()
+        except OSError as e:  # .kvtier read-only, evictor.lock not a file ...
+            print(f"kvtier evict: cannot take the evictor lock of {root}: {e}; nothing done", file=sys.stderr)
+            lock.release()
+            return 1
+        if not got:
             u = _cap.read_usage(root) or {}
             print(f"kvtier evict: another process holds the evictor lock of {root} (pid {_cap.lock_holder(root)} by "
                   f"F_GETLK; latest census by {u.get('evictor', '?')}): it enforces its own bound; nothing done",
@@ -63,12 +87,19 @@ def cmd_evict(args: argparse.Namespace) -> int:
                                   force="drop" if args.force else None, generation=gen,
                                   evictor=f"{socket.gethostname()}:{os.getpid()}")
         if not args.dry_run:
-            _cap.publish_usage(root, rec)
+            try:
+                _cap.publish_usage(root, rec)
+            except OSError as e:  # the eviction is done; the tiers census again themselves
+                print(f"kvtier evict: cannot publish the census: {e}", file=sys.stderr)
+                published = False
     finally:
         if lock is not None:
             lock.release()
-    out = {"root": root, "max_bytes": bound, "high_bytes": int(cfg.evict_high * bound),  # type: ignore
-           "low_bytes": int(cfg.evict_low * bound), "dry_run": bool(args.dry_run),  # type: ignore
+    room = rec.get("room")
+    mx = bound if room is None else min(bound, room)  # the bound in force (one_pass's)
+    out = {"root": root, "max_bytes": bound, "bound": mx, "room": room,
+           "high_bytes": int(cfg.evict_high * mx),  # type: ignore
+           "low_bytes": int(cfg.evict_low * mx), "dry_run": bool(args.dry_run),  # type: ignore
            "census": {"bytes": c.bytes, "files": c.files, "blocks": c.blocks, "block_bytes": c.block_bytes,
                       "dirs": c.dirs, "seconds": round(c.scan_finished - c.scan_started, 6),
                       "cpu_s": round(c.cpu_s, 6)},
@@ -80,11 +111,12 @@ def cmd_evict(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         verb = "would evict" if args.dry_run else "evicted"
+        less = f" (the filesystem's room: --max-bytes {bound} is more)" if mx < bound else ""
         print(f"{root}: {c.bytes} bytes in {c.files} files ({c.blocks} blocks, {c.block_bytes} bytes); bound "
-              f"{bound} (high {out['high_bytes']}, low {out['low_bytes']})")
+              f"{mx}{less} (high {out['high_bytes']}, low {out['low_bytes']})")
         print(f"{verb} {len(r.evicted)} blocks, {r.evicted_bytes} bytes; usage after: {r.usage_after} bytes"
               f"{f'; {len(r.errors)} errors' if r.errors else ''}")
-    return 1 if r.errors else 0
+    return 1 if r.errors or not published else 0
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
