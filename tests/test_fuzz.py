@@ -106,7 +106,11 @@ def run_fuzzer(exe: str, workdir, max_len: int = 4096, seconds: int = SECONDS, s
         with open(os.path.join(corpus, f"seed{i}"), "wb") as f:
             f.write(s)
     proc = subprocess.run(
+        # -rss_limit_mb=0: libFuzzer reads its peak RSS with getrusage, which a child inherits from
+        # its parent across fork and exec: under scripts/sanitize pytest's own peak (2.4 GB) tripped
+        # the 2 GB default at the fuzzer's first input; -malloc_limit_mb keeps the per-malloc limit
         [exe, f"-max_total_time={seconds}", "-timeout=10", f"-max_len={max_len}", "-print_final_stats=1",
+         "-rss_limit_mb=0", "-malloc_limit_mb=2048",
          f"-artifact_prefix={os.fspath(workdir)}/", corpus],
         capture_output=True, text=True, timeout=seconds + 120,
         # own (clang) sanitizer runtime: never scripts/sanitize's preloaded gcc one
