@@ -274,9 +274,12 @@ class FileSystemTierManager:
         info_path = os.path.join(self.file_mapper.base_path, BLOCK_INFO_FILENAME)
         info_checked: list = [()]  # its signature once written or checked (GeometryGuard)
 
-        def write_config() -> None:
+        def write_files() -> None:  # config.json and kvtier.json, each only if absent
             self.file_mapper.write_run_config()
             self.file_mapper.write_block_info(self.block_size)  # ValueError: another block size's
+
+        def write_config() -> None:
+            write_files()
             info_checked[0] = info_signature(info_path)
             self.load_landing, self.load_landing_why = _landing.resolve(load_landing, self.root_dir)  # mountinfo
 
@@ -295,8 +298,7 @@ class FileSystemTierManager:
                 self.root_dir, started.o_direct_refused_on, label,
             )
         geometry = GeometryGuard(info_path, self.block_size, self.file_mapper.read_block_info,
-                                 lambda: (self.file_mapper.write_run_config(),  # both: a tree recreated
-                                          self.file_mapper.write_block_info(self.block_size)),
+                                 write_files,  # both: a tree recreated under the same inodes
                                  self.metrics.counters, label, info_checked[0])
         self._root_guard = RootGuard(self.root_dir, rank_path, started.root_id, write_config,
                                      self.metrics.counters, label, geometry)

@@ -248,11 +248,14 @@ class KvtierTier(SecondaryTierManager):
         info_path = os.path.join(info_dir, BLOCK_INFO_FILENAME)
         info_checked: list = [()]  # its signature once written or checked (GeometryGuard)
 
-        def write_config() -> None:
+        def write_files() -> None:  # config.json and kvtier.json, each only if absent
             config_path = self.file_mapper.get_config_file_path()
             os.makedirs(os.path.dirname(config_path), exist_ok=True)
             write_json_if_absent(config_path, self.file_mapper.get_run_config())  # bytes as vLLM's
             write_block_info(os.path.dirname(config_path), bs)  # kvtier.json, for `kvtier scrub`; ValueError
+
+        def write_config() -> None:
+            write_files()
             info_checked[0] = info_signature(info_path)
             landed[:] = _landing.resolve(tc.load_landing, root_dir)  # mountinfo: under the deadline too
 
@@ -276,9 +279,7 @@ class KvtierTier(SecondaryTierManager):
             self.capacity = _capacity.attach(root_dir, tc.capacity, counters, self._on_evicted)
             counters.capacity_gauges = self.capacity.gauges
         geometry = GeometryGuard(info_path, bs, lambda: read_block_info(info_dir),
-                                 lambda: (write_json_if_absent(self.file_mapper.get_config_file_path(),  # both:
-                                                               self.file_mapper.get_run_config()),  # a tree
-                                          write_block_info(info_dir, bs)),  # recreated under the same inodes
+                                 write_files,  # both: a tree recreated under the same inodes
                                  counters, self.tier_label, info_checked[0])
         root_guard = RootGuard(root_dir, rank_path, started.root_id, write_config, counters, self.tier_label,
                                geometry)
