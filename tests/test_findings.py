@@ -381,7 +381,15 @@ def test_a_full_filesystem_logs_one_store_failure_a_minute_with_the_count_held_b
         assert lines[1].endswith("(and 19 more failed store job message(s) in the last %.0f s, not logged)"
                                  % float(lines[1].rsplit(" in the last ", 1)[1].split(" s,")[0])), lines[1]
         assert t.metrics.counters.snapshot()["store_failures"] == 21  # every failure still counted
-        t.shutdown()
+        for i in range(3):  # held back, then told at shutdown
+            assert not run(t, f"h{i}", keys(1, base=30 + i), [0], False).success
+        t._engine.warnings.interval = 60.0
+        with caplog.at_level(logging.WARNING, logger="kvtier._tier.engine"):
+            caplog.clear()
+            r = run(t, "h3", keys(1, base=33), [0], False)
+            t.shutdown()
+        assert [rec.getMessage() for rec in caplog.records] == [
+            "1 more failed store job message(s) since the last one logged, not logged"]
 
 
 def test_the_standalone_tier_with_every_default_refuses_a_flipped_byte(tmp_path):

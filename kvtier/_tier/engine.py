@@ -92,6 +92,14 @@ class RateLimitedWarnings:
         logger.warning(msg, *args)
         return True
 
+    def flush(self) -> None:
+        """Log the count of every kind held back since its last message (at shutdown: else
+        the log of a tier that stops would show one failure of many)."""
+        with self._lock:
+            held, self._held = self._held, {}
+        for kind, n in held.items():
+            logger.warning("%d more %s message(s) since the last one logged, not logged", n, kind)
+
 
 
 # ---------------------------------------------------------------------- jobs
@@ -423,6 +431,7 @@ class TierEngine:
             self._running.difference_update(running)
         self._lookups.close()
         self._expire(running, errno.ECANCELED, "cancelled by shutdown(wait=False)")
+        self.warnings.flush()
         if wait:
             with self._cond:  # every running job reported: finished, or expired by the watchdog
                 self._cond.wait_for(lambda: self._inflight == 0)

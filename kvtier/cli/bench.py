@@ -419,7 +419,7 @@ def format_table(d: dict) -> str:
             keys.append(k)
     peer = any(m == "vllm" for (_, _, m) in by)
     hdr = (f"{'op':<6}{'jobs':>5} | {'GB/s off':>19}{'on':>19}{'on/off':>7} | {'p50 ms off':>11}{'on':>8} | "
-           f"{'p99 ms off':>11}{'on':>8} | {'CPU s/GiB off':>14}{'on':>7}{'on/off':>7}")
+           f"{'p99 ms off':>11}{'on':>8} | {'CPU s/GiB off':>14}{'on':>8}{'on/off':>7}")
     if peer:
         hdr += f" | {'GB/s vLLM':>19}{'on/vLLM':>8}{'CPU s/GiB':>10}"
     lines += [hdr, "-" * len(hdr)]
@@ -447,7 +447,7 @@ def format_table(d: dict) -> str:
                 f"{cell(ratio(off, on, 'gbps'), '7.2f')} | {cell(g_(off, 'p50_ms'), '11.1f')}"
                 f"{cell(g_(on, 'p50_ms'), '8.1f')} | "
                 f"{cell(g_(off, 'p99_ms'), '11.1f')}{cell(g_(on, 'p99_ms'), '8.1f')} | "
-                f"{cell(g_(off, 'cpu_s_per_gib'), '14.3f')}{cell(g_(on, 'cpu_s_per_gib'), '7.3f')}"
+                f"{cell(g_(off, 'cpu_s_per_gib'), '14.3f')}{cell(g_(on, 'cpu_s_per_gib'), '8.3f')}"
                 f"{cell(ratio(off, on, 'cpu_s_per_gib'), '7.2f')}")
         if peer:
             line += f" | {gb(vl, 19)}{cell(ratio(vl, on, 'gbps'), '8.2f')}{cell(g_(vl, 'cpu_s_per_gib'), '10.3f')}"
