@@ -195,8 +195,8 @@ FAMILIES: Dict[str, Tuple[str, str, Dict[str, str]]] = {
 #: The families that exist only for a bounded root (a tier with max_bytes).
 CAPACITY_FAMILIES = (EVICTIONS, EVICTED_BYTES)
 #: Capacity counters exported one by one (the evictions are FAMILIES): snapshot key -> help.
-CAPACITY_SINGLES = ("stores_dropped", "capacity_used_bytes", "capacity_max_bytes", "capacity_census_age",
-                    "capacity_evictor_lag")
+CAPACITY_SINGLES = ("stores_dropped", "capacity_used_bytes", "capacity_max_bytes", "capacity_bound_bytes",
+                    "capacity_census_age", "capacity_evictor_lag")
 
 
 def tier_label(tier_idx: int, tier_type: str = "kvtier") -> str:

@@ -380,6 +380,8 @@ def test_a_store_over_the_bound_is_dropped_at_once_and_counted(tmp_path, io_back
         snap = t.metrics.counters.snapshot()
         assert snap["stores_dropped"] == 1 and snap["store_failures"] == 1
         assert snap["capacity_max_bytes"] == 20 * BS + 16384
+        # tmp_path's filesystem has more room than the bound: the bound in force is max_bytes
+        assert snap["capacity_bound_bytes"] == cap.root_capacity(str(tmp_path)).bound() == 20 * BS + 16384
         from prometheus_client import generate_latest
 
         text = generate_latest(t.metrics.registry).decode()
@@ -711,6 +713,8 @@ def test_a_full_tmpfs_with_the_bound_set_recovers_by_itself(io_backend, monkeypa
             rc = cap.root_capacity(root)
             assert rc.wait_pass(5, after=0)
             assert rc.bound() <= 4 << 20  # the room on the filesystem, not the 1 GiB asked
+            g = t.metrics.counters.snapshot()
+            assert g["capacity_bound_bytes"] == rc.bound() and g["capacity_max_bytes"] == 1 << 30
             # something else fills the filesystem behind the evictor's back (its next
             # census is an hour away): only ENOSPC can tell it
             st = os.statvfs(d)

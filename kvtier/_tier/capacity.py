@@ -98,7 +98,9 @@ COUNTER_DOCS: Dict[str, str] = {
     "evicted_bytes_capacity": "bytes (allocated) of the blocks in evicted_capacity",
     "evicted_bytes_enospc": "bytes (allocated) of the blocks in evicted_enospc",
     "capacity_used_bytes": "gauge: the root's usage estimate (census + writers' ledgers), bytes",
-    "capacity_max_bytes": "gauge: the root's bound (max_bytes), bytes",
+    "capacity_max_bytes": "gauge: the root's configured bound (max_bytes), bytes",
+    "capacity_bound_bytes": "gauge: the bound in force: max_bytes, or less when the filesystem has less room "
+                            "(the census's bytes + free space), bytes",
     "capacity_census_age": "gauge: seconds since the latest census of the root started (its staleness)",
     "capacity_evictor_lag": "gauge: seconds the latest eviction pass of the root ended after its census started",
 }
@@ -1010,6 +1012,7 @@ class RootCapacity:
         u = self._usage
         now = time.time()
         return {"capacity_used_bytes": float(self.estimate()), "capacity_max_bytes": float(self.max_bytes),
+                "capacity_bound_bytes": float(self.bound()),
                 "capacity_census_age": (now - u["scan_started"]) if u else 0.0,
                 "capacity_evictor_lag": (u.get("evict_finished", u["scan_finished"]) - u["scan_started"]) if u else 0.0}
 
