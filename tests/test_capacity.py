@@ -1022,3 +1022,47 @@ def test_two_dfs_clients_stay_within_the_bound_plus_a_batch_each(dfs, dfs_dirs):
     assert min(stored) > 0 and sum(stored) * batch * BS > 2 * max_bytes
     allowance = 2 * batch * BS + 50 * batch * BS + 256 * 1024
     assert samples > 20 and peak <= max_bytes + allowance, (peak, max_bytes)
+
+
+# ---------------------------------------------------------------------- kvtier info ROOT
+
+def _info_root(root, rc=0):
+    r = subprocess.run([sys.executable, "-m", "kvtier", "info", str(root), "--json"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == rc, r.stderr
+    return json.loads(r.stdout)["root"] if rc == 0 else r
+
+
+def test_kvtier_info_root_shows_the_census_the_writers_and_the_lock(tmp_path):
+    """``kvtier info ROOT`` reads a bounded root's usage from what its evictor published
+    (used and max bytes, files, blocks), the live writers' ledgers, and the lock's holder
+    (this process while its tier runs, nobody after), and creates nothing."""
+    t, _ = _tier(tmp_path, max_bytes="64M", census_interval_s=0.2)
+    try:
+        rc = cap.root_capacity(str(tmp_path))
+        assert _run(t, TransferJob(1, _keys(1, 6), list(range(6))))[0].success
+        assert rc.wait_pass(10, after=rc.passes + 1)  # a census begun after the store: it counts the 6 blocks
+        u = cap.read_usage(str(tmp_path))
+        d = _info_root(tmp_path)
+        assert d["root"] == str(tmp_path) and d["rank_dirs"] == [os.path.basename(t.file_mapper.base_path) + "_r0"]
+        c = d["capacity"]
+        assert c["max_bytes"] == 64 << 20 and c["used_bytes"] == u["bytes"]
+        assert 6 * BS <= c["used_bytes"] <= _find_bytes(tmp_path) + 16384  # the whole root, .kvtier/ included
+        assert c["blocks"] == 6 and c["lock_holder"] == os.getpid() and c["writers_live"] == 1
+        assert d["filesystem"]["free_bytes"] > 0 and d["load_landing"]["auto"] in ("direct", "bounce")
+    finally:
+        t.shutdown()
+    before = sorted(p for p, _, _ in os.walk(tmp_path))
+    d = _info_root(tmp_path)
+    assert d["capacity"]["lock_holder"] is None and d["capacity"]["blocks"] == 6
+    assert sorted(p for p, _, _ in os.walk(tmp_path)) == before  # read only: nothing made
+    text = subprocess.run([sys.executable, "-m", "kvtier", "info", str(tmp_path)], capture_output=True, text=True,
+                          timeout=120).stdout
+    assert "capacity:     " in text and "of max_bytes 67,108,864" in text and "evictor lock free" in text
+
+
+def test_kvtier_info_root_unbounded_and_missing(tmp_path):
+    d = _info_root(tmp_path)
+    assert d["capacity"] is None and d["rank_dirs"] == [] and not (tmp_path / ".kvtier").exists()
+    r = _info_root(tmp_path / "nope", rc=1)
+    assert "No such file or directory" in r.stderr and str(tmp_path / "nope") in r.stderr and r.stdout == ""

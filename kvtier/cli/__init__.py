@@ -168,14 +168,25 @@ def _print_info(d: dict) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    """``kvtier info``: print :func:`info_dict` as text, or as JSON with ``args.json``.
-    Returns 0, or 1 when a KVTIER_* setting is refused (shown as an error); a
-    missing C core or DSA is reported, not an error."""
+    """``kvtier info [ROOT]``: print :func:`info_dict` (and with ``args.root`` the root's
+    section, :func:`kvtier.cli.root_info.root_info`) as text, or as JSON with ``args.json``.
+    Returns 0, or 1 when a KVTIER_* setting is refused (shown as an error) or ROOT is no
+    directory; a missing C core or DSA is reported, not an error."""
     d = info_dict()
+    if getattr(args, "root", None) is not None:
+        from kvtier.cli.root_info import print_root_info, root_info
+
+        try:
+            d["root"] = root_info(args.root)
+        except OSError as e:
+            print(f"kvtier info: {e}", file=sys.stderr)
+            return 1
     if args.json:
         print(json.dumps(d, indent=2))
     else:
         _print_info(d)
+        if "root" in d:
+            print_root_info(d["root"])
     return 1 if str(d["io_backend"]).startswith("error: ") else 0
 
 
@@ -187,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     pi = sub.add_parser("info", help="what is built and active: C core, CRC32C backends, ISA-L, CPU, DSA")
+    pi.add_argument("root", nargs="?", metavar="ROOT",
+                    help="also a cache root: its filesystem, rank directories and capacity (the latest census, "
+                         "the writers, the evictor lock), read without a scan")
     pi.add_argument("--json", action="store_true", help="print a JSON object")
     pi.set_defaults(func=cmd_info)
     # --- tier helper: bench, scrub, doctor, evict (kvtier/cli/bench.py, scrub.py, doctor.py, evict.py) ---

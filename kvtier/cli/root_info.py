@@ -1,0 +1,75 @@
+"""``kvtier info ROOT``: what a cache root holds and how it is bounded, without a scan.
+
+Everything here is read from what the root already has: its mount (mountinfo, statvfs),
+its rank directories (one listing of ROOT), the latest census its evictor published
+(``ROOT/.kvtier/usage.json``), the writers' ledgers (``ROOT/.kvtier/writers/``) and the
+evictor lock's holder (F_GETLK).  Nothing is created, changed or counted file by file: a
+fresh count is ``kvtier evict ROOT --max-bytes SIZE --dry-run`` (docs/capacity.md).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional
+
+from kvtier._tier import capacity as _cap
+
+
+def root_info(root: str, now: Optional[float] = None) -> Dict[str, Any]:
+    """The root section of ``kvtier info ROOT`` as a dict: ``root`` (absolute path),
+    ``filesystem`` (mount point, fstype, kind, size, free bytes and inodes), ``load_landing``
+    (what ``auto`` picks here, and why), ``rank_dirs`` (the ``<model>_<digest>_r<rank>``
+    directories), ``capacity`` (None for a root no evictor has censused, else the latest
+    census: used and max bytes, its age, its evictor, the live writers' ledgers and the
+    lock's holder).  OSError (ENOENT / ENOTDIR with the path) when ``root`` is no directory."""
+    import errno
+
+    from kvtier._tier import landing
+    from kvtier._tier.mountinfo import mount_of
+    from kvtier.cli.scrub import capacity_summary
+
+    root = os.path.abspath(root)
+    if not os.path.isdir(root):
+        e = errno.ENOENT if not os.path.exists(root) else errno.ENOTDIR
+        raise OSError(e, os.strerror(e), root)
+    st = os.statvfs(root)
+    m = mount_of(root)
+    fs = {"mount_point": m.mount_point if m else None, "fstype": m.fstype if m else None,
+          "kind": m.kind if m else None, "size_bytes": st.f_blocks * st.f_frsize,
+          "free_bytes": st.f_bavail * st.f_frsize, "inodes_free": st.f_favail if st.f_files else None}
+    mode, why = landing.resolve("auto", root)
+    with os.scandir(root) as it:
+        ranks = sorted(e.name for e in it if e.is_dir(follow_symlinks=False) and _cap._RANK_RE.match(e.name))
+    c = capacity_summary(root, now)
+    if c is not None:
+        ledgers, _, live = _cap.read_ledgers(root, now=now)
+        c.update(writers_live=live, writers_bytes=ledgers, lock_holder=_cap.lock_holder(root))
+    return {"root": root, "filesystem": fs, "load_landing": {"auto": mode, "why": why},
+            "rank_dirs": ranks, "capacity": c}
+
+
+def print_root_info(d: Dict[str, Any]) -> None:
+    """Print :func:`root_info`'s dict as the text lines of ``kvtier info ROOT``."""
+    from kvtier.cli._text import human_bytes
+
+    fs = d["filesystem"]
+    print(f"Root:           {d['root']}")
+    where = f"{fs['fstype']} ({fs['kind']}) at {fs['mount_point']}" if fs["fstype"] else "mount unknown"
+    inodes = "" if fs["inodes_free"] is None else f", {fs['inodes_free']:,} inodes free"
+    print(f"  filesystem:   {where}: {human_bytes(fs['size_bytes'])}, {human_bytes(fs['free_bytes'])} free{inodes}")
+    print(f"  load landing: auto -> {d['load_landing']['auto']} ({d['load_landing']['why']})")
+    r = d["rank_dirs"]
+    print(f"  rank dirs:    {len(r)}" + (f" ({', '.join(r[:4])}{', ...' if len(r) > 4 else ''})" if r else
+                                         " (no <model>_<digest>_r<rank> directory: no cache here yet)"))
+    c = d["capacity"]
+    if c is None:
+        print("  capacity:     unbounded (no census in .kvtier/usage.json: no tier with max_bytes has run "
+              "here); count it with `kvtier evict ROOT --max-bytes SIZE --dry-run`")
+        return
+    mx = c["max_bytes"]
+    share = f" ({100 * c['used_bytes'] / mx:.0f}%)" if isinstance(mx, int) and mx > 0 else ""
+    age = "age unknown" if c["census_age_s"] is None else f"{c['census_age_s']:.0f} s ago"
+    print(f"  capacity:     {c['used_bytes']:,} bytes used of max_bytes {mx:,}{share}, "
+          f"{c['files']:,} files, {c['blocks']:,} blocks at the latest census ({age}, by {c['evictor']})")
+    holder = "free (no evictor runs now)" if c["lock_holder"] is None else f"held by pid {c['lock_holder']}"
+    print(f"  writers:      {c['writers_live']} live, {c['writers_bytes']:,} bytes stored since their "
+          f"ledgers' census; evictor lock {holder}")
