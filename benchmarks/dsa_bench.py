@@ -18,7 +18,6 @@ running table-driven CRC, not DSA performance.
     python benchmarks/dsa_bench.py [--quick] [--model] [--wait spin|yield|sleep]
 """
 import argparse
-import os
 import sys
 import time
 

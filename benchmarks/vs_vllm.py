@@ -73,7 +73,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import errno
-import importlib.util
 import os
 import platform
 import random

@@ -61,7 +61,9 @@ def test_bench_refuses_a_root_without_room_before_storing(capsys):
     assert rc == 2 and out == "" and left == []
     # 2 modes x (64 blocks x (4 pages + 1 for metadata) + 64 KiB for the config files)
     need = human_bytes(2 * (64 * 5 * 4096 + 64 * 1024), 2)
-    assert err.startswith(f"kvtier bench: [Errno 28] needs {need} free (2 x 64 blocks of 16.00 KiB)"), err
+    assert err.startswith(f"kvtier bench: [Errno 28] needs {need} free (2 x 64 blocks of 16.00 KiB, each rounded up to "
+                          "4.0 KiB filesystem blocks, plus one for its xattr and 64 KiB per copy for config files and "
+                          "directories)"), err
     assert err.rstrip().endswith(f"use --blocks or another --root: {str(root)!r}")
 
 

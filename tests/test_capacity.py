@@ -1066,3 +1066,16 @@ def test_kvtier_info_root_unbounded_and_missing(tmp_path):
     assert d["capacity"] is None and d["rank_dirs"] == [] and not (tmp_path / ".kvtier").exists()
     r = _info_root(tmp_path / "nope", rc=1)
     assert "No such file or directory" in r.stderr and str(tmp_path / "nope") in r.stderr and r.stdout == ""
+
+
+def test_kvtier_evict_judges_its_arguments_before_the_root(tmp_path):
+    """A bad ``--max-bytes`` is a usage error (exit 2, the parser's message) even when ROOT
+    is missing too; a good one on a missing ROOT is exit 1 with the path; nothing is made."""
+    missing = tmp_path / "nope"
+    r = subprocess.run([sys.executable, "-m", "kvtier", "evict", str(missing), "--max-bytes", "abc"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "cannot parse 'abc'" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kvtier", "evict", str(missing), "--max-bytes", "90%"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and f"{missing}: not a directory" in r.stderr
+    assert not missing.exists()

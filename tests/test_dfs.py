@@ -234,9 +234,6 @@ def _assert_nothing_left(mounts, ns_s, ns_c, pids):
 def test_cluster_teardown_leaves_nothing(kind):
     """tests/dfs.py stops every daemon it started and deletes its namespaces, mounts and files
     (run in a process of its own: the session's clusters stay up meanwhile)."""
-    import ast
-    import re
-
     why = _dfs.missing(kind)
     if why:
         from ci import unavailable
@@ -253,8 +250,6 @@ def test_cluster_teardown_leaves_nothing(kind):
 def test_a_killed_run_is_swept_by_the_next():
     """SIGKILL the process that started a cluster: no teardown ran; sweep_leftovers (called
     by every cluster start) stops what that run's record names and deletes the rest."""
-    import signal
-
     why = _dfs.missing("glusterfs")
     if why:
         from ci import unavailable

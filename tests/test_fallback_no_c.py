@@ -4,7 +4,6 @@ checksummed block I/O, the tier and `kvtier info` work on the pure-Python fallba
 The C core is made unimportable in a subprocess by ``sys.modules['kvtier._C'] = None``
 before ``import kvtier``: the import then fails with ImportError, and kvtier/__init__.py
 sets ``kvtier._C = None`` exactly as on such a machine."""
-import errno
 import os
 import re
 import subprocess

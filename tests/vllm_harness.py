@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import time
 import uuid
 from typing import Any, Dict, List, Optional, Sequence

@@ -243,7 +243,7 @@ def run_bench(preset: str = DEFAULT_PRESET, tokens: int = DEFAULT_TOKENS, blocks
     base = tempfile.mkdtemp(prefix="kvtier-bench-", dir=root)
     n_passes = len(modes) * repeat * (1 + len(jobs))
     bar = tqdm(total=n_passes, desc="kvtier bench", unit="pass", file=sys.stderr,
-               disable=not progress, leave=False)
+               disable=None if progress else True, leave=False)  # None: only on a terminal
     rows: List[Row] = []
     mgrs = {}
     samples = {}
@@ -262,7 +262,9 @@ def run_bench(preset: str = DEFAULT_PRESET, tokens: int = DEFAULT_TOKENS, blocks
         free = st.f_bavail * st.f_frsize
         if st.f_blocks and free < need:  # f_blocks 0: no size reported (ramfs): nothing to check
             raise OSError(errno.ENOSPC, f"needs {human_bytes(need, 2)} free ({len(modes)} x {blocks} blocks of "
-                          f"{human_bytes(bs, 2)}), {human_bytes(free, 2)} available; use --blocks or another --root",
+                          f"{human_bytes(bs, 2)}, each rounded up to {human_bytes(frag)} filesystem blocks, plus one "
+                          f"for its xattr and 64 KiB per copy for config files and directories), "
+                          f"{human_bytes(free, 2)} available; use --blocks or another --root",
                           root or os.path.dirname(base))
         load_src = "on" if "on" in modes else "off"  # whose store pass writes the shared files
 

@@ -42,11 +42,15 @@ def cmd_evict(args: argparse.Namespace) -> int:
     ``--dry-run`` deletes nothing and needs no lock.  Exit 0, 1 (lock held, root missing),
     2 (bad arguments)."""
     root = os.path.abspath(args.root)
+    try:  # the arguments first: a bad one is exit 2 whatever the root (a percentage needs the root: below)
+        cfg = _cap.check_config(args.max_bytes, args.evict_high, args.evict_low)
+    except (TypeError, ValueError) as e:
+        print(f"kvtier evict: {e}", file=sys.stderr)
+        return 2
     if not os.path.isdir(root):
         print(f"kvtier evict: {root}: not a directory", file=sys.stderr)
         return 1
     try:
-        cfg = _cap.check_config(args.max_bytes, args.evict_high, args.evict_low)
         bound = cfg.bound(root)  # type: ignore[union-attr]
     except (TypeError, ValueError) as e:
         print(f"kvtier evict: {e}", file=sys.stderr)

@@ -431,7 +431,7 @@ def scrub(root: str, block_size: Optional[int] = None, remove: bool = False, pro
     buf = bytearray(_CHUNK)
     order = sorted(blocks, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
     with tqdm(total=total, unit="B", unit_scale=True, desc="kvtier scrub", file=sys.stderr,
-              disable=not progress, leave=False) as bar:
+              disable=None if progress else True, leave=False) as bar:  # None: only on a terminal
         for key in order:
             exp, src = expected[key]
             for path, size in blocks[key]:
