@@ -1058,7 +1058,10 @@ def test_kvtier_info_root_shows_the_census_the_writers_and_the_lock(tmp_path):
     assert sorted(p for p, _, _ in os.walk(tmp_path)) == before  # read only: nothing made
     text = subprocess.run([sys.executable, "-m", "kvtier", "info", str(tmp_path)], capture_output=True, text=True,
                           timeout=120).stdout
-    assert "capacity:     " in text and "of max_bytes 67,108,864" in text and "evictor lock free" in text
+    line = next(ln for ln in text.splitlines() if ln.startswith("  capacity:     "))
+    assert line.startswith(f"  capacity:     {u['bytes']:,} bytes used of max_bytes 67,108,864 (") and \
+        f", {u['files']:,} files, 6 blocks at the latest census (" in line and f"s old, by {u['evictor']})" in line
+    assert "evictor lock free" in text
 
 
 def test_kvtier_info_root_unbounded_and_missing(tmp_path):

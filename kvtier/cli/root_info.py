@@ -50,6 +50,7 @@ def root_info(root: str, now: Optional[float] = None) -> Dict[str, Any]:
 def print_root_info(d: Dict[str, Any]) -> None:
     """Print :func:`root_info`'s dict as the text lines of ``kvtier info ROOT``."""
     from kvtier.cli._text import human_bytes
+    from kvtier.cli.scrub import census_age_text, usage_text
 
     fs = d["filesystem"]
     print(f"Root:           {d['root']}")
@@ -65,11 +66,8 @@ def print_root_info(d: Dict[str, Any]) -> None:
         print("  capacity:     unbounded (no census in .kvtier/usage.json: no tier with max_bytes has run "
               "here); count it with `kvtier evict ROOT --max-bytes SIZE --dry-run`")
         return
-    mx = c["max_bytes"]
-    share = f" ({100 * c['used_bytes'] / mx:.0f}%)" if isinstance(mx, int) and mx > 0 else ""
-    age = "age unknown" if c["census_age_s"] is None else f"{c['census_age_s']:.0f} s ago"
-    print(f"  capacity:     {c['used_bytes']:,} bytes used of max_bytes {mx:,}{share}, "
-          f"{c['files']:,} files, {c['blocks']:,} blocks at the latest census ({age}, by {c['evictor']})")
+    counts = "".join(f", {c[k]:,} {k}" for k in ("files", "blocks") if isinstance(c.get(k), int))
+    print(f"  capacity:     {usage_text(c)}{counts} at the latest census ({census_age_text(c)})")
     holder = "free (no evictor runs now)" if c["lock_holder"] is None else f"held by pid {c['lock_holder']}"
     print(f"  writers:      {c['writers_live']} live, {c['writers_bytes']:,} bytes stored since their "
           f"ledgers' census; evictor lock {holder}")

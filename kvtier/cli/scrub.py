@@ -485,13 +485,24 @@ def capacity_summary(root: str, now: Optional[float] = None) -> Optional[dict]:
             "evicted": u.get("evicted")}
 
 
-def _capacity_text(c: dict) -> str:
+def usage_text(c: dict) -> str:
+    """``"N bytes used of max_bytes M (P%)"`` for a :func:`capacity_summary` dict, the words
+    ``kvtier scrub`` and ``kvtier info ROOT`` both print (the bound and share only when the
+    census recorded one)."""
     mx = c.get("max_bytes")
     share = f" ({100 * c['used_bytes'] / mx:.0f}%)" if isinstance(mx, int) and mx > 0 else ""
     of = f" of max_bytes {mx:,}" if isinstance(mx, int) else ""
+    return f"{c['used_bytes']:,} bytes used{of}{share}"
+
+
+def census_age_text(c: dict) -> str:
+    """The census's age and evictor, e.g. ``"12 s old, by host:pid"``."""
     age = "age unknown" if c.get("census_age_s") is None else f"{c['census_age_s']:.0f} s old"
-    by = f", by {c['evictor']}" if c.get("evictor") else ""
-    return f"; bounded root: {c['used_bytes']:,} bytes used{of}{share} at its last census ({age}{by})"
+    return age + (f", by {c['evictor']}" if c.get("evictor") else "")
+
+
+def _capacity_text(c: dict) -> str:
+    return f"; bounded root: {usage_text(c)} at its last census ({census_age_text(c)})"
 
 
 def format_report(d: dict) -> str:
