@@ -103,6 +103,7 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Uni
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvtier._tier.capacity import COUNTER_DOCS as _CAPACITY_DOCS
 from kvtier._tier.counters import COUNTERS, IO_ERROR_PREFIX, Counters
 from kvtier._blockio.policy import COUNT_DOCS
 
@@ -195,8 +196,8 @@ FAMILIES: Dict[str, Tuple[str, str, Dict[str, str]]] = {
 #: The families that exist only for a bounded root (a tier with max_bytes).
 CAPACITY_FAMILIES = (EVICTIONS, EVICTED_BYTES)
 #: Capacity counters exported one by one (the evictions are FAMILIES): snapshot key -> help.
-CAPACITY_SINGLES = ("stores_dropped", "capacity_used_bytes", "capacity_max_bytes", "capacity_bound_bytes",
-                    "capacity_census_age", "capacity_evictor_lag")
+CAPACITY_SINGLES = tuple(k for k in _CAPACITY_DOCS
+                         if all(k not in FAMILIES[f][2].values() for f in CAPACITY_FAMILIES))
 
 
 def tier_label(tier_idx: int, tier_type: str = "kvtier") -> str:
