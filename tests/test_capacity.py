@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import itertools
 import json
+import math
 import os
 import signal
 import subprocess
@@ -74,11 +75,25 @@ def test_parse_max_bytes(value, want):
     ("12X", ValueError, "powers of 1024"), ("", ValueError, "powers of 1024"), ("-5G", ValueError, "cannot parse"),
     (0, ValueError, ">= 1"), ("0", ValueError, ">= 1"), (1.5, TypeError, "size string"),
     (True, TypeError, "size string"), ("150%", ValueError, "(0, 100]"), ("0%", ValueError, "(0, 100]"),
-    ([1], TypeError, "size string")])
+    ([1], TypeError, "size string"), ("1.5", ValueError, "no whole number of bytes"),
+    ("0.5B", ValueError, "no whole number of bytes")])
 def test_parse_max_bytes_bad_inputs(value, exc, text):
     with pytest.raises(exc) as ei:
         cap.parse_max_bytes(value)
     assert text in str(ei.value) and "max_bytes" in str(ei.value)
+
+
+def test_a_bound_below_one_block_is_refused_at_start_and_leaves_nothing_running(tmp_path):
+    with pytest.raises(ValueError) as ei:
+        _tier(tmp_path, max_bytes="1K")
+    assert "less than one block" in str(ei.value) and f"({BS} bytes" in str(ei.value) and str(tmp_path) in str(ei.value)
+    assert cap.root_capacity(str(tmp_path)) is None
+    assert os.listdir(tmp_path / ".kvtier" / "writers") == []  # its ledger removed, its thread stopped
+    t, _ = _tier(tmp_path, max_bytes=4 * BS)  # the root is free for a tier with a bound that fits
+    try:
+        assert _run(t, TransferJob(1, _keys(1, 2), [0, 1]))[0].success
+    finally:
+        t.shutdown()
 
 
 def test_percentage_of_the_filesystem(tmp_path):
@@ -305,7 +320,9 @@ def test_a_usage_file_of_the_wrong_shape_is_none_and_never_fails_a_store(tmp_pat
             res = [_run(t, TransferJob(j, _keys(j, 4), list(range(4))))[0] for j in range(3)]
             assert res[0].success and all(r.error.errno == errno.ENOSPC for r in res[1:])
             snap = t.metrics.counters.snapshot()
-            assert snap["capacity_census_age"] == 0.0 and snap["stores_dropped"] == 2
+            # no census read: no age (NaN), not a fresh 0 that an alert on staleness would miss
+            assert math.isnan(snap["capacity_census_age"]) and math.isnan(snap["capacity_evictor_lag"])
+            assert snap["stores_dropped"] == 2
         finally:
             t.shutdown()
     finally:
@@ -759,6 +776,10 @@ def test_kvtier_evict_dry_run_deletes_nothing_and_the_real_run_evicts(tmp_path, 
         assert all(r.success for r in _run(t, TransferJob(1, _keys(1, 12), list(range(12)))))
     finally:
         t.shutdown()
+    host, boot, ns = cap._host_identity()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = _ledger(tmp_path, "dead", {"host": host, "boot": boot, "pidns": ns, "pid": int(gone.stdout),
+                                      "bytes": 10**6, "t": time.time()})  # a writer that died (its pid is gone)
     before = sorted((dp, f, os.lstat(os.path.join(dp, f)).st_mtime_ns) for dp, _, fs in os.walk(tmp_path) for f in fs
                     if not f.startswith("usage.json"))
     cmd = [sys.executable, "-m", "kvtier", "evict", str(tmp_path), "--max-bytes", str(6 * BS), "--json"]
@@ -774,6 +795,9 @@ def test_kvtier_evict_dry_run_deletes_nothing_and_the_real_run_evicts(tmp_path, 
     real = json.loads(r.stdout)
     assert real["paths"] == out["paths"] and not any(os.path.exists(p) for p in real["paths"])
     assert cap.census(str(tmp_path)).bytes <= int(0.85 * 6 * BS)
+    assert not os.path.exists(dead)  # removed by the real pass, as a tier's evictor does (the dry run left it)
+    u = cap.read_usage(str(tmp_path))
+    assert u["bytes"] == real["usage_after"] and u["alloc_ratio"] >= 1.0
     r = subprocess.run(cmd[:6] + ["12X"], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 2 and "powers of 1024" in r.stderr
 
@@ -808,6 +832,11 @@ def test_kvtier_evict_uses_the_bound_in_force_on_a_filesystem_smaller_than_max_b
         assert r.returncode == 0 and real["paths"] == out["paths"]
         assert not any(os.path.exists(p) for p in real["paths"])
         assert cap.census(root).bytes <= int(0.85 * (used + 4096)) and os.path.getsize(filler) > 0
+        text = subprocess.run([sys.executable, "-m", "kvtier", "info", root], capture_output=True, text=True,
+                              cwd=REPO).stdout
+        u = cap.read_usage(root)
+        assert (f"{u['bytes']:,} bytes used of max_bytes {1 << 40:,} (0%), of the bound in force {u['room']:,} "
+                f"(the filesystem's room) ({100 * u['bytes'] / u['room']:.0f}%)") in text, text
 
 
 def test_kvtier_evict_with_unusable_state_files_says_so_and_exits_1(tmp_path):
@@ -847,7 +876,9 @@ def test_kvtier_evict_refuses_a_directory_that_is_no_cache_root(tmp_path):
     assert r.returncode == 0 and out["census"]["blocks"] == 0 and out["census"]["files"] == 1 and out["evicted"] == 0
     assert sorted(os.listdir(tmp_path)) == ["notes"]
     r = subprocess.run(cmd + [str(tmp_path / "missing")], capture_output=True, text=True, cwd=REPO)
-    assert r.returncode == 1 and "not a directory" in r.stderr
+    assert r.returncode == 1 and f"{tmp_path / 'missing'}: No such file or directory" in r.stderr
+    r = subprocess.run(cmd + [str(tmp_path / "notes" / "a.txt")], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 1 and f"{tmp_path / 'notes' / 'a.txt'}: Not a directory" in r.stderr
 
 
 def test_kvtier_scrub_shows_a_bounded_roots_last_census(tmp_path):
@@ -1083,5 +1114,5 @@ def test_kvtier_evict_judges_its_arguments_before_the_root(tmp_path):
     assert r.returncode == 2 and "cannot parse 'abc'" in r.stderr
     r = subprocess.run([sys.executable, "-m", "kvtier", "evict", str(missing), "--max-bytes", "90%"],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and f"{missing}: not a directory" in r.stderr
+    assert r.returncode == 1 and f"{missing}: No such file or directory" in r.stderr
     assert not missing.exists()

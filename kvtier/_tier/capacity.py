@@ -101,8 +101,10 @@ COUNTER_DOCS: Dict[str, str] = {
     "capacity_max_bytes": "gauge: the root's configured bound (max_bytes), bytes",
     "capacity_bound_bytes": "gauge: the bound in force: max_bytes, or less when the filesystem has less room "
                             "(the census's bytes + free space), bytes",
-    "capacity_census_age": "gauge: seconds since the latest census of the root started (its staleness)",
-    "capacity_evictor_lag": "gauge: seconds the latest eviction pass of the root ended after its census started",
+    "capacity_census_age": "gauge: seconds since the latest census of the root started (its staleness); NaN "
+                           "before the first census",
+    "capacity_evictor_lag": "gauge: seconds the latest eviction pass of the root ended after its census started; "
+                            "NaN before the first census",
 }
 GAUGES = tuple(k for k, d in COUNTER_DOCS.items() if d.startswith("gauge:"))
 REASONS = ("capacity", "enospc")
@@ -117,7 +119,8 @@ low watermark), ``enospc`` (the filesystem is full: down to ``low`` of the usage
 def parse_size(value: Any, name: str = "max_bytes") -> int:
     """Bytes of ``value``: an int, or a size string ``"500G"``, ``"1.5T"``, ``"64M"``,
     ``"4096"`` (K/M/G/T/P are powers of 1024; an optional ``B`` / ``iB`` suffix).
-    TypeError for another type, ValueError for a bad string or a value < 1."""
+    TypeError for another type, ValueError for a bad string, a value < 1 or a number of
+    bytes that is not whole (``"1.5"``; ``"1.5K"`` is 1536, ``"0.1K"`` rounds down to 102)."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise TypeError(f"{name} must be an int (bytes) or a size string like '500G', got {type(value).__name__}")
     if isinstance(value, int):
@@ -127,7 +130,11 @@ def parse_size(value: Any, name: str = "max_bytes") -> int:
         if not m:
             raise ValueError(f"{name}: cannot parse {value!r}: give bytes (int), a size like '500G', '1.5T', '64M' "
                              f"(K, M, G, T = powers of 1024) or a percentage of the filesystem like '90%'")
-        n = int(decimal.Decimal(m.group(1)) * _UNITS[m.group(2).upper()])  # exact: no float rounding
+        d = decimal.Decimal(m.group(1))
+        if not m.group(2) and d != d.to_integral_value():  # "1.5": bytes, not 1.5 of a unit
+            raise ValueError(f"{name}: {value!r} is no whole number of bytes: give an integer, or a unit "
+                             f"('1.5G', K/M/G/T = powers of 1024)")
+        n = int(d * _UNITS[m.group(2).upper()])  # exact: no float rounding; a unit's fraction rounds down
     if n < 1:
         raise ValueError(f"{name} must be >= 1 byte, got {value!r}")
     return n
@@ -677,6 +684,8 @@ def one_pass(root: str, max_bytes: int, high: float = DEFAULT_HIGH, low: float =
     for a tier: ``max_bytes`` or less, the census bytes + the free space (statvfs
     ``f_bavail``) when the filesystem has less room.  Returns the census, the eviction
     and the usage record (not published here; its ``room`` is that room)."""
+    if not dry_run:  # dead writers' ledgers go, as at a tier evictor's census
+        read_ledgers(root, remove_dead=True)
     c = census(root)
     usage = c.bytes
     try:
@@ -696,7 +705,8 @@ def one_pass(root: str, max_bytes: int, high: float = DEFAULT_HIGH, low: float =
            "blocks": c.blocks - len(r.evicted) * (not dry_run), "scan_started": c.scan_started,
            "scan_finished": c.scan_finished, "evict_finished": time.time(), "generation": generation,
            "evictor": evictor, "max_bytes": max_bytes, "evicted": 0 if dry_run else len(r.evicted),
-           "evicted_bytes": 0 if dry_run else r.evicted_bytes, "census_cpu_s": c.cpu_s, "room": room}
+           "evicted_bytes": 0 if dry_run else r.evicted_bytes, "census_cpu_s": c.cpu_s, "room": room,
+           "alloc_ratio": round(alloc_ratio(c), 4)}
     return c, r, rec
 
 
@@ -1011,10 +1021,11 @@ class RootCapacity:
     def gauges(self) -> Dict[str, float]:
         u = self._usage
         now = time.time()
+        nan = float("nan")  # no census yet: no age (an alert on a stale census must not read 0 as fresh)
         return {"capacity_used_bytes": float(self.estimate()), "capacity_max_bytes": float(self.max_bytes),
                 "capacity_bound_bytes": float(self.bound()),
-                "capacity_census_age": (now - u["scan_started"]) if u else 0.0,
-                "capacity_evictor_lag": (u.get("evict_finished", u["scan_finished"]) - u["scan_started"]) if u else 0.0}
+                "capacity_census_age": (now - u["scan_started"]) if u else nan,
+                "capacity_evictor_lag": (u.get("evict_finished", u["scan_finished"]) - u["scan_started"]) if u else nan}
 
     # ------------------------------------------------------------------ the thread
     def _publish_ledger(self) -> None:

@@ -16,6 +16,7 @@ opened, the census published); 2 bad arguments.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import socket
@@ -48,7 +49,8 @@ def cmd_evict(args: argparse.Namespace) -> int:
         print(f"kvtier evict: {e}", file=sys.stderr)
         return 2
     if not os.path.isdir(root):
-        print(f"kvtier evict: {root}: not a directory", file=sys.stderr)
+        e = errno.ENOENT if not os.path.exists(root) else errno.ENOTDIR
+        print(f"kvtier evict: {root}: {os.strerror(e)}", file=sys.stderr)
         return 1
     try:
         bound = cfg.bound(root)  # type: ignore[union-attr]

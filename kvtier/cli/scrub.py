@@ -470,7 +470,9 @@ def capacity_summary(root: str, now: Optional[float] = None) -> Optional[dict]:
     evictor: :mod:`kvtier._tier.capacity`), or None when there is none (an unbounded root):
     ``used_bytes`` (the census after its evictions), ``max_bytes``, ``census_age_s``
     (seconds since the census began, at ``now``, default the clock), ``evictor``
-    (``host:pid``), ``files``, ``blocks``, ``evicted`` (blocks evicted after that census)."""
+    (``host:pid``), ``files``, ``blocks``, ``evicted`` (blocks evicted after that census),
+    ``room`` (what the filesystem held for the root at the census: its bytes + the free
+    space; the bound in force is the smaller of it and ``max_bytes``)."""
     from kvtier._tier import capacity as _cap
 
     u = _cap.read_usage(root)
@@ -482,17 +484,20 @@ def capacity_summary(root: str, now: Optional[float] = None) -> Optional[dict]:
         age = round(max(0.0, (time.time() if now is None else now) - float(started)), 1)
     return {"used_bytes": u["bytes"], "max_bytes": u.get("max_bytes"), "census_age_s": age,
             "evictor": u.get("evictor"), "files": u.get("files"), "blocks": u.get("blocks"),
-            "evicted": u.get("evicted")}
+            "evicted": u.get("evicted"), "room": u.get("room")}
 
 
 def usage_text(c: dict) -> str:
     """``"N bytes used of max_bytes M (P%)"`` for a :func:`capacity_summary` dict, the words
     ``kvtier scrub`` and ``kvtier info ROOT`` both print (the bound and share only when the
-    census recorded one)."""
-    mx = c.get("max_bytes")
-    share = f" ({100 * c['used_bytes'] / mx:.0f}%)" if isinstance(mx, int) and mx > 0 else ""
+    census recorded one), and the bound in force when the filesystem's room is smaller."""
+    mx, room, used = c.get("max_bytes"), c.get("room"), c["used_bytes"]
+    share = f" ({100 * used / mx:.0f}%)" if isinstance(mx, int) and mx > 0 else ""
     of = f" of max_bytes {mx:,}" if isinstance(mx, int) else ""
-    return f"{c['used_bytes']:,} bytes used{of}{share}"
+    if isinstance(room, int) and room > 0 and (not isinstance(mx, int) or room < mx):
+        of += f"{share}, of the bound in force {room:,} (the filesystem's room)"
+        share = f" ({100 * used / room:.0f}%)"
+    return f"{used:,} bytes used{of}{share}"
 
 
 def census_age_text(c: dict) -> str:
