@@ -1116,3 +1116,71 @@ def test_kvtier_evict_judges_its_arguments_before_the_root(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and f"{missing}: No such file or directory" in r.stderr
     assert not missing.exists()
+
+
+# ---------------------------------------------------------------------- what the census cannot read
+
+def test_a_symlinked_rank_directory_is_counted_and_evicted_through_its_link(tmp_path, io_backend, monkeypatch):
+    """A rank directory moved to another disk and linked back: the tier writes through
+    the link, so the census follows it (before, the link was skipped: the gauge read
+    16 KiB while 9 MB were stored and nothing was evicted), and twice-linked counts once."""
+    _use_backend(monkeypatch, io_backend)
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    t, _ = _tier(root)
+    rank = t.file_mapper.rank_path
+    t.shutdown()
+    os.rename(rank, elsewhere / os.path.basename(rank))
+    os.symlink(elsewhere / os.path.basename(rank), rank)
+    t, _ = _tier(root, max_bytes=24 * BS, census_interval_s=0.05)
+    try:
+        for j in range(6):  # 48 blocks through the link, twice the bound
+            _run(t, TransferJob(j, _keys(j, 8), list(range(8))))
+            assert cap.root_capacity(str(root)).wait_pass(10)
+        rc = cap.root_capacity(str(root))
+        assert rc.wait_pass(10, after=rc.passes + 1)
+        real_bins = [f for _, _, fs in os.walk(elsewhere) for f in fs if f.endswith(".bin")]
+        c = cap.census(str(root))
+        assert 0 < c.blocks == len(real_bins) and c.block_bytes == len(real_bins) * BS <= 24 * BS
+        assert t.metrics.counters.snapshot()["evicted_capacity"] >= 48 - 24
+        os.symlink(elsewhere / os.path.basename(rank), root / "again_r1")  # a second link to the same directory
+        assert cap.census(str(root)).blocks == c.blocks
+        d = _info_root(root)
+        assert os.path.basename(rank) in d["rank_dirs"]
+    finally:
+        t.shutdown()
+
+
+def test_a_census_that_cannot_read_part_of_the_root_says_so_and_evict_exits_1(tmp_path):
+    """An unreadable directory under the root: its bytes cannot be counted, and the census
+    says how many entries it could not read and the first with its errno, the tier logs
+    it, and ``kvtier evict`` exits 1 (as du does); an unreadable root is EACCES, not
+    "no cache root" or 0 bytes.  Root runs the CLI without capabilities (setpriv)."""
+    t, _ = _tier(tmp_path)
+    try:
+        assert _run(t, TransferJob(1, _keys(1, 4), list(range(4))))[0].success
+    finally:
+        t.shutdown()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "big").write_bytes(b"x" * (1 << 20))
+    os.chmod(other, 0)
+    nocaps = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"] if os.geteuid() == 0 else []
+    cmd = nocaps + [sys.executable, "-m", "kvtier", "evict", "--max-bytes", "1G", "--json"]
+    try:
+        r = subprocess.run(cmd + [str(tmp_path)], capture_output=True, text=True, cwd=REPO)
+        out = json.loads(r.stdout)
+        assert r.returncode == 1 and out["unreadable"] == 1 and out["census"]["blocks"] == 4
+        assert out["unreadable_first"].startswith(f"{other}: [Errno 13]")
+        assert f"1 directories or files under {tmp_path} could not be read (first: {other}: Permission denied, " \
+               f"errno 13)" in r.stderr
+        assert out["census"]["bytes"] < 1 << 20  # the unreadable MiB is not in it
+        os.chmod(tmp_path, 0)
+        r = subprocess.run(cmd + ["--dry-run", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
+        assert r.returncode == 1 and "[Errno 13] Permission denied" in r.stderr and str(tmp_path) in r.stderr
+        assert r.stdout == ""
+    finally:
+        os.chmod(tmp_path, 0o755)
+        os.chmod(other, 0o755)
+    c = cap.census(str(tmp_path))  # readable again: everything counted
+    assert c.unreadable == 0 and c.first_error is None and c.bytes >= 1 << 20

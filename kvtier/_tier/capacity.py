@@ -232,6 +232,24 @@ class Census:
     scan_finished: float = 0.0
     cpu_s: float = 0.0
     entries: List[Tuple[int, int, int, int, str]] = field(default_factory=list, repr=False)
+    #: directories and files that could not be read (EACCES, EIO...; not ENOENT: gone
+    #: meanwhile): their bytes are not counted.  ``first_error``: ``(path, OSError)``
+    unreadable: int = 0
+    first_error: Optional[Tuple[str, OSError]] = None
+
+    def _unreadable(self, path: str, e: OSError) -> None:
+        if e.errno != errno.ENOENT:
+            self.unreadable += 1
+            if self.first_error is None:
+                self.first_error = (path, e)
+
+    def error_text(self) -> str:
+        """"" when everything was read, else what was not (for a log line or the CLI)."""
+        if not self.unreadable:
+            return ""
+        p, e = self.first_error  # type: ignore[misc]
+        return (f"{self.unreadable} directories or files under {self.root} could not be read (first: {p}: "
+                f"{e.strerror or e}, errno {e.errno}): their bytes are not counted, the usage is low by them")
 
 
 def alloc_ratio(c: Census) -> float:
@@ -243,7 +261,9 @@ def alloc_ratio(c: Census) -> float:
 
 def census(root: str, keep_entries: bool = True) -> Census:
     """Scan ``root``: every regular file under it counts its ``st_blocks * 512`` (symlinks
-    are not followed; a filesystem mounted under the root counts too).  Directories are
+    are not followed, except one in ``root`` named as a rank directory that leads to a
+    directory: the tier writes its blocks through it; a filesystem mounted under the root
+    counts too).  What cannot be read (EACCES, EIO) is counted in ``unreadable``.  Directories are
     not counted: what they report is the filesystem's metadata, not data (4 KiB each on
     ext4, 0 on tmpfs, ~1 MB on MooseFS, which keeps them on its master).
     Files that vanish meanwhile are skipped.  Block files (:func:`is_block_path`) are
@@ -255,6 +275,7 @@ def census(root: str, keep_entries: bool = True) -> Census:
     entries = c.entries
     # (directory, its place: 0 the root, 1 a rank dir, 2 <h[:3]>, 3 <h[3:5]>_g<group>, -1 none)
     stack: List[Tuple[str, int]] = [(root, 0)]
+    followed = set()  # (st_dev, st_ino) of the rank directories scanned: a symlink to one is not counted twice
     rank_re, s1_re, s2_re, block_re = _RANK_RE.match, _SHARD1_RE.match, _SHARD2_RE.match, _BLOCK_RE.match
     S_ISDIR, S_ISREG = _stat.S_ISDIR, _stat.S_ISREG
     total = files = blocks = block_bytes = dirs = size_sum = 0
@@ -262,20 +283,30 @@ def census(root: str, keep_entries: bool = True) -> Census:
         d, layout = stack.pop()
         try:
             it = os.scandir(d)
-        except OSError:
+        except OSError as err:
+            c._unreadable(d, err)
             continue
         dirs += 1
         with it:
             for e in it:
                 try:
                     st = e.stat(follow_symlinks=False)
-                except OSError:
+                    if layout == 0 and _stat.S_ISLNK(st.st_mode) and rank_re(e.name):
+                        # a rank directory moved elsewhere and linked back: the tier
+                        # writes through it, so it is counted and evicted through it
+                        st = e.stat(follow_symlinks=True)
+                except OSError as err:
+                    c._unreadable(e.path, err)
                     continue
                 mode = st.st_mode
                 if S_ISDIR(mode):
                     name = e.name
                     if layout == 0:  # the root
                         sub = 1 if name != STATE_DIR and rank_re(name) else -1
+                        if sub == 1:
+                            if (st.st_dev, st.st_ino) in followed:
+                                continue
+                            followed.add((st.st_dev, st.st_ino))
                     elif layout == 1:
                         sub = 2 if s1_re(name) else -1
                     elif layout == 2:
@@ -706,7 +737,7 @@ def one_pass(root: str, max_bytes: int, high: float = DEFAULT_HIGH, low: float =
            "scan_finished": c.scan_finished, "evict_finished": time.time(), "generation": generation,
            "evictor": evictor, "max_bytes": max_bytes, "evicted": 0 if dry_run else len(r.evicted),
            "evicted_bytes": 0 if dry_run else r.evicted_bytes, "census_cpu_s": c.cpu_s, "room": room,
-           "alloc_ratio": round(alloc_ratio(c), 4)}
+           "alloc_ratio": round(alloc_ratio(c), 4), "unreadable": c.unreadable}
     return c, r, rec
 
 
@@ -827,6 +858,7 @@ class RootCapacity:
         self._own = 0  # _inflight + the bytes of _done
         self._warned_drop = -1e9
         self._publish_warned = -1e9
+        self._census_warned = -1e9
         self.publish_failures = 0  # usage.json publications that failed
         self._others = 0  # the other writers' ledgers (admission)
         self._others_current = 0  # those of them that count from the latest census (eviction)
@@ -1169,6 +1201,9 @@ class RootCapacity:
         sweep_state_temps(self.root)
         self.generation = max(self.generation, int((self._usage or {}).get("generation", 0))) + 1
         c = census(self.root)
+        if c.unreadable and time.monotonic() - self._census_warned >= 60.0:
+            self._census_warned = time.monotonic()
+            logger.warning("kvtier capacity: %s (this warning at most once a minute)", c.error_text())
         try:  # the room on the filesystem: what the root holds + what is still free
             st = os.statvfs(self.root)
             self._room = c.bytes + st.f_bavail * st.f_frsize
@@ -1185,7 +1220,7 @@ class RootCapacity:
                "scan_finished": c.scan_finished, "evict_finished": c.scan_finished, "generation": self.generation,
                "evictor": f"{self.host}:{self.pid}", "max_bytes": self.max_bytes, "evicted": 0,
                "evicted_bytes": 0, "census_cpu_s": c.cpu_s, "room": self._room,
-               "alloc_ratio": round(alloc_ratio(c), 4)}
+               "alloc_ratio": round(alloc_ratio(c), 4), "unreadable": c.unreadable}
         with self._lock:
             self._usage = rec
             self._trim(c.scan_started, True)

@@ -10,7 +10,8 @@ its census to ``ROOT/.kvtier/usage.json`` as a tier's evictor does.
 
 Exit status: 0 done; 1 the root is missing or holds no cache (no ``.kvtier/``, no
 ``<model>_<digest>_r<rank>/``: a real run refuses it, ``--dry-run`` censuses it), another process holds the evictor lock (it
-enforces its own bound), an eviction failed, or ``.kvtier/`` cannot be used (the lock
+enforces its own bound), an eviction failed, part of the root could not be read (EACCES,
+EIO: the census is low by it; the pass still ran), or ``.kvtier/`` cannot be used (the lock
 opened, the census published); 2 bad arguments.
 """
 from __future__ import annotations
@@ -27,13 +28,11 @@ from kvtier._tier import capacity as _cap
 
 def _looks_like_a_root(root: str) -> bool:
     """``root`` holds ``.kvtier/`` or a rank directory of a cache layout (kvtier's or
-    vLLM's ``"fs"`` tier: ``<model>_<digest>_r<rank>``)."""
-    try:
-        with os.scandir(root) as it:
-            return any(e.is_dir(follow_symlinks=False) and (e.name == _cap.STATE_DIR or _cap._RANK_RE.match(e.name))
-                       for e in it)
-    except OSError:
-        return False
+    vLLM's ``"fs"`` tier: ``<model>_<digest>_r<rank>``, or a symlink to one).  OSError
+    when ``root`` cannot be listed."""
+    with os.scandir(root) as it:
+        return any((e.name == _cap.STATE_DIR and e.is_dir(follow_symlinks=False))
+                   or (_cap._RANK_RE.match(e.name) and e.is_dir()) for e in it)
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
@@ -59,6 +58,11 @@ def cmd_evict(args: argparse.Namespace) -> int:
         return 2
     lock = None
     published = True
+    try:
+        os.scandir(root).close()  # unreadable (EACCES): say so, not "no cache" or "0 bytes"
+    except OSError as e:
+        print(f"kvtier evict: {e}", file=sys.stderr)
+        return 1
     if not args.dry_run and not _looks_like_a_root(root):
         print(f"kvtier evict: {root} is no cache root (no .kvtier/ and no <model>_<digest>_r<rank>/ directory in it): "
               f"nothing done (a typo would make .kvtier/ there and scan the whole tree)", file=sys.stderr)
@@ -111,7 +115,8 @@ def cmd_evict(args: argparse.Namespace) -> int:
                       "cpu_s": round(c.cpu_s, 6)},
            "evicted": len(r.evicted), "evicted_bytes": r.evicted_bytes, "skipped": r.skipped,
            "errors": [f"{p}: {e}" for p, e in r.errors], "dirs_removed": r.dirs_removed,
-           "usage_after": r.usage_after}
+           "usage_after": r.usage_after, "unreadable": c.unreadable,
+           "unreadable_first": f"{c.first_error[0]}: {c.first_error[1]}" if c.first_error else None}
     if args.json:
         out["paths"] = r.evicted
         print(json.dumps(out, indent=2))
@@ -122,7 +127,9 @@ def cmd_evict(args: argparse.Namespace) -> int:
               f"{mx}{less} (high {out['high_bytes']}, low {out['low_bytes']})")
         print(f"{verb} {len(r.evicted)} blocks, {r.evicted_bytes} bytes; usage after: {r.usage_after} bytes"
               f"{f'; {len(r.errors)} errors' if r.errors else ''}")
-    return 1 if r.errors or not published else 0
+    if c.unreadable:  # the count is low by what was not read: an error, as du says it
+        print(f"kvtier evict: {c.error_text()}", file=sys.stderr)
+    return 1 if r.errors or c.unreadable or not published else 0
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

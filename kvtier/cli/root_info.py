@@ -38,7 +38,7 @@ def root_info(root: str, now: Optional[float] = None) -> Dict[str, Any]:
           "free_bytes": st.f_bavail * st.f_frsize, "inodes_free": st.f_favail if st.f_files else None}
     mode, why = landing.resolve("auto", root)
     with os.scandir(root) as it:
-        ranks = sorted(e.name for e in it if e.is_dir(follow_symlinks=False) and _cap._RANK_RE.match(e.name))
+        ranks = sorted(e.name for e in it if _cap._RANK_RE.match(e.name) and e.is_dir() and e.name != _cap.STATE_DIR)
     c = capacity_summary(root, now)
     if c is not None:
         ledgers, _, live = _cap.read_ledgers(root, now=now)
