@@ -1184,3 +1184,26 @@ def test_a_census_that_cannot_read_part_of_the_root_says_so_and_evict_exits_1(tm
         os.chmod(other, 0o755)
     c = cap.census(str(tmp_path))  # readable again: everything counted
     assert c.unreadable == 0 and c.first_error is None and c.bytes >= 1 << 20
+
+
+@pytest.mark.parametrize("kind", ["directory", "read-only"])
+def test_an_evictor_lock_that_cannot_be_opened_fails_the_tier_at_start(tmp_path, kind):
+    """``.kvtier/evictor.lock`` a directory or read-only (to a process without
+    CAP_DAC_OVERRIDE): the capacity thread failed every tick (a traceback each 100 ms, no
+    census, every store dropped once full); now the tier does not start, with the path."""
+    lock = tmp_path / ".kvtier" / "evictor.lock"
+    lock.parent.mkdir()
+    if kind == "directory":
+        lock.mkdir()
+        with pytest.raises(OSError) as ei:
+            _tier(tmp_path, max_bytes="1G")
+        assert ei.value.errno == errno.EISDIR and ei.value.filename == str(lock)
+        assert cap.root_capacity(str(tmp_path)) is None
+        return
+    lock.touch(mode=0o444)
+    script = (f"import sys; sys.path.insert(0, {os.path.join(REPO, 'tests')!r}); import test_capacity as tc\n"
+              f"try:\n    tc._tier({str(tmp_path)!r}, max_bytes='1G')\nexcept OSError as e:\n"
+              f"    print(e.errno, e.filename)\n")
+    nocaps = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"] if os.geteuid() == 0 else []
+    r = subprocess.run(nocaps + [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.stdout.split() == [str(errno.EACCES), str(lock)], (r.stdout, r.stderr[-2000:])

@@ -859,6 +859,8 @@ class RootCapacity:
         self._warned_drop = -1e9
         self._publish_warned = -1e9
         self._census_warned = -1e9
+        self._tick_warned = -1e9
+        self.tick_failures = 0  # ticks of the capacity thread that raised
         self.publish_failures = 0  # usage.json publications that failed
         self._others = 0  # the other writers' ledgers (admission)
         self._others_current = 0  # those of them that count from the latest census (eviction)
@@ -877,6 +879,10 @@ class RootCapacity:
         self._wake = threading.Event()
         self._stop = False
         self.lock = EvictorLock(root)
+        # the lock file must open (a read-only or non-file evictor.lock would fail every
+        # tick: no census, no eviction, every store dropped once full): OSError with the
+        # path now.  This process holds no lock of it yet, so this close drops none.
+        os.close(os.open(self.lock.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
         self.generation = 0
         self.last_pass: Optional[EvictResult] = None
         self.last_census: Optional[Census] = None
@@ -1118,8 +1124,12 @@ class RootCapacity:
         while not self._stop:
             try:
                 self._tick()
-            except Exception:  # the thread must live: log and go on
-                logger.exception("kvtier capacity thread of %s", self.root)
+            except Exception:  # the thread must live: log (at most once a minute) and go on
+                self.tick_failures += 1
+                if time.monotonic() - self._tick_warned >= 60.0:
+                    self._tick_warned = time.monotonic()
+                    logger.exception("kvtier capacity thread of %s (%d failed ticks so far; logged at most once "
+                                     "a minute)", self.root, self.tick_failures)
                 time.sleep(LEDGER_PUBLISH_S)
             self._wake.wait(LEDGER_PUBLISH_S)
             self._wake.clear()
