@@ -20,8 +20,9 @@ then loads them back into a zeroed buffer; every loaded byte is compared with wh
 stored. The unbounded root keeps what it stored (it grows by a cell a round, as an
 unbounded cache does; removing its files between rounds would make its stores create the
 shard directories the bounded root keeps).
-Reported per mode: median wall time and GB/s of the stores and the loads, process CPU
-(all threads: the pool, the evictor) per GiB moved, the spread (min-max), on / off ratios,
+Reported per mode: median wall time and GB/s of the stores and the loads (submit ..
+drained), process CPU (all threads: the pool, the evictor; from the submit until the
+evictor made no pass for 0.25 s, or 0.25 s after the drain unbounded) per GiB moved, the spread (min-max), on / off ratios,
 and what the evictor did (blocks evicted, passes, dropped stores: a dropped store fails
 the round's load of its blocks, which is counted, not timed away).
 """
@@ -53,7 +54,25 @@ def fmt_size(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
+def settle(mgr, quiet_s=0.25):
+    """Wait (asleep: no CPU of this thread) until a bounded tier's evictor made no pass
+    for ``quiet_s`` (the eviction a store pass asked for is done), or ``quiet_s`` for an
+    unbounded one: both modes' CPU then spans the same kind of interval."""
+    rc = cap.root_capacity(mgr.root_dir)
+    if rc is None:
+        time.sleep(quiet_s)
+        return
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        n = rc.passes
+        time.sleep(quiet_s)
+        if rc.passes == n:
+            return
+
+
 def one_pass(mgr, op, keys, per_job, job_base):
+    """Wall time of the jobs (submit .. drained) and the process CPU (every thread) until
+    the tier settled after them (:func:`settle`: the evictor's work is in it)."""
     jobs = [TransferJob(job_base + j, keys[j * per_job:(j + 1) * per_job], list(range(j * per_job, (j + 1) * per_job)))
             for j in range(len(keys) // per_job)]
     submit = mgr.submit_load if op == "load" else mgr.submit_store
@@ -61,7 +80,9 @@ def one_pass(mgr, op, keys, per_job, job_base):
     for j in jobs:
         submit(j)
     assert mgr.drain_jobs(timeout=600)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    wall = time.perf_counter() - t0
+    settle(mgr)
+    cpu = time.process_time() - c0
     failed = sum(per_job - len(r.successful_keys) for r in mgr.get_finished_jobs())
     return wall, cpu, failed
 
@@ -108,7 +129,7 @@ def run_size(args, base: str, bs: int) -> dict:
     res = {m: {"store": [], "load": [], "store_cpu": [], "load_cpu": []} for m in mgrs}
     filler = mism = lost = 0
     evicted = lambda: mgrs["on"].metrics.counters.snapshot().get("evicted_capacity", 0)  # noqa: E731
-    ev0 = evicted()
+    ev0, ecpu0 = evicted(), rc.evictor_cpu_s
     order_rng = random.Random(args.seed)
     job_base = 0
     try:
@@ -136,7 +157,7 @@ def run_size(args, base: str, bs: int) -> dict:
         for mgr in mgrs.values():
             mgr.shutdown()
     return {"bs": bs, "cell": cell, "bound": bound, "res": res, "mismatched": mism, "failed_blocks": lost,
-            "filler": filler, "evicted": evicted() - ev0, "usage_end": usage["bytes"] if usage else None,
+            "filler": filler, "evicted": evicted() - ev0, "evictor_cpu_s": rc.evictor_cpu_s - ecpu0, "usage_end": usage["bytes"] if usage else None,
             "high": high, "low": low}
 
 
@@ -163,7 +184,9 @@ def report(d: dict, rounds: int) -> None:
           f"{paired['store']:.3f}), load {med['off', 'load'] / med['on', 'load']:.3f} (paired {paired['load']:.3f}); "
           f"CPU per GiB on / off: store {med['on', 'store_cpu'] / med['off', 'store_cpu']:.3f}, "
           f"load {med['on', 'load_cpu'] / med['off', 'load_cpu']:.3f} (medians; paired: the ratio in each round)")
-    print(f"evictor: {d['evicted']} blocks evicted ({d['filler']} filler files made), usage at the end "
+    per = d["evictor_cpu_s"] / d["evicted"] * 1e6 if d["evicted"] else float("nan")
+    print(f"evictor: {d['evicted']} blocks evicted ({d['filler']} filler files made), its thread's CPU "
+          f"{d['evictor_cpu_s']:.3f} s ({per:.1f} us per evicted block, censuses included), usage at the end "
           f"{(d['usage_end'] or 0) >> 20} MiB; blocks not stored or not loaded: {d['failed_blocks']}; "
           f"mismatched bytes: {d['mismatched']}")
 
