@@ -322,6 +322,7 @@ def test_a_usage_file_of_the_wrong_shape_is_none_and_never_fails_a_store(tmp_pat
             snap = t.metrics.counters.snapshot()
             # no census read: no age (NaN), not a fresh 0 that an alert on staleness would miss
             assert math.isnan(snap["capacity_census_age"]) and math.isnan(snap["capacity_evictor_lag"])
+            assert math.isnan(snap["capacity_inodes_free"])
             assert snap["stores_dropped"] == 2
         finally:
             t.shutdown()
@@ -766,6 +767,99 @@ def test_a_full_tmpfs_with_the_bound_set_recovers_by_itself(io_backend, monkeypa
         finally:
             t.shutdown()
 
+
+def test_the_room_counts_free_inodes_at_a_blocks_bytes_per_inode():
+    """fs_room with a fake statvfs: bytes free, or the free inodes (less the reserve) at
+    the census's bytes per inode when they hold less; f_files 0: no inode limit."""
+    c = cap.Census(root="/r", bytes=1 << 20, files=14, blocks=10, block_bytes=10 * BS, dirs=10)
+    per = cap.bytes_per_inode(c)
+    assert per == BS / 2  # 10 block files and 10 directories hold 10 blocks
+    assert cap.bytes_per_inode(cap.Census(root="/r", files=3, dirs=2)) is None  # no block: unknown
+
+    def st(bavail, files, favail):
+        return type("statvfs", (), {"f_bavail": bavail, "f_frsize": 4096, "f_files": files, "f_favail": favail})
+
+    R = cap.INODE_RESERVE
+    assert cap.fs_room(c.bytes, st(1000, 0, 0), per) == c.bytes + 1000 * 4096  # no inode limit (btrfs, FUSE)
+    assert cap.fs_room(c.bytes, st(1000, 10 ** 6, 10 ** 6), per) == c.bytes + 1000 * 4096  # bytes run out first
+    assert cap.fs_room(c.bytes, st(1000, 120, R + 30), per) == c.bytes + 30 * BS // 2  # inodes first
+    assert cap.fs_room(c.bytes, st(1000, 120, R), per) == c.bytes  # no inode left: no room
+    assert cap.fs_room(c.bytes, st(1000, 120, R + 30), None) == c.bytes + 1000 * 4096  # no block seen yet
+    assert cap.fs_room(c.bytes, st(1000, 120, 3), None) == c.bytes  # ... but a full inode table is full
+
+
+def test_kvtier_evicts_for_inodes_when_the_filesystem_has_few_left(tmp_path, monkeypatch):
+    """one_pass (kvtier evict, a tier's census) on a filesystem whose statvfs says bytes
+    are free and inodes are not: the room is the inodes', the pass evicts down to the low
+    mark of it, and the room it reports is what the blocks left behind hold."""
+    t, _ = _tier(tmp_path, max_bytes="1G", census_interval_s=3600)
+    try:
+        assert all(r.success for r in _run(t, TransferJob(1, _keys(1, 20), list(range(20)))))
+    finally:
+        t.shutdown()
+    real = os.statvfs
+
+    def statvfs(path, favail=cap.INODE_RESERVE):  # every inode taken, 1 TiB free
+        s = real(path)
+        return type("statvfs", (), {"f_bavail": (1 << 40) // s.f_frsize, "f_frsize": s.f_frsize,
+                                    "f_files": 10 ** 6, "f_favail": favail})
+
+    monkeypatch.setattr(cap.os, "statvfs", statvfs)
+    c, ev, rec = cap.one_pass(str(tmp_path), 1 << 40, dry_run=True)
+    assert rec["room"] == c.bytes and len(ev.evicted) > 0  # full: down to 0.85 of what it holds
+    assert c.bytes - ev.evicted_bytes <= int(0.85 * c.bytes) < c.bytes - ev.evicted_bytes + BS
+    monkeypatch.setattr(cap.os, "statvfs", lambda p: statvfs(p, favail=cap.INODE_RESERVE + 100))
+    c, ev, rec = cap.one_pass(str(tmp_path), 1 << 40)
+    assert rec["room"] == c.bytes + int(100 * cap.bytes_per_inode(c)) and not ev.evicted  # room left
+
+
+def test_a_tmpfs_out_of_inodes_with_bytes_free_recovers_by_itself(io_backend, monkeypatch):
+    """A 64 MiB tmpfs with nr_inodes=400 under a 1 GiB bound: inodes run out long before
+    bytes (a job of 2 blocks takes 4 inodes: 2 files and their 2 shard directories).
+    The census's room counts the free inodes at a block's bytes per inode, so the
+    evictor keeps inodes free: no ENOSPC (at most one, before a census has seen a
+    block), stores succeed (300 of 300 here), the newest blocks load whole. Before, the
+    census reset the room from free bytes only: an ENOSPC every few censuses, for ever
+    (11 of 300 jobs; docs/capacity.md, "Inodes")."""
+    from mounts import mount_tmpfs
+
+    def keys(j):  # a job's 2 blocks share 2 shard directories of their own: <j%256, j//256>/<..>_g0
+        return [(bytes([j % 256, j // 256, i]) + bytes(13), 0) for i in range(2)]
+
+    _use_backend(monkeypatch, io_backend)
+    with mount_tmpfs(size="64m", options=["nr_inodes=400"]) as d:
+        root = os.path.join(d, "root")
+        t, buf = _tier(root, rows=4, max_bytes="1G", census_interval_s=0.2)
+        try:
+            rc = cap.root_capacity(root)
+            assert rc.wait_pass(5, after=0)
+            res, free = "", []
+            for j in range(300):  # 1,200 inodes stored, ~4 s: 20 censuses
+                r = _run(t, TransferJob(j, keys(j), [0, 1]))[0]
+                if r.success:
+                    last_ok = j
+                else:
+                    assert r.error.errno == errno.ENOSPC, r.error
+                res += "o" if r.success else "d" if "dropped by kvtier capacity" in str(r.error) else "x"
+                free.append(os.statvfs(d).f_ffree)
+                time.sleep(0.01)  # stores at ~75 jobs/s: the evictor ticks every 50 ms
+            st = os.statvfs(d)
+            print(f"\nnr_inodes=400, {st.f_bavail * st.f_frsize} bytes free; "
+                  + "; ".join(f"jobs {a}-{a + 99}: {res[a:a + 100].count('o')} ok, {res[a:a + 100].count('d')} "
+                              f"dropped, {res[a:a + 100].count('x')} ENOSPC" for a in (0, 100, 200))
+                  + f"; fewest free inodes after job 100: {min(free[100:])}")
+            assert st.f_bavail * st.f_frsize > 32 << 20  # bytes were never short
+            assert res.count("x") <= 1 and res[100:].count("o") >= 150, res
+            assert min(free[100:]) >= cap.INODE_RESERVE // 2  # the evictor kept inodes free
+            snap = t.metrics.counters.snapshot()
+            assert snap["evicted_capacity"] > 100 and snap["capacity_inodes_free"] == rc._usage["inodes_free"] > 0
+            assert rc.bound() < 400 * BS  # the bound in force is the inodes' room, not 1 GiB or 64 MiB
+            on_disk = sum(1 + len(fs) for _, _, fs in os.walk(root))
+            assert on_disk < 400 - cap.INODE_RESERVE // 2, on_disk
+            r = _run(t, TransferJob("load", keys(last_ok), [2, 3], is_promotion=True))[0]  # the newest job
+            assert r.success and (buf[2:4] == buf[0:2]).all()
+        finally:
+            t.shutdown()
 
 # ---------------------------------------------------------------------- kvtier evict
 

@@ -74,6 +74,11 @@ TOUCH_LRU = 1 << 16
 """Keys remembered as recently touched (per process and root)."""
 ALLOC_UNIT = 4096
 """A block file's bytes are reserved rounded up to this (what ext4/XFS/tmpfs allocate)."""
+INODE_RESERVE = 8
+"""Free inodes the bound leaves free (:func:`fs_room`): the temps of ``usage.json`` and
+``evict.request`` (written as temp + rename), and the few shard directories that the
+bytes-per-inode average counts as freed when an eviction leaves them (another block in
+them) until the next census."""
 LEDGER_RECORD = 320
 REQUEST_GAP_S = 0.1
 """A writer asks for a pass at most this often."""
@@ -100,7 +105,10 @@ COUNTER_DOCS: Dict[str, str] = {
     "capacity_used_bytes": "gauge: the root's usage estimate (census + writers' ledgers), bytes",
     "capacity_max_bytes": "gauge: the root's configured bound (max_bytes), bytes",
     "capacity_bound_bytes": "gauge: the bound in force: max_bytes, or less when the filesystem has less room "
-                            "(the census's bytes + free space), bytes",
+                            "(the census's bytes + free space, or + free inodes at a block's bytes per inode), "
+                            "bytes",
+    "capacity_inodes_free": "gauge: free inodes of the root's filesystem at the latest census (statvfs f_favail); "
+                            "-1 when the filesystem has no inode limit (f_files 0); NaN before the first census",
     "capacity_census_age": "gauge: seconds since the latest census of the root started (its staleness); NaN "
                            "before the first census",
     "capacity_evictor_lag": "gauge: seconds the latest eviction pass of the root ended after its census started; "
@@ -257,6 +265,31 @@ def alloc_ratio(c: Census) -> float:
     store's reservation is multiplied by (MooseFS allocates whole 64 KiB blocks, a
     replicated volume may count each copy)."""
     return max(1.0, c.block_bytes / c.block_size_sum) if c.block_size_sum else 1.0
+
+
+def bytes_per_inode(c: Census) -> Optional[float]:
+    """What a store takes per inode, from census ``c``: the block files' allocated bytes
+    per inode they hold, their own and the directories' (a store makes shard directories
+    too; every directory of the root counts, a few too many), None when ``c`` found no
+    block."""
+    return c.block_bytes / (c.blocks + c.dirs) if c.blocks else None
+
+
+def fs_room(used: int, st: Any, per_inode: Optional[float]) -> int:
+    """The room of a root on its filesystem, bytes: what it holds (``used``) plus what the
+    filesystem can still take, the free space (statvfs ``f_bavail``) or, when fewer files
+    can still be made than that space holds, the free inodes (``f_favail`` less
+    :data:`INODE_RESERVE`) at ``per_inode`` bytes each (:func:`bytes_per_inode`): the
+    bound's marks, admission and eviction then hold the inodes too.  ``per_inode`` None
+    (no block yet): only a full inode table counts.  ``f_files`` 0: the filesystem has no
+    inode limit (some FUSE filesystems, btrfs)."""
+    free = st.f_bavail * st.f_frsize
+    inodes = max(0, st.f_favail - INODE_RESERVE)
+    if st.f_files and per_inode is not None:
+        free = min(free, int(inodes * per_inode))
+    elif st.f_files and not inodes:
+        free = 0
+    return used + free
 
 
 def census(root: str, keep_entries: bool = True) -> Census:
@@ -486,13 +519,15 @@ def _valid_usage(d: Any) -> bool:
     """``d`` has the fields a reader of ``usage.json`` uses, of the types it uses them as:
     ``bytes`` a count, ``scan_started`` / ``scan_finished`` finite numbers, and where
     present ``evict_finished`` a number, ``room`` a count or None, ``alloc_ratio`` a
-    number >= 1, ``generation`` a count, ``evictor`` a string."""
+    number >= 1, ``generation`` a count, ``evictor`` a string, ``inodes_free`` a count or
+    None."""
     if not (isinstance(d, dict) and _is_count(d.get("bytes")) and _is_num(d.get("scan_started"))
             and _is_num(d.get("scan_finished"))):
         return False
     for k, ok in (("evict_finished", _is_num), ("room", lambda v: v is None or _is_count(v)),
                   ("alloc_ratio", lambda v: _is_num(v) and v >= 1), ("generation", _is_count),
-                  ("evictor", lambda v: isinstance(v, str)), ("max_bytes", lambda v: v is None or _is_count(v))):
+                  ("evictor", lambda v: isinstance(v, str)), ("max_bytes", lambda v: v is None or _is_count(v)),
+                  ("inodes_free", lambda v: v is None or _is_count(v))):
         if k in d and not ok(d[k]):
             return False
     return True
@@ -712,16 +747,15 @@ def one_pass(root: str, max_bytes: int, high: float = DEFAULT_HIGH, low: float =
     ``low`` of the smaller of the bound and the usage.  The decision is the census's alone: the writers' ledgers
     count what may have been written since it began, which the next census sees, so
     adding them would evict twice for the same bytes.  The bound is the one in force, as
-    for a tier: ``max_bytes`` or less, the census bytes + the free space (statvfs
-    ``f_bavail``) when the filesystem has less room.  Returns the census, the eviction
-    and the usage record (not published here; its ``room`` is that room)."""
+    for a tier: ``max_bytes`` or less, when the filesystem has less room (:func:`fs_room`:
+    free space or free inodes).  Returns the census, the eviction and the usage record
+    (not published here; its ``room`` is that room)."""
     if not dry_run:  # dead writers' ledgers go, as at a tier evictor's census
         read_ledgers(root, remove_dead=True)
     c = census(root)
     usage = c.bytes
     try:
-        st = os.statvfs(root)
-        room: Optional[int] = c.bytes + st.f_bavail * st.f_frsize
+        room: Optional[int] = fs_room(c.bytes, os.statvfs(root), bytes_per_inode(c))
     except OSError:
         room = None
     mx = max_bytes if room is None else min(max_bytes, room)
@@ -932,8 +966,9 @@ class RootCapacity:
 
     def bound(self) -> int:
         """The bound in force: ``max_bytes``, or less when the filesystem has less room
-        (the root's usage + the free space at the latest census, or the usage at which a
-        store met ENOSPC since)."""
+        (:func:`fs_room` at the latest census: the root's usage + the free space, or + the
+        free inodes at a block's bytes per inode when fewer; or the usage at which a store
+        met ENOSPC since, whichever of the two ran out)."""
         room = self._room if self.lock.held else (self._usage or {}).get("room")
         return self.max_bytes if not room else min(self.max_bytes, int(room))
 
@@ -1062,6 +1097,8 @@ class RootCapacity:
         nan = float("nan")  # no census yet: no age (an alert on a stale census must not read 0 as fresh)
         return {"capacity_used_bytes": float(self.estimate()), "capacity_max_bytes": float(self.max_bytes),
                 "capacity_bound_bytes": float(self.bound()),
+                "capacity_inodes_free": nan if u is None else -1.0 if u.get("inodes_free") is None
+                else float(u["inodes_free"]),
                 "capacity_census_age": (now - u["scan_started"]) if u else nan,
                 "capacity_evictor_lag": (u.get("evict_finished", u["scan_finished"]) - u["scan_started"]) if u else nan}
 
@@ -1214,11 +1251,12 @@ class RootCapacity:
         if c.unreadable and time.monotonic() - self._census_warned >= 60.0:
             self._census_warned = time.monotonic()
             logger.warning("kvtier capacity: %s (this warning at most once a minute)", c.error_text())
-        try:  # the room on the filesystem: what the root holds + what is still free
+        try:  # the room on the filesystem: what the root holds + what is still free, bytes or inodes
             st = os.statvfs(self.root)
-            self._room = c.bytes + st.f_bavail * st.f_frsize
+            self._room = fs_room(c.bytes, st, bytes_per_inode(c))
+            inodes_free = st.f_favail if st.f_files else None
         except OSError:
-            self._room = None
+            self._room = inodes_free = None
         # keep the oldest blocks that hold what must go now plus half a bound (or four of
         # the largest job): what the evictor may remove before the next census (it
         # censuses early when they run out)
@@ -1229,7 +1267,7 @@ class RootCapacity:
         rec = {"bytes": c.bytes, "files": c.files, "blocks": c.blocks, "scan_started": c.scan_started,
                "scan_finished": c.scan_finished, "evict_finished": c.scan_finished, "generation": self.generation,
                "evictor": f"{self.host}:{self.pid}", "max_bytes": self.max_bytes, "evicted": 0,
-               "evicted_bytes": 0, "census_cpu_s": c.cpu_s, "room": self._room,
+               "evicted_bytes": 0, "census_cpu_s": c.cpu_s, "room": self._room, "inodes_free": inodes_free,
                "alloc_ratio": round(alloc_ratio(c), 4), "unreadable": c.unreadable}
         with self._lock:
             self._usage = rec
@@ -1259,7 +1297,7 @@ class RootCapacity:
         with self._lock:
             ledgers = 0 if census_only else self._others_current + self._own
         est = u["bytes"] + ledgers
-        if why == "enospc":  # the filesystem is full at this usage: that is the room now
+        if why == "enospc":  # the filesystem is full at this usage (of bytes or of inodes): the room now
             self._room = min(self._room or est, est)
         mx = self.bound()
         if why == "enospc":
