@@ -10,6 +10,7 @@ import itertools
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -1245,6 +1246,7 @@ def test_kvtier_evict_refuses_while_a_live_evictor_holds_the_lock(tmp_path):
         r = subprocess.run([sys.executable, "-m", "kvtier", "evict", str(tmp_path), "--max-bytes", "1"],
                            capture_output=True, text=True, cwd=REPO)
         assert r.returncode == 1 and "holds the evictor lock" in r.stderr and str(a.pid) in r.stderr
+        assert re.search(rf"; heartbeat \d+ s old by [^ ]+:{a.pid}, seq \d+;", r.stderr), r.stderr
     finally:
         a.kill()
         a.wait()
@@ -1402,6 +1404,8 @@ def test_kvtier_info_root_shows_the_census_the_writers_and_the_lock(tmp_path):
         assert c["max_bytes"] == 64 << 20 and c["used_bytes"] == u["bytes"]
         assert 6 * BS <= c["used_bytes"] <= _find_bytes(tmp_path) + 16384  # the whole root, .kvtier/ included
         assert c["blocks"] == 6 and c["lock_holder"] == os.getpid() and c["writers_live"] == 1
+        hb = c["heartbeat"]  # the holder (this process) beats every second
+        assert hb["by"] == rc.lock.by and 1 <= hb["seq"] <= rc.lock.seq and -1 < hb["age_s"] < 5
         assert d["filesystem"]["free_bytes"] > 0 and d["load_landing"]["auto"] in ("direct", "bounce")
     finally:
         t.shutdown()

@@ -23,6 +23,7 @@ import json
 import os
 import socket
 import sys
+import time
 
 from kvtier._tier import capacity as _cap
 
@@ -85,9 +86,10 @@ def cmd_evict(args: argparse.Namespace) -> int:
             lock.release()
             return 1
         if not got:
-            u = _cap.read_usage(root) or {}
+            u, hb = _cap.read_usage(root) or {}, _cap.read_heartbeat(root)
+            beat = "" if hb is None else f"; heartbeat {time.time() - hb['t']:.0f} s old by {hb['by']}, seq {hb['seq']}"
             print(f"kvtier evict: another process holds the evictor lock of {root} (pid {_cap.lock_holder(root)} by "
-                  f"F_GETLK; latest census by {u.get('evictor', '?')}): it enforces its own bound; nothing done",
+                  f"F_GETLK{beat}; latest census by {u.get('evictor', '?')}): it enforces its own bound; nothing done",
                   file=sys.stderr)
             lock.release()
             return 1
