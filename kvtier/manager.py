@@ -179,7 +179,8 @@ class FileSystemTierManager:
             root's one evictor removes the oldest blocks from ``evict_high`` down to
             ``evict_low`` (fractions of max_bytes, 0.95 / 0.85), censusing the root every
             ``census_interval_s`` (10 s); loads and lookup hits refresh a block's mtime at
-            most once per ``touch_window_s`` (60 s).
+            most once per ``touch_window_s`` (60 s); another process takes the evictor's
+            lock over when its heartbeat stays still for ``takeover_s`` (30 s: it is stopped).
 
     Raises, before any I/O: TypeError / ValueError for bad arguments (wrong types,
     thread counts < 1, block size not matching the buffer, bad FileMapper fields),
@@ -229,12 +230,14 @@ class FileSystemTierManager:
         evict_low: float = 0.85,
         census_interval_s: float = 10.0,  # seconds between censuses of the root
         touch_window_s: float = 60.0,  # at most one mtime refresh per block per window
+        takeover_s: float = 30.0,  # a still evictor heartbeat after which another process takes over
     ) -> None:
         # ---- configuration checks: no I/O until all of them pass ----
         cfg = TierConfig(n_read_threads, n_write_threads, checksum_blocks, use_o_direct, durable,
                          sweep_stale_temps_after, io_timeout_s, lookup_timeout_s, load_landing=load_landing,
                          max_bytes=max_bytes, evict_high=evict_high, evict_low=evict_low,
-                         census_interval_s=census_interval_s, touch_window_s=touch_window_s)
+                         census_interval_s=census_interval_s, touch_window_s=touch_window_s,
+                         takeover_s=takeover_s)
         from kvtier._tier import landing as _landing
 
         label = tier_label(tier_idx, tier_type)

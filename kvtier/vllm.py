@@ -17,7 +17,7 @@ and kvtier's own (``checksum_blocks=True``, ``durable=False``, ``use_o_direct=Tr
 :data:`kvtier._tier.deadline.DEFAULT_IO_TIMEOUT_S`), ``lookup_timeout_s`` (the lookup deadline,
 default :data:`kvtier._tier.deadline.DEFAULT_LOOKUP_TIMEOUT_S`), and the capacity keys ``max_bytes=None``
 (a bound of the whole root: bytes, ``"500G"``, ``"90%"``), ``evict_high=0.95``, ``evict_low=0.85``,
-``census_interval_s=10``, ``touch_window_s=60`` (docs/capacity.md); meanings as
+``census_interval_s=10``, ``touch_window_s=60``, ``takeover_s=30`` (docs/capacity.md); meanings as
 :class:`kvtier.manager.FileSystemTierManager`).  With a bound and ``enable_kv_events``, the blocks
 of this tier's rank directory that this process evicts (it holds the root's evictor lock) are
 ``OffloadingEvent(removed=True)``.
@@ -83,7 +83,7 @@ KVTIER_KEYS: Dict[str, Any] = {"checksum_blocks": True, "durable": False, "use_o
                                "sweep_stale_temps_after": None, "io_timeout_s": None,
                                "lookup_timeout_s": None, "load_landing": "auto",
                                # a bounded root (docs/capacity.md): max_bytes, evict_high, evict_low,
-                               # census_interval_s, touch_window_s
+                               # census_interval_s, touch_window_s, takeover_s
                                **_capacity.CONFIG_KEYS}
 
 #: Engine counters (:data:`kvtier._tier.counters.COUNTERS`) that vLLM derives itself from the

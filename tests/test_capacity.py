@@ -10,6 +10,7 @@ import itertools
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -551,9 +552,9 @@ sys.path.insert(0, {repo!r})
 from kvtier.manager import FileSystemTierManager, TransferJob
 root, tag, seconds, interval = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
 bs, batch = {bs}, {batch}
-buf = np.random.randint(0, 255, (batch, bs), dtype=np.uint8)
+buf = np.random.default_rng(tag).integers(0, 255, (batch, bs), dtype=np.uint8)  # _writer_rows
 t = FileSystemTierManager(buf, root, "m", block_size=bs, use_o_direct=False, n_read_threads=1, n_write_threads=2,
-                          max_bytes={max_bytes}, census_interval_s=interval)
+                          max_bytes={max_bytes}, census_interval_s=interval, takeover_s={takeover_s})
 print("ready", os.getpid(), flush=True)
 end, j, ok, dropped = time.monotonic() + seconds, 0, 0, 0
 while time.monotonic() < end:
@@ -570,14 +571,19 @@ t.shutdown()
 """
 
 
-def _writer(root, tag, seconds, interval, max_bytes, batch=4, pause=0.002, backend="c"):
-    code = WRITER.format(repo=REPO, bs=BS, batch=batch, max_bytes=max_bytes, pause=pause)
+def _writer(root, tag, seconds, interval, max_bytes, batch=4, pause=0.002, backend="c", takeover_s=30.0):
+    code = WRITER.format(repo=REPO, bs=BS, batch=batch, max_bytes=max_bytes, pause=pause, takeover_s=takeover_s)
     env = dict(os.environ, KVTIER_IO_BACKEND=backend)
     p = subprocess.Popen([sys.executable, "-c", code, str(root), str(tag), str(seconds), str(interval)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     line = p.stdout.readline()
     assert line.startswith("ready"), p.stderr.read()
     return p
+
+
+def _writer_rows(tag, batch=4):
+    """The bytes a WRITER of ``tag`` stores: row i of each job (block key ``..i..``)."""
+    return np.random.default_rng(tag).integers(0, 255, (batch, BS), dtype=np.uint8)
 
 
 def test_two_processes_stay_within_the_bound_plus_a_batch_each(tmp_path, io_backend):
@@ -632,6 +638,219 @@ def test_sigkill_of_the_evictor_fails_over_within_an_interval(tmp_path):
     finally:
         a.kill()
         a.wait()
+
+
+def _evictor_pid(root):
+    """The pid of the evictor that published ``usage.json`` last (0: none yet)."""
+    return int((cap.read_usage(str(root)) or {}).get("evictor", ":0").rsplit(":", 1)[-1])
+
+
+def _wait_for(cond, timeout, what):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, what
+        time.sleep(0.01)
+
+
+def test_a_stopped_evictor_is_taken_over_and_steps_down_when_it_runs_again(tmp_path, io_backend):
+    """Issue #22: the evictor A is SIGSTOPped (a stopped process keeps its fcntl lock): B sees
+    A's heartbeat still for takeover_s and takes the lock over (a new evictor.lock), censuses
+    and evicts the root back under its bound. A, continued, finds its lock file replaced,
+    steps down and publishes nothing; every block left loads with the bytes its writer
+    stored (nothing wrong was removed)."""
+    root, max_bytes, interval, takeover = str(tmp_path), 48 * BS, 0.2, 1.0
+    ps = []
+    try:
+        a = _writer(tmp_path, 1, 60.0, interval, max_bytes, pause=0.01, backend=io_backend.backend,
+                    takeover_s=takeover)
+        ps.append(a)
+        _wait_for(lambda: _evictor_pid(root) == a.pid, 10, "A never published a census")
+        b = _writer(tmp_path, 2, 60.0, interval, max_bytes, pause=0.01, backend=io_backend.backend,
+                    takeover_s=takeover)
+        ps.append(b)
+        seq = cap.read_heartbeat(root)["seq"]
+        time.sleep(3 * interval)
+        hb = cap.read_heartbeat(root)  # A beats (every takeover_s / 10) and B leaves it the lock
+        assert hb["by"].endswith(f":{a.pid}") and hb["seq"] > seq and cap.lock_holder(root) == a.pid
+        os.kill(a.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        _wait_for(lambda: cap.lock_holder(root) == b.pid, takeover + 2 * interval + 3, "no takeover")
+        took = time.monotonic() - t0
+        # not before A's heartbeat was still for takeover_s (A's last beat <= takeover_s / 10 before its stop)
+        assert took >= 0.9 * takeover - 0.05, took
+        assert cap.read_heartbeat(root)["by"].endswith(f":{b.pid}")
+        _wait_for(lambda: _evictor_pid(root) == b.pid, 5, "B published no census")
+        _wait_for(lambda: cap.census(root, keep_entries=False).bytes <= max_bytes, 5, "the bound is not met again")
+        gen = cap.read_usage(root)["generation"]
+        os.kill(a.pid, signal.SIGCONT)
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:  # A runs again: B stays the evictor, A publishes nothing
+            assert _evictor_pid(root) == b.pid and cap.lock_holder(root) == b.pid
+            time.sleep(0.02)
+        assert cap.read_usage(root)["generation"] > gen  # B went on censusing
+    finally:
+        for p in ps:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+            p.wait()
+    a_err, b_err = a.stderr.read(), b.stderr.read()
+    assert f"is no evictor of {root} any more" in a_err and "took the evictor lock" not in a_err, a_err
+    assert f"took the evictor lock of {root} over from " in b_err and f":{a.pid}, whose heartbeat" in b_err, b_err
+    # nothing wrong was removed: the layout's files are there, every block left loads whole with its bytes
+    layout = next(d for d in os.listdir(root) if d.endswith("_r0"))[:-3]
+    assert {"config.json", "kvtier.json"} <= set(os.listdir(tmp_path / layout))
+    blocks = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if cap.is_block_path(root, os.path.join(d, f))]
+    assert len(blocks) >= 8
+    t, buf = _tier(tmp_path, rows=4)
+    try:
+        rows = {tag: _writer_rows(tag) for tag in (1, 2)}
+        for j, p in enumerate(blocks):
+            key = cap.key_of_path(p)
+            assert _run(t, TransferJob(j, [key], [0], is_promotion=True))[0].success, p
+            assert np.array_equal(buf[0], rows[int.from_bytes(key[0][:2], "big")][int.from_bytes(key[0][6:8], "big")])
+    finally:
+        t.shutdown()
+
+
+WATCHER = r"""
+import sys, time
+sys.path.insert(0, {repo!r})
+from kvtier._tier import capacity as cap
+h = cap.attach(sys.argv[1], cap.check_config("1G", census_interval_s=0.1, takeover_s=0.5))  # 1G: evicts nothing here
+print("ready", flush=True)
+time.sleep(float(sys.argv[2]))
+print(h.rc.takeovers, h.rc.lock.held, flush=True)
+h.close()
+"""
+
+
+@pytest.mark.parametrize("beats", [True, False])
+def test_an_evictor_beats_during_a_long_census_and_is_not_taken_over(tmp_path, monkeypatch, beats):
+    """The evictor's census calls its heartbeat (``progress``) as it goes: a census five
+    times takeover_s long is not taken over by a watching process. The control (``beats``
+    False: the same census, the heartbeat not called) is taken over, and the holder, its
+    census done, steps down without counting or publishing it."""
+    root = str(tmp_path)
+    t, _ = _tier(tmp_path, rows=4, max_bytes="1G", census_interval_s=0.2, takeover_s=0.5)
+    w = None
+    try:
+        rc = cap.root_capacity(root)
+        assert rc.wait_pass(5, after=0) and rc.lock.held
+        w = _watcher(root, 4)
+        real, calls = cap.census, []
+
+        def slow_census(root, keep_entries=True, progress=None):
+            def step():  # one entry: the first 25 take 0.1 s each
+                calls.append(1)
+                if len(calls) <= 25:
+                    time.sleep(0.1)
+                if beats and progress is not None:
+                    progress()
+            return real(root, keep_entries, step)
+
+        os.makedirs(tmp_path / "other")
+        for i in range(30):
+            (tmp_path / "other" / str(i)).write_bytes(b"x")
+        monkeypatch.setattr(cap, "CENSUS_PROGRESS_EVERY", 1)
+        n, seq, published = rc.censuses, rc.lock.seq, cap.read_usage(root)["scan_started"]
+        monkeypatch.setattr(cap, "census", slow_census)
+        _wait_for(lambda: len(calls) > 25 and (rc.censuses > n or rc.stepped_down), 15, "no slow census")
+        if beats:
+            assert rc.lock.seq - seq >= 15 and rc.stepped_down == 0 and rc.lock.held and rc.lock.check()
+            _wait_for(lambda: cap.read_usage(root)["scan_started"] > published, 5, "its census not published")
+        else:
+            assert rc.stepped_down == 1 and rc.censuses == n and not rc.lock.held
+        out, err = w.communicate(timeout=30)
+        assert out.split() == (["0", "False"] if beats else ["1", "True"]), err
+        if not beats:
+            assert f"over from {rc.lock.by}, whose heartbeat" in err and cap.read_usage(root)["evictor"].endswith(
+                f":{w.pid}")
+    finally:
+        if w is not None and w.poll() is None:
+            w.kill()
+            w.wait()
+        t.shutdown()
+
+
+def _watcher(root, seconds):
+    w = subprocess.Popen([sys.executable, "-c", WATCHER.format(repo=REPO), str(root), str(seconds)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert w.stdout.readline() == "ready\n", w.stderr.read()
+    return w
+
+
+@pytest.mark.parametrize("taker_stopped", [False, True])
+def test_an_evictor_stalled_before_a_pass_is_taken_over_and_removes_nothing(tmp_path, monkeypatch, taker_stopped):
+    """The evictor's thread stalls (a hung file, a stop) on its way into an eviction pass
+    for longer than takeover_s: a watching process takes the lock over. The stalled pass,
+    when it runs, finds the lock file replaced before its first unlink: it removes nothing,
+    publishes nothing, and the process steps down. ``taker_stopped``: evictor.takeover is
+    held (by this process here, as by a taker stopped in the middle): the watcher takes
+    over all the same, after 2 x takeover_s."""
+    import fcntl
+
+    root = str(tmp_path)
+    t, _ = _tier(tmp_path, rows=8, max_bytes=40 * BS, evict_high=0.7, evict_low=0.5, census_interval_s=0.2,
+                 takeover_s=0.5)
+    w = fd = None
+    gate, stalled = threading.Event(), threading.Event()
+    try:
+        rc = cap.root_capacity(root)
+        assert rc.wait_pass(5, after=0) and rc.lock.held
+        w = _watcher(root, 30)
+        real = cap.Candidates.evict
+
+        def stalling(self, *a, **k):
+            stalled.set()
+            assert gate.wait(20)
+            return real(self, *a, **k)
+
+        monkeypatch.setattr(cap.Candidates, "evict", stalling)
+        for j in range(4):  # 32 blocks: past the high watermark (28)
+            assert _run(t, TransferJob(j, _keys(j, 8), list(range(8))))[0].success
+        if taker_stopped:
+            fd = os.open(tmp_path / ".kvtier" / "evictor.takeover", os.O_RDWR | os.O_CREAT)
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert stalled.wait(10)
+        t0 = time.monotonic()
+        # (never lock_holder / read_heartbeat here: their close would drop this process's lock)
+        _wait_for(lambda: _evictor_pid(root) == w.pid, 10, "no takeover")
+        assert time.monotonic() - t0 >= (2 * 0.5 if taker_stopped else 0.5) - 0.1
+        n = rc.passes
+        gate.set()
+        _wait_for(lambda: rc.passes > n, 5, "the stalled pass did not end")
+        assert rc.last_pass.evicted == [] and rc.stepped_down == 1 and not rc.lock.held
+        assert cap.census(root).blocks == 32 and _evictor_pid(root) == w.pid
+        time.sleep(0.5)
+        assert _evictor_pid(root) == w.pid and cap.lock_holder(root) == w.pid
+    finally:
+        gate.set()
+        if w is not None and w.poll() is None:
+            w.kill()
+            w.wait()
+        if fd is not None:
+            os.close(fd)
+        t.shutdown()
+
+
+def test_an_eviction_pass_asks_to_keep_going_before_each_batch(tmp_path, monkeypatch):
+    """Candidates.evict asks ``keep_going`` before its first unlink and then every
+    EVICT_BATCH unlinks; False ends the pass: an evictor that lost its lock removes no
+    more."""
+    t, _ = _tier(tmp_path, rows=40)
+    try:
+        assert _run(t, TransferJob(1, _keys(1, 40), list(range(40))))[0].success
+    finally:
+        t.shutdown()
+    monkeypatch.setattr(cap, "EVICT_BATCH_S", 1e9)  # by count only here
+    c = cap.census(str(tmp_path))
+    answers = [True, True, False]
+    r = cap.Candidates(c.entries).evict(c.bytes, 0, keep_going=lambda: answers.pop(0))
+    assert not answers and len(r.evicted) == 2 * cap.EVICT_BATCH
+    assert sum(os.path.exists(p) for p in t.file_mapper.get_file_names(_keys(1, 40))) == 40 - 2 * cap.EVICT_BATCH
+    r = cap.Candidates(cap.census(str(tmp_path)).entries).evict(c.bytes, 0, keep_going=lambda: False)
+    assert r.evicted == [] and cap.census(str(tmp_path)).blocks == 40 - 2 * cap.EVICT_BATCH
 
 
 # ---------------------------------------------------------------------- integrity under eviction
@@ -887,7 +1106,11 @@ def test_kvtier_evict_dry_run_deletes_nothing_and_the_real_run_evicts(tmp_path, 
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr
     real = json.loads(r.stdout)
-    assert real["paths"] == out["paths"] and not any(os.path.exists(p) for p in real["paths"])
+    # the same oldest blocks; the real pass removed the dead ledger first: its census is a page
+    # smaller, which may spare the dry run's last block (the lock file's heartbeat is a page too)
+    n = len(real["paths"])
+    assert real["paths"] == out["paths"][:n] and len(out["paths"]) - n <= 1
+    assert not any(os.path.exists(p) for p in real["paths"])
     assert cap.census(str(tmp_path)).bytes <= int(0.85 * 6 * BS)
     assert not os.path.exists(dead)  # removed by the real pass, as a tier's evictor does (the dry run left it)
     u = cap.read_usage(str(tmp_path))
@@ -925,7 +1148,10 @@ def test_kvtier_evict_uses_the_bound_in_force_on_a_filesystem_smaller_than_max_b
         real = json.loads(r.stdout)
         assert r.returncode == 0 and real["paths"] == out["paths"]
         assert not any(os.path.exists(p) for p in real["paths"])
-        assert cap.census(root).bytes <= int(0.85 * (used + 4096)) and os.path.getsize(filler) > 0
+        # the real run's lock file (its heartbeat: one page) took the last free page: the same room
+        assert real["bound"] == used + 4096 and real["usage_after"] <= int(0.85 * real["bound"])
+        # + usage.json, published after its census
+        assert cap.census(root).bytes <= real["usage_after"] + 4096 and os.path.getsize(filler) > 0
         text = subprocess.run([sys.executable, "-m", "kvtier", "info", root], capture_output=True, text=True,
                               cwd=REPO).stdout
         u = cap.read_usage(root)
@@ -1020,6 +1246,7 @@ def test_kvtier_evict_refuses_while_a_live_evictor_holds_the_lock(tmp_path):
         r = subprocess.run([sys.executable, "-m", "kvtier", "evict", str(tmp_path), "--max-bytes", "1"],
                            capture_output=True, text=True, cwd=REPO)
         assert r.returncode == 1 and "holds the evictor lock" in r.stderr and str(a.pid) in r.stderr
+        assert re.search(rf"; heartbeat \d+ s old by [^ ]+:{a.pid}, seq \d+;", r.stderr), r.stderr
     finally:
         a.kill()
         a.wait()
@@ -1177,6 +1404,8 @@ def test_kvtier_info_root_shows_the_census_the_writers_and_the_lock(tmp_path):
         assert c["max_bytes"] == 64 << 20 and c["used_bytes"] == u["bytes"]
         assert 6 * BS <= c["used_bytes"] <= _find_bytes(tmp_path) + 16384  # the whole root, .kvtier/ included
         assert c["blocks"] == 6 and c["lock_holder"] == os.getpid() and c["writers_live"] == 1
+        hb = c["heartbeat"]  # the holder (this process) beats every second
+        assert hb["by"] == rc.lock.by and 1 <= hb["seq"] <= rc.lock.seq and -1 < hb["age_s"] < 5
         assert d["filesystem"]["free_bytes"] > 0 and d["load_landing"]["auto"] in ("direct", "bounce")
     finally:
         t.shutdown()

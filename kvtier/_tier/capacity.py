@@ -16,7 +16,9 @@ One bound per root (``max_bytes``), physical and root-wide:
 - **One evictor per root**: the process holding the fcntl lock on
   ``<root>/.kvtier/evictor.lock`` (one fd per process and root, opened here only, never
   closed while the tier lives); every process with a bound tries it each census interval,
-  so a killed holder (the kernel drops its lock) is replaced within one interval.
+  so a killed holder (the kernel drops its lock) is replaced within one interval, and a
+  stopped one (its heartbeat, the lock file's content, still for ``takeover_s``) is taken
+  over: the lock file replaced under it (:meth:`RootCapacity._watch_holder`).
 - **Recency**: the block file's mtime.  Loads and lookup hits refresh it (``os.utime``, at
   most once per block per ``touch_window_s`` per process); a job's blocks are stamped so
   that its head is the newest (``now - i`` µs for position ``i``).  Eviction removes the
@@ -46,6 +48,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from kvtier._tier.mountinfo import mount_of
+
 logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------- constants
@@ -54,6 +58,9 @@ STATE_DIR = ".kvtier"
 """The root's capacity state: ``usage.json``, ``evictor.lock``, ``writers/``, ``evict.request``."""
 USAGE_FILE = "usage.json"
 LOCK_FILE = "evictor.lock"
+TAKEOVER_FILE = "evictor.takeover"
+BEAT_RECORD = 256
+"""Bytes of the heartbeat record in ``evictor.lock``: JSON padded with spaces, pwritten in place."""
 WRITERS_DIR = "writers"
 REQUEST_FILE = "evict.request"
 
@@ -61,6 +68,17 @@ DEFAULT_HIGH = 0.95
 DEFAULT_LOW = 0.85
 DEFAULT_CENSUS_INTERVAL_S = 10.0
 DEFAULT_TOUCH_WINDOW_S = 60.0
+DEFAULT_TAKEOVER_S = 30.0
+"""Seconds an evictor's heartbeat may stay still before another process takes its lock over
+(docs/capacity.md, "One evictor per root": why 30)."""
+BEAT_S = 1.0
+"""The evictor writes its heartbeat at most this often (``takeover_s / 10`` when less)."""
+CENSUS_PROGRESS_EVERY = 1024
+"""A census calls its ``progress`` callback (the evictor's heartbeat) every this many entries."""
+EVICT_BATCH = 16
+EVICT_BATCH_S = 0.05
+"""A pass checks that it still holds the lock before its first unlink, then every
+:data:`EVICT_BATCH` unlinks or :data:`EVICT_BATCH_S` seconds (a stop, a hang: at once after it)."""
 
 LEDGER_PUBLISH_S = 0.05
 """A writer publishes its ledger at most this often (and the capacity thread flushes a
@@ -186,6 +204,7 @@ class CapacityConfig:
     evict_low: float = DEFAULT_LOW
     census_interval_s: float = DEFAULT_CENSUS_INTERVAL_S
     touch_window_s: float = DEFAULT_TOUCH_WINDOW_S
+    takeover_s: float = DEFAULT_TAKEOVER_S
 
     def bound(self, root: str) -> int:
         return parse_max_bytes(self.max_bytes, root)  # type: ignore[return-value]
@@ -194,15 +213,16 @@ class CapacityConfig:
 #: Tier keys of capacity and their defaults (both shells accept them).
 CONFIG_KEYS: Dict[str, Any] = {"max_bytes": None, "evict_high": DEFAULT_HIGH, "evict_low": DEFAULT_LOW,
                                "census_interval_s": DEFAULT_CENSUS_INTERVAL_S,
-                               "touch_window_s": DEFAULT_TOUCH_WINDOW_S}
+                               "touch_window_s": DEFAULT_TOUCH_WINDOW_S, "takeover_s": DEFAULT_TAKEOVER_S}
 
 
 def check_config(max_bytes: Any = None, evict_high: Any = DEFAULT_HIGH, evict_low: Any = DEFAULT_LOW,
                  census_interval_s: Any = DEFAULT_CENSUS_INTERVAL_S,
-                 touch_window_s: Any = DEFAULT_TOUCH_WINDOW_S) -> Optional[CapacityConfig]:
+                 touch_window_s: Any = DEFAULT_TOUCH_WINDOW_S,
+                 takeover_s: Any = DEFAULT_TAKEOVER_S) -> Optional[CapacityConfig]:
     """Check the capacity keys before any I/O: None when ``max_bytes`` is None (off).
     TypeError / ValueError naming the key: a bad size, watermarks not ``0 < low < high <= 1``,
-    an interval or window not > 0."""
+    an interval or ``takeover_s`` not > 0, a window < 0."""
     high, low = _check_float("evict_high", evict_high), _check_float("evict_low", evict_low)
     if not 0 < low < high <= 1:
         raise ValueError(f"the watermarks must satisfy 0 < evict_low < evict_high <= 1 (fractions of max_bytes), "
@@ -213,10 +233,13 @@ def check_config(max_bytes: Any = None, evict_high: Any = DEFAULT_HIGH, evict_lo
         raise ValueError(f"census_interval_s must be > 0 seconds, got {census_interval_s!r}")
     if tw < 0:
         raise ValueError(f"touch_window_s must be >= 0 seconds, got {touch_window_s!r}")
+    to = _check_float("takeover_s", takeover_s)
+    if to <= 0:
+        raise ValueError(f"takeover_s must be > 0 seconds, got {takeover_s!r}")
     if max_bytes is None:
         return None
     parse_max_bytes(max_bytes)  # syntax (a percentage is resolved against the root later)
-    return CapacityConfig(max_bytes, high, low, iv, tw)
+    return CapacityConfig(max_bytes, high, low, iv, tw, to)
 
 
 # ---------------------------------------------------------------------- census
@@ -292,7 +315,7 @@ def fs_room(used: int, st: Any, per_inode: Optional[float]) -> int:
     return used + free
 
 
-def census(root: str, keep_entries: bool = True) -> Census:
+def census(root: str, keep_entries: bool = True, progress: Optional[Callable[[], Any]] = None) -> Census:
     """Scan ``root``: every regular file under it counts its ``st_blocks * 512`` (symlinks
     are not followed, except one in ``root`` named as a rank directory that leads to a
     directory: the tier writes its blocks through it; a filesystem mounted under the root
@@ -302,7 +325,8 @@ def census(root: str, keep_entries: bool = True) -> Census:
     Files that vanish meanwhile are skipped.  Block files (:func:`is_block_path`) are
     listed in ``entries`` (``keep_entries``).  One lstat per file and directory, one
     scandir per directory; a directory's place in the cache layout is decided once, from
-    its name and depth."""
+    its name and depth.  ``progress()`` is called every :data:`CENSUS_PROGRESS_EVERY` entries
+    (the evictor's heartbeat: a census of a million files takes minutes)."""
     c = Census(root=root, scan_started=time.time())
     cpu0 = time.thread_time()
     entries = c.entries
@@ -312,6 +336,7 @@ def census(root: str, keep_entries: bool = True) -> Census:
     rank_re, s1_re, s2_re, block_re = _RANK_RE.match, _SHARD1_RE.match, _SHARD2_RE.match, _BLOCK_RE.match
     S_ISDIR, S_ISREG = _stat.S_ISDIR, _stat.S_ISREG
     total = files = blocks = block_bytes = dirs = size_sum = 0
+    seen, every = 0, CENSUS_PROGRESS_EVERY
     while stack:
         d, layout = stack.pop()
         try:
@@ -322,6 +347,9 @@ def census(root: str, keep_entries: bool = True) -> Census:
         dirs += 1
         with it:
             for e in it:
+                seen += 1
+                if progress is not None and seen % every == 0:
+                    progress()
                 try:
                     st = e.stat(follow_symlinks=False)
                     if layout == 0 and _stat.S_ISLNK(st.st_mode) and rank_re(e.name):
@@ -419,10 +447,11 @@ class EvictResult:
     cpu_s: float = 0.0
 
 
-def evict(c: Census, usage: int, target: int, dry_run: bool = False) -> EvictResult:
+def evict(c: Census, usage: int, target: int, dry_run: bool = False,
+          keep_going: Optional[Callable[[], bool]] = None) -> EvictResult:
     """Remove ``c``'s block files, oldest first (:func:`recency_key`), until ``usage``
     (bytes) is at or below ``target``: :meth:`Candidates.evict` over the census."""
-    return Candidates(c.entries).evict(usage, target, dry_run)
+    return Candidates(c.entries).evict(usage, target, dry_run, keep_going)
 
 
 class Candidates:
@@ -447,22 +476,31 @@ class Candidates:
     def __len__(self) -> int:
         return len(self._entries) - self._next
 
-    def evict(self, usage: int, target: int, dry_run: bool = False) -> EvictResult:
+    def evict(self, usage: int, target: int, dry_run: bool = False,
+              keep_going: Optional[Callable[[], bool]] = None) -> EvictResult:
         """Remove block files, oldest first, until ``usage`` (bytes) is at or below
         ``target``.  Before each unlink an lstat must find the file the census saw (same
         st_dev, st_ino, mtime): a block refreshed by a hit or republished is skipped.
         Then the shard directories emptied (``<h[3:5]>_g<group>``, then ``<h[:3]>``) are
         removed with rmdir (never the rank or layout directories): a store racing it gets
         ENOENT at its temp's open and makes the parents again (error table P21).
-        ``dry_run``: nothing removed or consumed; the result lists what would be."""
+        ``dry_run``: nothing removed or consumed; the result lists what would be.
+        ``keep_going()`` (the evictor: still the lock's holder?) is asked before the first
+        unlink, then every :data:`EVICT_BATCH` entries or :data:`EVICT_BATCH_S` seconds;
+        False ends the pass there."""
         r = EvictResult(usage_before=usage, usage_after=usage, target=target, dry_run=dry_run)
         if usage <= target:
             return r
         cpu0 = time.thread_time()
         dirs = set()
         entries, i, n = self._entries, self._next, len(self._entries)
-        lstat, unlink, S_ISREG = os.lstat, os.unlink, _stat.S_ISREG
+        lstat, unlink, S_ISREG, mono = os.lstat, os.unlink, _stat.S_ISREG, time.monotonic
+        asked_i, asked_t = i, -math.inf  # ask before the first unlink
         while i < n and usage > target:
+            if keep_going is not None and (i - asked_i >= EVICT_BATCH or mono() - asked_t >= EVICT_BATCH_S):
+                if not keep_going():
+                    break
+                asked_i, asked_t = i, mono()
             mtime, _, dev, ino, path = entries[i]
             i += 1
             try:
@@ -669,17 +707,30 @@ class EvictorLock:
     through one fd, held until :meth:`release` (or the process ends: the kernel drops it,
     SIGKILL included).  POSIX locks belong to the process: only one object per process and
     root may exist (:class:`RootCapacity` is that), and no other code may open and close
-    that file (a close of any fd of it drops the lock)."""
+    that file (a close of any fd of it drops the lock).
 
-    def __init__(self, root: str) -> None:
+    The holder's **heartbeat** is the file's content: ``{"by": "host:pid", "seq": n, "t":
+    time.time()}`` padded to :data:`BEAT_RECORD` bytes, pwritten through the locked fd by
+    :meth:`beat` (fdatasync'd on NFS, whose client would hold it back for ~30 s).  Another
+    process that sees ``seq`` still for ``takeover_s`` by its own clock replaces the file
+    (:meth:`take_over`); the holder sees that at its next :meth:`check`."""
+
+    def __init__(self, root: str, beat_s: float = BEAT_S) -> None:
         self.path = os.path.join(state_dir(root), LOCK_FILE)
         self._fd: Optional[int] = None
         self.held = False
+        self.by = f"{socket.gethostname()}:{os.getpid()}"
+        self.beat_s = beat_s
+        self.seq = 0
+        self._beat_at = -math.inf
+        m = mount_of(root)
+        self._sync = m is not None and m.kind == "nfs"
 
     def try_acquire(self) -> bool:
         if self.held:
             return True
         if self._fd is None:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)  # .kvtier/ removed under a running tier
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -688,13 +739,41 @@ class EvictorLock:
                 return False
             raise
         self.held = True
+        if not self.check():  # the file was replaced under this fd (taken over): a lock on it is none
+            return False
+        self.beat(force=True)
         return True
+
+    def beat(self, force: bool = False) -> None:
+        """The holder: write the next heartbeat record, at most every ``beat_s`` (``force``:
+        now).  An error is ignored: a missed beat at worst lets another process take over."""
+        mono = time.monotonic()
+        if not self.held or (not force and mono - self._beat_at < self.beat_s):
+            return
+        self._beat_at = mono
+        self.seq += 1
+        b = json.dumps({"by": self.by, "seq": self.seq, "t": time.time()}).encode()
+        try:
+            os.pwrite(self._fd, b + b" " * max(0, BEAT_RECORD - 1 - len(b)) + b"\n", 0)  # type: ignore[arg-type]
+            if self._sync:
+                os.fdatasync(self._fd)  # type: ignore[arg-type]
+        except OSError:
+            pass
+
+    def still_held(self) -> bool:
+        """The holder between steps: :meth:`beat`, then :meth:`check`; False when it holds
+        no lock (any more)."""
+        if not self.held:
+            return False
+        self.beat()
+        return self.check()
 
     def check(self) -> bool:
         """False (and the lock dropped: the next :meth:`try_acquire` opens the file anew)
         when ``evictor.lock`` is no longer the file this fd locks: removed or replaced
-        (``rm -rf .kvtier`` under a running tier).  Its holder held a lock nobody else
-        could see: another process may have made and locked a new file meanwhile."""
+        (taken over from this process while it was stopped, ``rm -rf .kvtier`` under a
+        running tier).  Its holder held a lock nobody else could see: another process may
+        have made and locked a new file meanwhile."""
         if self._fd is None:
             return True
         try:
@@ -703,15 +782,62 @@ class EvictorLock:
                 return True
         except FileNotFoundError:
             pass
-        except OSError:  # a transient error (EIO, ETIMEDOUT on a DFS) says nothing: keep it
-            return True
+        except OSError as e:  # a transient error (EIO, ETIMEDOUT on a DFS) says nothing: keep it
+            if e.errno != errno.ESTALE:  # (NFSv3: the file this fd had was replaced)
+                return True
         self.release()
         return False
+
+    def take_over(self) -> None:
+        """Replace ``evictor.lock`` by a new file locked by this process, whatever holds the
+        old one (the caller judged its holder stopped, under ``evictor.takeover``): the
+        heartbeat written to a temp and the temp locked, then renamed over the old file, so
+        a reader finds the old file or the new locked one.  The old holder keeps a lock on a
+        file no one opens any more; its next :meth:`check` drops it."""
+        tmp = f"{self.path}_{secrets.token_hex(8)}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        old, self._fd, self.held = self._fd, fd, True
+        if old is not None:
+            os.close(old)  # the old file: this process holds no lock on it
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else knows this file yet
+            self.beat(force=True)
+            os.replace(tmp, self.path)
+        except BaseException:
+            self.release()
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
 
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # drops the lock
         self._fd, self.held = None, False
+
+
+def read_heartbeat(root: str) -> Optional[Dict[str, Any]]:
+    """The evictor's heartbeat record of ``root`` (:class:`EvictorLock`): ``by``
+    ("host:pid"), ``seq``, ``t`` (the holder's ``time.time()``), and ``file`` (st_dev,
+    st_ino of ``evictor.lock``: a takeover makes a new one).  None when there is none: no
+    file, an empty one (its holder is an older kvtier: it is never taken over), a torn or
+    foreign content.  Opens and closes the file: never in a process that holds the lock."""
+    try:
+        fd = os.open(os.path.join(state_dir(root), LOCK_FILE), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        d = json.loads(os.pread(fd, 2 * BEAT_RECORD, 0))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    if not (isinstance(d, dict) and isinstance(d.get("by"), str) and _is_count(d.get("seq"))
+            and _is_num(d.get("t"))):
+        return None
+    return {"by": d["by"], "seq": d["seq"], "t": float(d["t"]), "file": (st.st_dev, st.st_ino)}
 
 
 def lock_holder(root: str) -> Optional[int]:
@@ -739,8 +865,8 @@ def lock_holder(root: str) -> Optional[int]:
 # ---------------------------------------------------------------------- one pass
 
 def one_pass(root: str, max_bytes: int, high: float = DEFAULT_HIGH, low: float = DEFAULT_LOW,
-             dry_run: bool = False, force: Optional[str] = None,
-             generation: int = 0, evictor: str = "") -> Tuple[Census, EvictResult, Dict[str, Any]]:
+             dry_run: bool = False, force: Optional[str] = None, generation: int = 0, evictor: str = "",
+             lock: Optional[EvictorLock] = None) -> Tuple[Census, EvictResult, Dict[str, Any]]:
     """A census of ``root`` and, when it passes ``high * max_bytes``, an eviction down to
     ``low * max_bytes``; ``force="drop"`` (a writer dropped a store): down to ``low *
     max_bytes`` whatever the census; ``force="enospc"`` (the filesystem is full): down to
@@ -749,10 +875,12 @@ def one_pass(root: str, max_bytes: int, high: float = DEFAULT_HIGH, low: float =
     adding them would evict twice for the same bytes.  The bound is the one in force, as
     for a tier: ``max_bytes`` or less, when the filesystem has less room (:func:`fs_room`:
     free space or free inodes).  Returns the census, the eviction and the usage record
-    (not published here; its ``room`` is that room)."""
+    (not published here; its ``room`` is that room).  ``lock``, the evictor lock held:
+    beaten during the census, checked during the eviction (a pass taken over stops:
+    :meth:`EvictorLock.still_held`)."""
     if not dry_run:  # dead writers' ledgers go, as at a tier evictor's census
         read_ledgers(root, remove_dead=True)
-    c = census(root)
+    c = census(root, progress=None if lock is None else lock.beat)
     usage = c.bytes
     try:
         room: Optional[int] = fs_room(c.bytes, os.statvfs(root), bytes_per_inode(c))
@@ -765,7 +893,7 @@ def one_pass(root: str, max_bytes: int, high: float = DEFAULT_HIGH, low: float =
         target = int(low * mx)
     else:
         target = usage
-    r = evict(c, usage, target, dry_run=dry_run)
+    r = evict(c, usage, target, dry_run=dry_run, keep_going=None if lock is None else lock.still_held)
     rec = {"bytes": c.bytes if dry_run else r.usage_after, "files": c.files - len(r.evicted) * (not dry_run),
            "blocks": c.blocks - len(r.evicted) * (not dry_run), "scan_started": c.scan_started,
            "scan_finished": c.scan_finished, "evict_finished": time.time(), "generation": generation,
@@ -801,10 +929,10 @@ def attach(root: str, config: CapacityConfig, counters: Any = None,
     return h
 
 
-def _resolved(config: CapacityConfig, root: str) -> Tuple[int, float, float, float, float]:
+def _resolved(config: CapacityConfig, root: str) -> Tuple[int, float, float, float, float, float]:
     """The knobs as values: ``"1G"``, ``"1024M"`` and ``1073741824`` are one bound."""
     return (config.bound(root), config.evict_high, config.evict_low, config.census_interval_s,
-            config.touch_window_s)
+            config.touch_window_s, config.takeover_s)
 
 
 class Handle:
@@ -912,7 +1040,14 @@ class RootCapacity:
         self._asked_at = 0.0
         self._wake = threading.Event()
         self._stop = False
-        self.lock = EvictorLock(root)
+        self.takeover_s = config.takeover_s
+        self.lock = EvictorLock(root, beat_s=min(BEAT_S, self.takeover_s / 10))
+        # the holder's heartbeat as this process last saw it change: (file, by, seq), and when
+        # (time.monotonic(): another node's clock never counts)
+        self._beat_seen: Optional[Tuple[Any, str, int]] = None
+        self._beat_moved = 0.0
+        self.takeovers = 0  # times this process took the lock over from a still holder
+        self.stepped_down = 0  # times this process found its lock taken over (or its file gone)
         # the lock file must open (a read-only or non-file evictor.lock would fail every
         # tick: no census, no eviction, every store dropped once full): OSError with the
         # path now.  This process holds no lock of it yet, so this close drops none.
@@ -1140,7 +1275,7 @@ class RootCapacity:
             self._ledger_fd, self._dirty = fd, True
             logger.warning("kvtier capacity: %s was removed under the running tier: made again",
                            state_dir(self.root))
-        if not self.lock.check():
+        if not (self._still_evictor() if self.lock.held else self.lock.check()):
             self._next_census = 0.0  # try the new lock file at once
 
     def _refresh(self) -> None:
@@ -1185,9 +1320,12 @@ class RootCapacity:
             while self._touch_q and len(batch) < 256:
                 batch.append(self._touch_q.popleft())
             self.stamp(batch, force=False)
+            self.lock.beat()
         req = self._request
         if not self.lock.held and (mono >= self._next_census or req):
             self.lock.try_acquire()
+            if not self.lock.held:
+                self._watch_holder()
             if not self.lock.held:
                 self._next_census = mono + self.interval
                 if req:  # ask the holder
@@ -1203,6 +1341,7 @@ class RootCapacity:
             self._next_census = 0.0  # just took over: a census now
         if not self.lock.held:
             return
+        self.lock.beat()
         self._read_request_file()
         req = self._request
         cands = self._cands
@@ -1220,6 +1359,65 @@ class RootCapacity:
             self._evict_more(req)
             if self._next_census == 0.0:  # the candidates ran out short of the target: census now
                 self._census_pass(req)
+
+    def _watch_holder(self) -> None:
+        """Not the evictor: note when the holder's heartbeat last changed, by this clock; when
+        it has been still for ``takeover_s`` (the holder is stopped: SIGSTOP, a paused VM, its
+        evictor stuck on a hung file), take the lock over.  Under ``evictor.takeover``
+        (non-blocking: one taker at a time; after ``2 × takeover_s`` without it: its holder is
+        a taker stopped in the middle) the lock is tried once more and the heartbeat read
+        again: a holder that died or moved meanwhile is not taken over."""
+        hb = read_heartbeat(self.root)
+        if hb is None:
+            return  # no heartbeat (an older kvtier holds it): never taken over
+        seen, mono = (hb["file"], hb["by"], hb["seq"]), time.monotonic()
+        if seen != self._beat_seen:
+            self._beat_seen, self._beat_moved = seen, mono
+            return
+        still = mono - self._beat_moved
+        if still < self.takeover_s:
+            return
+        try:
+            fd = os.open(os.path.join(state_dir(self.root), TAKEOVER_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                         0o644)
+        except OSError:
+            return
+        try:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                if still < 2 * self.takeover_s:
+                    return  # another process is taking over now
+            if self.lock.try_acquire():
+                return  # freed meanwhile: taken the plain way
+            hb = read_heartbeat(self.root)
+            if hb is None or (hb["file"], hb["by"], hb["seq"]) != seen:
+                return  # it moved (or another process took over): watch it again
+            self.lock.take_over()
+        except OSError:
+            return  # the takeover failed (the temp could not be made, ...): try again later
+        finally:
+            os.close(fd)
+        self.takeovers += 1
+        self._beat_seen = None
+        logger.warning("kvtier capacity: took the evictor lock of %s over from %s, whose heartbeat (seq %d) had not "
+                       "changed for %.1f s (takeover_s %s: stopped or hung); this process (%s) evicts now",
+                       self.root, hb["by"], hb["seq"], still, self.takeover_s, self.lock.by)
+
+    def _still_evictor(self) -> bool:
+        """The evictor, between steps: beat, and check that ``evictor.lock`` is still the
+        file this process locks.  False, with a warning, when it is not (taken over while
+        this process was stopped, or ``.kvtier/`` removed): then it evicts and publishes
+        nothing more until it holds the lock again."""
+        if not self.lock.held:
+            return False
+        if self.lock.still_held():
+            return True
+        self.stepped_down += 1
+        self._next_census = 0.0  # try the new lock file at once
+        logger.warning("kvtier capacity: %s is no longer the file this process (%s) locks (taken over, or "
+                       ".kvtier/ removed): it is no evictor of %s any more", self.lock.path, self.lock.by, self.root)
+        return False
 
     def _read_request_file(self) -> None:
         """The evictor: a request file newer than the last one seen is a request."""
@@ -1247,10 +1445,12 @@ class RootCapacity:
         read_ledgers(self.root, max_age=2 * self.interval + 1.0, skip=self.name, remove_dead=True)
         sweep_state_temps(self.root)
         self.generation = max(self.generation, int((self._usage or {}).get("generation", 0))) + 1
-        c = census(self.root)
+        c = census(self.root, progress=self.lock.beat)
         if c.unreadable and time.monotonic() - self._census_warned >= 60.0:
             self._census_warned = time.monotonic()
             logger.warning("kvtier capacity: %s (this warning at most once a minute)", c.error_text())
+        if not self._still_evictor():
+            return  # taken over during the census: the new evictor counts and publishes
         try:  # the room on the filesystem: what the root holds + what is still free, bytes or inodes
             st = os.statvfs(self.root)
             self._room = fs_room(c.bytes, st, bytes_per_inode(c))
@@ -1308,7 +1508,7 @@ class RootCapacity:
             if census_only:
                 self._publish(u)
             return
-        r = self._cands.evict(est, target)
+        r = self._cands.evict(est, target, keep_going=self._still_evictor)
         freed = r.evicted_bytes
         rec = dict(u, room=self._room, bytes=u["bytes"] - freed, files=u["files"] - len(r.evicted), blocks=u["blocks"] - len(r.evicted),
                    evict_finished=time.time(), evicted=u.get("evicted", 0) + len(r.evicted),
@@ -1345,7 +1545,10 @@ class RootCapacity:
 
     def _publish(self, rec: Dict[str, Any]) -> None:
         """Publish the usage; a failure is a warning at most once a minute (a read-only or
-        full ``.kvtier/`` fails every pass: tens a second), with the count since the last."""
+        full ``.kvtier/`` fails every pass: tens a second), with the count since the last.
+        Nothing when this process is no longer the evictor (:meth:`_still_evictor`)."""
+        if not self._still_evictor():
+            return
         try:
             publish_usage(self.root, rec)
         except OSError as e:

@@ -57,6 +57,7 @@ class TierConfig:
     evict_low: float = _capacity.DEFAULT_LOW
     census_interval_s: float = _capacity.DEFAULT_CENSUS_INTERVAL_S
     touch_window_s: float = _capacity.DEFAULT_TOUCH_WINDOW_S
+    takeover_s: float = _capacity.DEFAULT_TAKEOVER_S
 
     def __post_init__(self) -> None:
         _check_threads("n_read_threads", self.n_read_threads)
@@ -76,7 +77,8 @@ class TierConfig:
 
             check_sweep_after(self.sweep_stale_temps_after)
         object.__setattr__(self, "_capacity", _capacity.check_config(
-            self.max_bytes, self.evict_high, self.evict_low, self.census_interval_s, self.touch_window_s))
+            self.max_bytes, self.evict_high, self.evict_low, self.census_interval_s, self.touch_window_s,
+            self.takeover_s))
 
     @property
     def capacity(self) -> Optional[_capacity.CapacityConfig]:

@@ -11,8 +11,9 @@ its census to ``ROOT/.kvtier/usage.json`` as a tier's evictor does.
 Exit status: 0 done; 1 the root is missing or holds no cache (no ``.kvtier/``, no
 ``<model>_<digest>_r<rank>/``: a real run refuses it, ``--dry-run`` censuses it), another process holds the evictor lock (it
 enforces its own bound), an eviction failed, part of the root could not be read (EACCES,
-EIO: the census is low by it; the pass still ran), or ``.kvtier/`` cannot be used (the lock
-opened, the census published); 2 bad arguments.
+EIO: the census is low by it; the pass still ran), ``.kvtier/`` cannot be used (the lock
+opened, the census published), or the lock was taken over during the pass (this process
+was stopped longer than the tiers' ``takeover_s``); 2 bad arguments.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import json
 import os
 import socket
 import sys
+import time
 
 from kvtier._tier import capacity as _cap
 
@@ -84,9 +86,10 @@ def cmd_evict(args: argparse.Namespace) -> int:
             lock.release()
             return 1
         if not got:
-            u = _cap.read_usage(root) or {}
+            u, hb = _cap.read_usage(root) or {}, _cap.read_heartbeat(root)
+            beat = "" if hb is None else f"; heartbeat {time.time() - hb['t']:.0f} s old by {hb['by']}, seq {hb['seq']}"
             print(f"kvtier evict: another process holds the evictor lock of {root} (pid {_cap.lock_holder(root)} by "
-                  f"F_GETLK; latest census by {u.get('evictor', '?')}): it enforces its own bound; nothing done",
+                  f"F_GETLK{beat}; latest census by {u.get('evictor', '?')}): it enforces its own bound; nothing done",
                   file=sys.stderr)
             lock.release()
             return 1
@@ -95,8 +98,12 @@ def cmd_evict(args: argparse.Namespace) -> int:
         gen = int(u.get("generation", 0)) + 1
         c, r, rec = _cap.one_pass(root, bound, cfg.evict_high, cfg.evict_low, dry_run=args.dry_run,  # type: ignore
                                   force="drop" if args.force else None, generation=gen,
-                                  evictor=f"{socket.gethostname()}:{os.getpid()}")
-        if not args.dry_run:
+                                  evictor=f"{socket.gethostname()}:{os.getpid()}", lock=lock)
+        if lock is not None and not lock.still_held():
+            print(f"kvtier evict: the evictor lock of {root} was taken over during the pass (this process was "
+                  f"stopped for more than the tiers' takeover_s?): census not published", file=sys.stderr)
+            published = False
+        elif not args.dry_run:
             try:
                 _cap.publish_usage(root, rec)
             except OSError as e:  # the eviction is done; the tiers census again themselves

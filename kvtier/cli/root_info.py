@@ -2,13 +2,15 @@
 
 Everything here is read from what the root already has: its mount (mountinfo, statvfs),
 its rank directories (one listing of ROOT), the latest census its evictor published
-(``ROOT/.kvtier/usage.json``), the writers' ledgers (``ROOT/.kvtier/writers/``) and the
-evictor lock's holder (F_GETLK).  Nothing is created, changed or counted file by file: a
-fresh count is ``kvtier evict ROOT --max-bytes SIZE --dry-run`` (docs/capacity.md).
+(``ROOT/.kvtier/usage.json``), the writers' ledgers (``ROOT/.kvtier/writers/``), the evictor
+lock's holder (F_GETLK) and its heartbeat (the lock file's record).  Nothing is created,
+changed or counted file by file: a fresh count is ``kvtier evict ROOT --max-bytes SIZE
+--dry-run`` (docs/capacity.md).
 """
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Dict, Optional
 
 from kvtier._tier import capacity as _cap
@@ -19,8 +21,9 @@ def root_info(root: str, now: Optional[float] = None) -> Dict[str, Any]:
     ``filesystem`` (mount point, fstype, kind, size, free bytes and inodes), ``load_landing``
     (what ``auto`` picks here, and why), ``rank_dirs`` (the ``<model>_<digest>_r<rank>``
     directories), ``capacity`` (None for a root no evictor has censused, else the latest
-    census: used and max bytes, its age, its evictor, the live writers' ledgers and the
-    lock's holder).  OSError (ENOENT / ENOTDIR with the path) when ``root`` is no directory."""
+    census: used and max bytes, its age, its evictor, the live writers' ledgers, the
+    lock's holder and its heartbeat: ``by``, ``seq``, ``age_s`` by the holder's clock).
+    OSError (ENOENT / ENOTDIR with the path) when ``root`` is no directory."""
     import errno
 
     from kvtier._tier import landing
@@ -42,7 +45,10 @@ def root_info(root: str, now: Optional[float] = None) -> Dict[str, Any]:
     c = capacity_summary(root, now)
     if c is not None:
         ledgers, _, live = _cap.read_ledgers(root, now=now)
-        c.update(writers_live=live, writers_bytes=ledgers, lock_holder=_cap.lock_holder(root))
+        hb = _cap.read_heartbeat(root)
+        beat = None if hb is None else {"by": hb["by"], "seq": hb["seq"],
+                                        "age_s": (time.time() if now is None else now) - hb["t"]}
+        c.update(writers_live=live, writers_bytes=ledgers, lock_holder=_cap.lock_holder(root), heartbeat=beat)
     return {"root": root, "filesystem": fs, "load_landing": {"auto": mode, "why": why},
             "rank_dirs": ranks, "capacity": c}
 
@@ -69,5 +75,8 @@ def print_root_info(d: Dict[str, Any]) -> None:
     counts = "".join(f", {c[k]:,} {k}" for k in ("files", "blocks") if isinstance(c.get(k), int))
     print(f"  capacity:     {usage_text(c)}{counts} at the latest census ({census_age_text(c)})")
     holder = "free (no evictor runs now)" if c["lock_holder"] is None else f"held by pid {c['lock_holder']}"
+    hb = c["heartbeat"]
+    if c["lock_holder"] is not None and hb is not None:
+        holder += f" (heartbeat {hb['age_s']:.0f} s old, by {hb['by']})"
     print(f"  writers:      {c['writers_live']} live, {c['writers_bytes']:,} bytes stored since their "
           f"ledgers' census; evictor lock {holder}")
