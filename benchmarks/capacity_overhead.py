@@ -1,99 +1,60 @@
 #!/usr/bin/env python3
-"""What a capacity bound costs the I/O: store and load throughput and CPU with ``max_bytes`` on
-(a full root, its evictor evicting during the stores) against the same tier unbounded
+"""What a capacity bound costs the I/O: store and load throughput and CPU of a full bounded root
+in steady state (its evictor evicting as the stores come) against the same tier unbounded
 (issue 22's target: bound on >= 0.97 x off).
 
     python benchmarks/capacity_overhead.py                        # /var/tmp, 256 KiB and 2 MiB blocks
-    python benchmarks/capacity_overhead.py --root /mnt/nvme --sizes 2M --rounds 20
+    python benchmarks/capacity_overhead.py --root /mnt/nvme --sizes 2M --runs 10
 
-Two tiers (FileSystemTierManager, checksums on, O_DIRECT where the root allows it, 16 read
-+ 16 write threads), each on its own root under ``--root``: ``off`` without a bound, ``on``
-with ``max_bytes`` = 20 cells (a cell: ``--jobs`` jobs of ``--blocks-per-job`` blocks; the
-band between the high watermark and the bound holds one cell, so no store is dropped) and
-a census interval of an hour. Before each round the bounded root is topped up with filler
-block files (allocated with posix_fallocate, older mtimes than anything stored, named as
-blocks of its layout, so the evictor evicts them first) to the high watermark less half a
-cell, and a census is made (its candidates: the filler and the older stores), outside the
-timing: no census runs in a timed pass, as on a large root whose census interval is long. So each store pass crosses the high watermark halfway and
-the evictor (a thread of the same process) evicts down to the low one while the stores run:
-its CPU, its unlinks and its stamps are inside the bounded tier's numbers. Per round, in a
-shuffled order (seeded): the tier stores one cell of fresh keys (submit all jobs, drain),
-then loads them back into a zeroed buffer; every loaded byte is compared with what was
-stored. The unbounded root keeps what it stored (it grows by a cell a round, as an
-unbounded cache does; removing its files between rounds would make its stores create the
-shard directories the bounded root keeps).
-Reported per mode: median wall time and GB/s of the stores and the loads (submit ..
-drained), process CPU (all threads: the pool, the evictor; from the submit until the
-evictor made no pass for 0.25 s, or 0.25 s after the drain unbounded) per GiB moved, the spread (min-max), on / off ratios,
-and what the evictor did (blocks evicted, passes, dropped stores: a dropped store fails
-the round's load of its blocks, which is counted, not timed away).
+Per block size, two roots under ``--root``: ``off`` (no bound) and ``on`` (``max_bytes`` =
+``--bound-cells`` cells; a cell: ``--jobs`` jobs of ``--blocks-per-job`` blocks). Before the
+first run the bounded root is filled to its high watermark less half a cell with filler block
+files (posix_fallocate, mtimes an hour old, named as blocks of its layout), so from its first
+store on it is a full cache: every cell stored makes the evictor evict about a cell, in bursts
+from the high watermark down to the low one, while the stores go on.
+
+A run is one process (FileSystemTierManager, checksums on, O_DIRECT where the root allows it,
+``--threads`` read + write threads, the tier's default census interval) doing ``--rounds``
+rounds back to back, each storing one cell of fresh keys (submit all jobs, drain) and loading
+it back into a zeroed buffer, every byte compared. Runs alternate off, on, off, on... (``--runs``
+each), so the two modes see the same machine; the unbounded root is emptied between its runs
+(outside the timing), the bounded one keeps its contents. Each run reports the wall time of
+its store and load passes and its process CPU (all threads: the pool, the capacity thread's
+census, evictions and stamps) from its first submit to its last drain.
+
+Reported per mode: throughput = bytes stored (loaded) / the sum of the passes' wall times
+(a dropped store moves nothing and is not counted as moved),
+with the spread of the runs, CPU per GiB moved (stores + loads), on / off ratios (of the
+totals, and the median of the run pairs), and what the evictor did (blocks evicted, its
+thread's CPU per evicted block with its censuses, stores dropped: a dropped store fails the
+round's load of its blocks, which is counted, not hidden).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import random
 import secrets
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 
-import numpy as np
-
-from kvtier._tier import capacity as cap
-from kvtier.manager import FileSystemTierManager, TransferJob, filesystem_type
-
 GiB = 1 << 30
-
-
-def parse_size(s: str) -> int:
-    return cap.parse_size(s, "--sizes")
 
 
 def fmt_size(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
-def settle(mgr, quiet_s=0.25):
-    """Wait (asleep: no CPU of this thread) until a bounded tier's evictor made no pass
-    for ``quiet_s`` (the eviction a store pass asked for is done: it must not run into the
-    other mode's next pass in this process), or ``quiet_s`` for an unbounded one."""
-    rc = cap.root_capacity(mgr.root_dir)
-    if rc is None:
-        time.sleep(quiet_s)
-        return
-    end = time.monotonic() + 30
-    while time.monotonic() < end:
-        n = rc.passes
-        time.sleep(quiet_s)
-        if rc.passes == n:
-            return
+# --------------------------------------------------------------------------- one run (a process)
+def fill(mgr, bs: int, target: int) -> int:
+    """Filler block files until the root's usage estimate reaches ``target`` bytes, then a
+    census (its candidates: the filler, oldest first); returns the files made."""
+    from kvtier._tier import capacity as cap
 
-
-def one_pass(mgr, op, keys, per_job, job_base):
-    """``(wall, cpu, cpu_settled, blocks failed)``: wall time of the jobs (submit ..
-    drained), the process CPU (every thread) over it, and until the tier settled after
-    them (:func:`settle`: the eviction the pass asked for is in it)."""
-    jobs = [TransferJob(job_base + j, keys[j * per_job:(j + 1) * per_job], list(range(j * per_job, (j + 1) * per_job)))
-            for j in range(len(keys) // per_job)]
-    submit = mgr.submit_load if op == "load" else mgr.submit_store
-    c0, t0 = time.process_time(), time.perf_counter()
-    for j in jobs:
-        submit(j)
-    assert mgr.drain_jobs(timeout=600)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    settle(mgr)
-    cpu_settled = time.process_time() - c0
-    failed = sum(per_job - len(r.successful_keys) for r in mgr.get_finished_jobs())
-    return wall, cpu, cpu_settled, failed
-
-
-def top_up(mgr, bs: int, target: int) -> int:
-    """Filler block files in ``mgr``'s rank directory until its root's usage reaches
-    ``target`` bytes, then a census (it has the filler as eviction candidates, oldest
-    first); returns the files made.  Their mtimes are an hour old and older."""
     rc = cap.root_capacity(mgr.root_dir)
     n = max(0, (target - rc.estimate()) // bs)
     old = time.time() - 3600
@@ -107,132 +68,164 @@ def top_up(mgr, bs: int, target: int) -> int:
             os.close(fd)
         os.utime(p, (old - i, old - i))
     filled = time.time()
-    rc._next_census = 0.0  # (private) a census now: the tier's interval is an hour, none runs in the passes
+    rc._next_census = 0.0  # (private) a census now, not in the tier's interval
     rc._wake.set()
-    end = time.monotonic() + 30
-    while rc.last_census is None or rc.last_census.scan_started <= filled or rc.passes == 0:
-        assert time.monotonic() < end, "no census after the top-up"
+    end = time.monotonic() + 60
+    while rc.last_census is None or rc.last_census.scan_started <= filled:
+        assert time.monotonic() < end, "no census after the fill"
         time.sleep(0.02)
-    settle(mgr)
     return n
 
 
-def run_size(args, base: str, bs: int) -> dict:
-    per_job, n_jobs = args.blocks_per_job, args.jobs
+def worker(a) -> dict:
+    import numpy as np
+
+    from kvtier._tier import capacity as cap
+    from kvtier.manager import FileSystemTierManager, TransferJob
+
+    bs, per_job, n_jobs = a.bs, a.blocks_per_job, a.jobs
     n = per_job * n_jobs
     cell = n * bs
-    bound = 20 * cell
-    rng = np.random.default_rng(bs)
-    src = np.frombuffer(rng.bytes(n * bs), dtype=np.uint8).reshape(n, bs)
+    src = np.frombuffer(np.random.default_rng(bs).bytes(n * bs), dtype=np.uint8).reshape(n, bs)
     buf = np.zeros_like(src)
-    kw = dict(block_size=bs, n_read_threads=args.threads, n_write_threads=args.threads, checksum_blocks=True,
-              use_o_direct=not args.no_o_direct)
-    mgrs = {"off": FileSystemTierManager(buf, os.path.join(base, f"off_{bs}"), "bench/cap", **kw),
-            "on": FileSystemTierManager(buf, os.path.join(base, f"on_{bs}"), "bench/cap", max_bytes=bound,
-                                        census_interval_s=3600, **kw)}
-    rc = cap.root_capacity(mgrs["on"].root_dir)
-    high, low = rc.marks(bound)
-    res = {m: {k: [] for k in ("store", "load", "store_cpu", "load_cpu", "store_cpu_settled", "load_cpu_settled")}
-           for m in mgrs}
-    filler = mism = lost = 0
-    evicted = lambda: mgrs["on"].metrics.counters.snapshot().get("evicted_capacity", 0)  # noqa: E731
-    ev0, ecpu0, cen0 = evicted(), rc.evictor_cpu_s, rc.censuses
-    order_rng = random.Random(args.seed)
-    job_base = 0
+    bound = a.bound_cells * cell if a.worker == "on" else None
+    mgr = FileSystemTierManager(buf, a.worker_root, "bench/cap", block_size=bs, n_read_threads=a.threads,
+                                n_write_threads=a.threads, checksum_blocks=True, use_o_direct=not a.no_o_direct,
+                                max_bytes=bound)
+    rc = cap.root_capacity(a.worker_root)
+    out = {"store": [], "load": [], "failed": 0, "failed_store": 0, "failed_load": 0, "mismatched": 0, "filler": 0}
     try:
-        for rnd in range(args.rounds + 1):  # round 0 warms up, not counted
-            filler += top_up(mgrs["on"], bs, high - cell // 2)
-            if rnd == 1:
-                ev0, ecpu0, cen0 = evicted(), rc.evictor_cpu_s, rc.censuses
-            modes = list(mgrs)
-            order_rng.shuffle(modes)
-            for m in modes:
-                mgr = mgrs[m]
-                keys = [(secrets.token_bytes(16), 0) for _ in range(n)]
-                buf[:] = src
-                store = one_pass(mgr, "store", keys, per_job, job_base)
-                job_base += n_jobs
-                buf[:] = 0
-                load = one_pass(mgr, "load", keys, per_job, job_base)
-                job_base += n_jobs
-                if load[3] == 0:
-                    mism += int(np.count_nonzero(buf != src))
-                lost += store[3] + load[3]
-                if rnd:
-                    for op, r in (("store", store), ("load", load)):
-                        res[m][op].append(r[0])
-                        res[m][op + "_cpu"].append(r[1])
-                        res[m][op + "_cpu_settled"].append(r[2])
-        usage = cap.read_usage(mgrs["on"].root_dir)
-        ecpu, cens = rc.evictor_cpu_s - ecpu0, rc.censuses - cen0
+        if rc is not None:
+            assert rc.wait_pass(60, after=0), "no first census"
+            high = rc.marks(bound)[0]
+            if rc.estimate() < high - cell:  # the first run: make it a full cache
+                out["filler"] = fill(mgr, bs, high - cell // 2)
+            ev0, ecpu0, cen0 = mgr.metrics.counters.snapshot().get("evicted_capacity", 0), rc.evictor_cpu_s, \
+                rc.censuses
+        job = 0
+        c0 = time.process_time()
+        for _ in range(a.rounds):
+            keys = [(secrets.token_bytes(16), 0) for _ in range(n)]
+            for op, submit in (("store", mgr.submit_store), ("load", mgr.submit_load)):
+                buf[:] = src if op == "store" else 0
+                t0 = time.perf_counter()
+                for j in range(n_jobs):
+                    rows = list(range(j * per_job, (j + 1) * per_job))
+                    submit(TransferJob(job, keys[j * per_job:(j + 1) * per_job], rows))
+                    job += 1
+                assert mgr.drain_jobs(timeout=600)
+                out[op].append(time.perf_counter() - t0)
+                failed = sum(per_job - len(r.successful_keys) for r in mgr.get_finished_jobs())
+                out["failed"] += failed
+                out["failed_" + op] += failed
+                if op == "load" and not failed:
+                    out["mismatched"] += int(np.count_nonzero(buf != src))
+        out["cpu_s"] = time.process_time() - c0
+        out["bytes"] = 2 * a.rounds * cell - (out["failed_store"] + out["failed_load"]) * bs  # moved
+        if rc is not None:
+            snap = mgr.metrics.counters.snapshot()
+            out.update(evicted=snap.get("evicted_capacity", 0) - ev0, dropped=snap.get("stores_dropped", 0),
+                       evictor_cpu_s=rc.evictor_cpu_s - ecpu0, censuses=rc.censuses - cen0,
+                       used=rc.estimate(), bound=bound)
     finally:
-        for mgr in mgrs.values():
-            mgr.shutdown()
-    return {"bs": bs, "cell": cell, "bound": bound, "res": res, "mismatched": mism, "failed_blocks": lost,
-            "filler": filler, "evicted": evicted() - ev0, "evictor_cpu_s": ecpu, "censuses": cens,
-            "usage_end": usage["bytes"] if usage else None, "high": high, "low": low}
+        mgr.shutdown()
+    return out
 
 
-def report(d: dict, rounds: int) -> None:
+# --------------------------------------------------------------------------- the driver
+def run_size(a, base: str, bs: int) -> dict:
+    roots = {m: os.path.join(base, f"{m}_{bs}") for m in ("off", "on")}
+    runs = {"off": [], "on": []}
+    for i in range(a.runs):
+        for m in (("off", "on") if i % 2 == 0 else ("on", "off")):
+            if m == "off":
+                shutil.rmtree(roots[m], ignore_errors=True)
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", m, "--worker-root", roots[m],
+                   "--bs", str(bs), "--jobs", str(a.jobs), "--blocks-per-job", str(a.blocks_per_job),
+                   "--threads", str(a.threads), "--rounds", str(a.rounds), "--bound-cells", str(a.bound_cells)]
+            if a.no_o_direct:
+                cmd.append("--no-o-direct")
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            if p.returncode:
+                raise RuntimeError(f"the {m} run failed ({p.returncode}): {p.stderr[-3000:]}")
+            runs[m].append(json.loads(p.stdout.splitlines()[-1]))
+    return {"bs": bs, "cell": a.jobs * a.blocks_per_job * bs, "runs": runs}
+
+
+def report(d: dict, a) -> bool:
     cell = d["cell"]
-    print(f"\n## {fmt_size(d['bs'])} blocks: cell {cell >> 20} MiB, max_bytes {d['bound'] >> 20} MiB "
-          f"(high {d['high'] >> 20}, low {d['low'] >> 20} MiB), {rounds} rounds")
-    print("| mode | store ms median [min-max] | store GB/s | store CPU s/GiB: pass, settled | "
-          "load ms median [min-max] | load GB/s | load CPU s/GiB: pass, settled |")
-    print("|---|---|---|---|---|---|---|")
-    med = {}
-    for m, r in d["res"].items():
+    runs = d["runs"]
+    print(f"\n## {fmt_size(d['bs'])} blocks: cell {cell >> 20} MiB, bound {a.bound_cells} cells = "
+          f"{a.bound_cells * cell >> 20} MiB; {a.runs} runs per mode x {a.rounds} rounds")
+    print("| mode | store GB/s stored [runs min-max] | load GB/s loaded [runs min-max] | CPU s/GiB moved [runs min-max] |")
+    print("|---|---|---|---|")
+    tot = {}
+    for m in ("off", "on"):
+        rs = runs[m]
         row = [m]
-        for op in ("store", "load"):
-            ws, cs, ss = r[op], r[op + "_cpu"], r[op + "_cpu_settled"]
-            mw, mc, ms = statistics.median(ws), statistics.median(cs), statistics.median(ss)
-            med[m, op], med[m, op + "_cpu"], med[m, op + "_cpu_settled"] = mw, mc, ms
-            row += [f"{mw * 1e3:.1f} [{min(ws) * 1e3:.1f}-{max(ws) * 1e3:.1f}]", f"{cell / mw / 1e9:.2f}",
-                    f"{mc / (cell / GiB):.3f}, {ms / (cell / GiB):.3f}"]
+        for op in ("store", "load"):  # the bytes moved: a dropped store (and its load) moves none
+            moved = [a.rounds * cell - r["failed_" + op] * d["bs"] for r in rs]
+            per = [b / sum(r[op]) / 1e9 for b, r in zip(moved, rs)]
+            t = sum(moved) / sum(sum(r[op]) for r in rs) / 1e9
+            tot[m, op] = t
+            row.append(f"{t:.2f} [{min(per):.2f}-{max(per):.2f}]")
+        cpu = [r["cpu_s"] / (r["bytes"] / GiB) for r in rs]
+        tot[m, "cpu"] = sum(r["cpu_s"] for r in rs) / (sum(r["bytes"] for r in rs) / GiB)
+        row.append(f"{tot[m, 'cpu']:.3f} [{min(cpu):.3f}-{max(cpu):.3f}]")
         print("| " + " | ".join(row) + " |")
-    on, off = d["res"]["on"], d["res"]["off"]
-    paired = {k: statistics.median(b / a for a, b in zip(on[k], off[k])) for k in ("store", "load")}
-    print(f"on / off throughput: store {med['off', 'store'] / med['on', 'store']:.3f} (paired median "
-          f"{paired['store']:.3f}), load {med['off', 'load'] / med['on', 'load']:.3f} (paired {paired['load']:.3f}); "
-          f"CPU per GiB on / off (pass, settled): store {med['on', 'store_cpu'] / med['off', 'store_cpu']:.3f}, "
-          f"{med['on', 'store_cpu_settled'] / med['off', 'store_cpu_settled']:.3f}; load "
-          f"{med['on', 'load_cpu'] / med['off', 'load_cpu']:.3f}, "
-          f"{med['on', 'load_cpu_settled'] / med['off', 'load_cpu_settled']:.3f} (medians; paired: the ratio in each "
-          f"round)")
-    per = d["evictor_cpu_s"] / d["evicted"] * 1e6 if d["evicted"] else float("nan")
-    print(f"evictor: {d['evicted']} blocks evicted ({d['filler']} filler files made), its thread's CPU "
-          f"{d['evictor_cpu_s']:.3f} s ({per:.1f} us per evicted block, its {d['censuses']} censuses included), "
-          f"usage at the end "
-          f"{(d['usage_end'] or 0) >> 20} MiB; blocks not stored or not loaded: {d['failed_blocks']}; "
-          f"mismatched bytes: {d['mismatched']}")
+    pair = {op: statistics.median(sum(off[op]) / sum(on[op]) for off, on in zip(runs["off"], runs["on"]))
+            for op in ("store", "load")}
+    print(f"on / off: store throughput {tot['on', 'store'] / tot['off', 'store']:.3f} (median of the run pairs "
+          f"{pair['store']:.3f}), load {tot['on', 'load'] / tot['off', 'load']:.3f} ({pair['load']:.3f}); "
+          f"CPU per GiB {tot['on', 'cpu'] / tot['off', 'cpu']:.3f}")
+    on = runs["on"]
+    ev, ecpu = sum(r["evicted"] for r in on), sum(r["evictor_cpu_s"] for r in on)
+    stored = len(on) * a.rounds * a.jobs * a.blocks_per_job
+    print(f"evictor (bounded runs): {ev} blocks evicted for {stored} stored ({on[0]['filler']} filler files first), "
+          f"its thread's CPU {ecpu:.3f} s = {ecpu / ev * 1e6 if ev else float('nan'):.1f} us per evicted block "
+          f"({sum(r['censuses'] for r in on)} censuses included); stores dropped {sum(r['dropped'] for r in on)}; "
+          f"usage at the end {on[-1]['used'] >> 20} MiB of {on[-1]['bound'] >> 20} MiB")
+    failed = sum(r["failed"] for m in runs for r in runs[m])
+    bad = sum(r["mismatched"] for m in runs for r in runs[m])
+    print(f"blocks not stored or not loaded: {failed}; mismatched bytes: {bad}")
+    return bad == 0
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--root", default="/var/tmp", help="directory for the two roots (default /var/tmp)")
+    p.add_argument("--root", default="/var/tmp", help="directory for the roots (default /var/tmp)")
     p.add_argument("--sizes", default="256K,2M", help="block sizes (default 256K,2M)")
     p.add_argument("--jobs", type=int, default=16, help="jobs per pass (default 16)")
     p.add_argument("--blocks-per-job", type=int, default=4, help="blocks per job (default 4)")
     p.add_argument("--threads", type=int, default=16, help="read and write threads each (default 16)")
-    p.add_argument("--rounds", type=int, default=12, help="timed rounds (default 12)")
+    p.add_argument("--runs", type=int, default=4, help="runs (processes) per mode, alternating (default 4)")
+    p.add_argument("--rounds", type=int, default=20, help="store + load rounds per run (default 20)")
+    p.add_argument("--bound-cells", type=int, default=100,
+                   help="the bound, in cells (default 100: the 5%% band between the high watermark and the bound "
+                        "holds 5 cells, the stores of ~5 passes before the evictor must have made room)")
     p.add_argument("--no-o-direct", action="store_true")
-    p.add_argument("--seed", type=int, default=1)
-    args = p.parse_args(argv)
-    base = tempfile.mkdtemp(prefix="kvtier-capoverhead-", dir=args.root)
-    fstype, _ = filesystem_type(base)
-    print(f"capacity_overhead: {base} ({fstype}), checksums on, {args.threads} + {args.threads} threads, "
-          f"{args.jobs} jobs x {args.blocks_per_job} blocks per pass; load average {os.getloadavg()[0]:.1f}; "
+    p.add_argument("--worker", choices=("off", "on"), help=argparse.SUPPRESS)
+    p.add_argument("--worker-root", help=argparse.SUPPRESS)
+    p.add_argument("--bs", type=int, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        print(json.dumps(worker(a)))
+        return 0
+    from kvtier._tier.capacity import parse_size
+    from kvtier.manager import filesystem_type
+
+    base = tempfile.mkdtemp(prefix="kvtier-capoverhead-", dir=a.root)
+    print(f"capacity_overhead: {base} ({filesystem_type(base)[0]}), checksums on, {a.threads} + {a.threads} "
+          f"threads, {a.jobs} jobs x {a.blocks_per_job} blocks per pass; load average {os.getloadavg()[0]:.1f}; "
           f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
-    bad = 0
+    ok = True
     try:
-        for s in args.sizes.split(","):
-            d = run_size(args, base, parse_size(s))
-            report(d, args.rounds)
-            bad += d["mismatched"]
+        for s in a.sizes.split(","):
+            ok &= report(run_size(a, base, parse_size(s, "--sizes")), a)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
-    return 1 if bad else 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
