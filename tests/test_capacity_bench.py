@@ -217,3 +217,19 @@ def test_real_replay_runs_or_says_why(cb, tmp_path):
     assert len(rows) == 2
     assert rows[0][6] == "0" and rows[1][7] == "0"  # the "wrong" column of both runs
     assert os.listdir(tmp_path) == []  # the roots are removed
+
+
+def test_capacity_overhead_runs_both_modes_and_checks_every_byte(tmp_path):
+    """benchmarks/capacity_overhead.py on a tiny grid: both modes' rows, the evictor line,
+    no mismatched byte, the roots removed."""
+    script = os.path.join(HERE, os.pardir, "benchmarks", "capacity_overhead.py")
+    r = subprocess.run([sys.executable, script, "--root", str(tmp_path), "--sizes", "64K", "--runs", "1",
+                        "--rounds", "3", "--jobs", "2", "--blocks-per-job", "2", "--threads", "2", "--no-o-direct"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert "## 64 KiB blocks: cell 0 MiB, bound 100 cells" in out
+    rows = [ln for ln in out.splitlines() if ln.startswith(("| off |", "| on |"))]
+    assert len(rows) == 2 and all(float(ln.split("|")[2].split()[0]) > 0 for ln in rows)
+    assert "evictor (bounded runs): " in out and "mismatched bytes: 0" in out
+    assert os.listdir(tmp_path) == []
