@@ -310,15 +310,10 @@ class FileSystemTierManager:
         if cfg.capacity is not None:
             from kvtier._tier import capacity as _capacity
 
-            try:  # ValueError: another tier of this process bounds the root otherwise; OSError: .kvtier/
-                self.capacity = _capacity.attach(self.root_dir, cfg.capacity, self.metrics.counters)
-                per_block = self.capacity.rc.reserve_of(self.block_size)
-                if self.capacity.rc.max_bytes < per_block:
-                    mx = self.capacity.rc.max_bytes
-                    self.capacity.close()
-                    raise ValueError(f"max_bytes {cfg.capacity.max_bytes!r} ({mx} bytes) is less than one block "
-                                     f"({self.block_size} bytes, {per_block} allocated): no store could ever "
-                                     f"be admitted at {self.root_dir}")
+            try:  # ValueError: a bound below one block, or another tier of this process bounds the root
+                # otherwise; OSError: .kvtier/
+                self.capacity = _capacity.attach(self.root_dir, cfg.capacity, self.metrics.counters,
+                                                 block_size=self.block_size)
             except BaseException:
                 if metrics is None:
                     self.metrics.close()

@@ -910,13 +910,18 @@ _roots_lock = threading.Lock()
 
 
 def attach(root: str, config: CapacityConfig, counters: Any = None,
-           on_evicted: Optional[Callable[[List[str]], None]] = None) -> "Handle":
+           on_evicted: Optional[Callable[[List[str]], None]] = None, block_size: int = 0) -> "Handle":
     """The capacity of ``root`` in this process (one :class:`RootCapacity` per real path:
     one lock fd, one ledger, one thread), attached for one tier: ``counters`` (an engine
     Counters) counts the evictions of this process's evictor, ``on_evicted(paths)`` is
     called on the capacity thread with each pass's evicted block paths.  ValueError when
+    the bound is less than one block of ``block_size`` bytes (nothing could be stored) or
     another tier of this process already bounds the root with other values."""
     real = os.path.realpath(root)
+    mx = config.bound(real)
+    if mx < _alloc(block_size):  # before anything starts: nothing to undo
+        raise ValueError(f"max_bytes {config.max_bytes!r} ({mx} bytes) is less than one block ({block_size} bytes, "
+                         f"{_alloc(block_size)} allocated): no store could ever be admitted at {root}")
     with _roots_lock:
         rc = _roots.get(real)
         if rc is not None and rc.config != config and _resolved(rc.config, real) != _resolved(config, real):

@@ -61,11 +61,11 @@ def cmd_evict(args: argparse.Namespace) -> int:
     lock = None
     published = True
     try:
-        os.scandir(root).close()  # unreadable (EACCES): say so, not "no cache" or "0 bytes"
-    except OSError as e:
+        is_root = _looks_like_a_root(root)
+    except OSError as e:  # unreadable (EACCES): say so, not "no cache" or "0 bytes"
         print(f"kvtier evict: {e}", file=sys.stderr)
         return 1
-    if not args.dry_run and not _looks_like_a_root(root):
+    if not args.dry_run and not is_root:
         print(f"kvtier evict: {root} is no cache root (no .kvtier/ and no <model>_<digest>_r<rank>/ directory in it): "
               f"nothing done (a typo would make .kvtier/ there and scan the whole tree)", file=sys.stderr)
         return 1
