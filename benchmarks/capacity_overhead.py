@@ -123,6 +123,12 @@ def worker(a) -> dict:
         out["cpu_s"] = time.process_time() - c0
         out["bytes"] = 2 * a.rounds * cell - (out["failed_store"] + out["failed_load"]) * bs  # moved
         if rc is not None:
+            end = time.monotonic() + 30  # the pass under way (after the timing) counted too
+            while time.monotonic() < end:
+                n = rc.passes
+                time.sleep(0.25)
+                if rc.passes == n:
+                    break
             snap = mgr.metrics.counters.snapshot()
             out.update(evicted=snap.get("evicted_capacity", 0) - ev0, dropped=snap.get("stores_dropped", 0),
                        evictor_cpu_s=rc.evictor_cpu_s - ecpu0, censuses=rc.censuses - cen0,
@@ -173,7 +179,10 @@ def report(d: dict, a) -> bool:
         tot[m, "cpu"] = sum(r["cpu_s"] for r in rs) / (sum(r["bytes"] for r in rs) / GiB)
         row.append(f"{tot[m, 'cpu']:.3f} [{min(cpu):.3f}-{max(cpu):.3f}]")
         print("| " + " | ".join(row) + " |")
-    pair = {op: statistics.median(sum(off[op]) / sum(on[op]) for off, on in zip(runs["off"], runs["on"]))
+    def rate(r, op):  # bytes moved per second of one run's passes
+        return (a.rounds * cell - r["failed_" + op] * d["bs"]) / sum(r[op])
+
+    pair = {op: statistics.median(rate(on, op) / rate(off, op) for off, on in zip(runs["off"], runs["on"]))
             for op in ("store", "load")}
     print(f"on / off: store throughput {tot['on', 'store'] / tot['off', 'store']:.3f} (median of the run pairs "
           f"{pair['store']:.3f}), load {tot['on', 'load'] / tot['off', 'load']:.3f} ({pair['load']:.3f}); "
