@@ -88,6 +88,11 @@ def test_a_bound_below_one_block_is_refused_at_start_and_leaves_nothing_running(
     with pytest.raises(ValueError) as ei:
         _tier(tmp_path, max_bytes="1K")
     assert "less than one block" in str(ei.value) and f"({BS} bytes" in str(ei.value) and str(tmp_path) in str(ei.value)
+    # exactly one block: the root's own files (config.json, kvtier.json, .kvtier/) leave it no room
+    with pytest.raises(ValueError) as ei:
+        _tier(tmp_path, max_bytes=BS)
+    assert f"plus the root's own files ({cap.STATE_BYTES} bytes)" in str(ei.value)
+    assert f"give at least {BS + cap.STATE_BYTES}" in str(ei.value)
     assert cap.root_capacity(str(tmp_path)) is None
     assert list(tmp_path.glob(".kvtier/writers/*")) == []  # no ledger: refused before the capacity started
     t, _ = _tier(tmp_path, max_bytes=4 * BS)  # the root is free for a tier with a bound that fits
@@ -443,7 +448,24 @@ def test_jobs_larger_than_the_watermark_bands_are_not_dropped_for_ever(tmp_path,
         t.shutdown()
 
 
-def test_the_state_directory_removed_under_a_running_tier_is_made_again(tmp_path, io_backend, monkeypatch):
+def test_a_ledger_removed_as_dead_is_made_again_and_said_so(tmp_path, caplog):
+    """Only this process's ledger gone (an evictor removed it as dead while this process
+    was stopped): made again, and the log says that, not that .kvtier/ was removed."""
+    t, _ = _tier(tmp_path, rows=4, max_bytes=40 * BS, census_interval_s=0.1)
+    try:
+        rc = cap.root_capacity(str(tmp_path))
+        assert rc.wait_pass(5, after=0)
+        with caplog.at_level("WARNING", logger="kvtier._tier.capacity"):
+            os.unlink(rc.ledger_path)
+            _wait_for(lambda: os.path.exists(rc.ledger_path), 5, "the ledger was not made again")
+            _wait_for(lambda: "removed as dead" in caplog.text, 5, "no warning")
+        assert f"this process's ledger {rc.ledger_path} was removed as dead" in caplog.text
+        assert "removed under the running tier" not in caplog.text
+    finally:
+        t.shutdown()
+
+
+def test_the_state_directory_removed_under_a_running_tier_is_made_again(tmp_path, io_backend, monkeypatch, caplog):
     """``rm -rf ROOT/.kvtier`` under a running bounded tier: the ledger, the lock file and
     usage.json come back within an interval, the lock is held on the new file (another
     process is refused it), and stores and eviction go on within the bound. Before, the
@@ -458,6 +480,7 @@ def test_the_state_directory_removed_under_a_running_tier_is_made_again(tmp_path
         assert rc.wait_pass(5, after=0)
         for j in range(4):
             assert _run(t, TransferJob(j, _keys(j, 4), list(range(4))))[0].success
+        caplog.set_level("WARNING", logger="kvtier._tier.capacity")
         shutil.rmtree(tmp_path / ".kvtier")
         end = time.monotonic() + 5
         while not (os.path.exists(rc.ledger_path) and cap.read_usage(str(tmp_path))):
@@ -475,6 +498,7 @@ def test_the_state_directory_removed_under_a_running_tier_is_made_again(tmp_path
         assert r.stdout.strip() == "False", r.stderr
         u = cap.read_usage(str(tmp_path))
         assert u["evictor"].endswith(f":{os.getpid()}") and time.time() - u["scan_started"] < 2
+        assert f"{tmp_path / '.kvtier'} was removed under the running tier: made again" in caplog.text
     finally:
         t.shutdown()
     assert not os.listdir(tmp_path / ".kvtier" / "writers")
@@ -1201,6 +1225,37 @@ def test_kvtier_evict_refuses_a_directory_that_is_no_cache_root(tmp_path):
     assert r.returncode == 1 and f"{tmp_path / 'missing'}: No such file or directory" in r.stderr
     r = subprocess.run(cmd + [str(tmp_path / "notes" / "a.txt")], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 1 and f"{tmp_path / 'notes' / 'a.txt'}: Not a directory" in r.stderr
+
+
+def test_kvtier_scrub_reports_what_it_cannot_read(tmp_path):
+    """An unreadable shard directory: its blocks unchecked, so an ``error`` finding with the
+    path and errno and exit 1, never "clean"; an unreadable ROOT: its EACCES, exit 2, not
+    "no cache found". Root runs the CLI without capabilities (setpriv)."""
+    t, _ = _tier(tmp_path)
+    try:
+        assert _run(t, TransferJob(1, _keys(1, 3), list(range(3))))[0].success
+        rank = t.file_mapper.rank_path
+    finally:
+        t.shutdown()
+    shard = os.path.join(rank, sorted(os.listdir(rank))[0])
+    nocaps = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"] if os.geteuid() == 0 else []
+    cmd = nocaps + [sys.executable, "-m", "kvtier", "scrub", "--no-progress", "--json", str(tmp_path)]
+    os.chmod(shard, 0)
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        d = json.loads(r.stdout)
+        assert r.returncode == 1 and d["clean"] is False and d["counts"]["error"] == 1, (r.stdout, r.stderr)
+        f = [f for f in d["findings"] if f["status"] == "error"]
+        assert f[0]["path"] == shard and "errno 13" in f[0]["detail"] and d["blocks"] < 3
+        os.chmod(tmp_path, 0)
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        assert r.returncode == 2 and "Permission denied" in r.stderr and str(tmp_path) in r.stderr
+        assert "no kvtier or vLLM cache" not in r.stderr
+    finally:
+        os.chmod(tmp_path, 0o755)
+        os.chmod(shard, 0o755)
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0 and json.loads(r.stdout)["counts"]["ok"] == 3
 
 
 def test_kvtier_scrub_shows_a_bounded_roots_last_census(tmp_path):

@@ -92,6 +92,10 @@ TOUCH_LRU = 1 << 16
 """Keys remembered as recently touched (per process and root)."""
 ALLOC_UNIT = 4096
 """A block file's bytes are reserved rounded up to this (what ext4/XFS/tmpfs allocate)."""
+STATE_BYTES = 8 * ALLOC_UNIT
+"""What a root's own files take (``config.json``, ``kvtier.json``, ``.kvtier/``'s ``usage.json``,
+``evictor.lock``, ledgers, ``evict.request``: a filesystem block each): a bound must hold one
+block more than this, else no store is ever admitted."""
 INODE_RESERVE = 8
 """Free inodes the bound leaves free (:func:`fs_room`): the temps of ``usage.json`` and
 ``evict.request`` (written as temp + rename), and the few shard directories that the
@@ -915,13 +919,15 @@ def attach(root: str, config: CapacityConfig, counters: Any = None,
     one lock fd, one ledger, one thread), attached for one tier: ``counters`` (an engine
     Counters) counts the evictions of this process's evictor, ``on_evicted(paths)`` is
     called on the capacity thread with each pass's evicted block paths.  ValueError when
-    the bound is less than one block of ``block_size`` bytes (nothing could be stored) or
+    the bound is less than one block of ``block_size`` bytes plus :data:`STATE_BYTES`
+    (nothing could be stored) or
     another tier of this process already bounds the root with other values."""
     real = os.path.realpath(root)
-    mx = config.bound(real)
-    if mx < _alloc(block_size):  # before anything starts: nothing to undo
+    mx, least = config.bound(real), _alloc(block_size) + STATE_BYTES
+    if mx < least:  # before anything starts: nothing to undo
         raise ValueError(f"max_bytes {config.max_bytes!r} ({mx} bytes) is less than one block ({block_size} bytes, "
-                         f"{_alloc(block_size)} allocated): no store could ever be admitted at {root}")
+                         f"{_alloc(block_size)} allocated) plus the root's own files ({STATE_BYTES} bytes): no store "
+                         f"could ever be admitted at {root}; give at least {least}")
     with _roots_lock:
         rc = _roots.get(real)
         if rc is not None and rc.config != config and _resolved(rc.config, real) != _resolved(config, real):
@@ -1269,6 +1275,7 @@ class RootCapacity:
         except OSError:  # (fstat of an open fd: EIO at most) a transient error says nothing
             gone = False
         if gone:
+            whole = not os.path.isdir(os.path.join(state_dir(self.root), WRITERS_DIR))  # rm -rf .kvtier, or ...
             try:
                 os.makedirs(os.path.join(state_dir(self.root), WRITERS_DIR), exist_ok=True)
                 fd = os.open(self.ledger_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -1278,8 +1285,13 @@ class RootCapacity:
                 return
             os.close(self._ledger_fd)
             self._ledger_fd, self._dirty = fd, True
-            logger.warning("kvtier capacity: %s was removed under the running tier: made again",
-                           state_dir(self.root))
+            if whole:
+                logger.warning("kvtier capacity: %s was removed under the running tier: made again",
+                               state_dir(self.root))
+            else:  # ... only this ledger: the evictor found it stale (this process was stopped or starved)
+                logger.warning("kvtier capacity: this process's ledger %s was removed as dead (not republished "
+                               "for %.0f s: the process was stopped or starved): made again", self.ledger_path,
+                               2 * self.interval + 1.0)
         if not (self._still_evictor() if self.lock.held else self.lock.check()):
             self._next_census = 0.0  # try the new lock file at once
 

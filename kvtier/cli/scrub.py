@@ -61,7 +61,8 @@ old the census is, which process made it). Nothing there is changed; scrub's own
 is of the ``.bin`` files it read, the census's of every file the filesystem allocated.
 
 Exit status: 0 clean, 1 if any corrupt or wrong-size block was found (also with
-``--remove``), or with ``--strict`` any unverified block, 2 for usage errors.
+``--remove``), a directory could not be read (its blocks unchecked), or with ``--strict``
+any unverified block, 2 for usage errors and a ROOT that cannot be listed.
 """
 from __future__ import annotations
 
@@ -390,11 +391,12 @@ def scrub(root: str, block_size: Optional[int] = None, remove: bool = False, pro
     ``{"<rank dir>/g<group>": {"bytes": int or None, "source": str or None}}``; ``counts``
     (per status in :data:`STATUSES`); ``retried`` (blocks whose first read did not match and
     whose re-read did: status ok); ``findings`` (:class:`Finding` as dicts: every non-ok file
-    and every ok block with a note); ``removed`` (paths); ``clean`` (no corrupt or wrong-size
-    block); ``capacity``: :func:`capacity_summary` of a bounded root, else None.
+    and every ok block with a note; a directory the walk could not list is an ``error``
+    finding); ``removed`` (paths); ``clean`` (no corrupt or wrong-size block, no unreadable
+    directory: its blocks were not checked); ``capacity``: :func:`capacity_summary` of a bounded root, else None.
 
-    Raises OSError (ENOENT, ENOTDIR, with filename) if ``root`` is not a directory,
-    ValueError for a non-positive ``block_size``.
+    Raises OSError (ENOENT, ENOTDIR, EACCES, with filename) if ``root`` is not a directory
+    or cannot be listed, ValueError for a non-positive ``block_size``.
     """
     from tqdm import tqdm
 
@@ -403,9 +405,16 @@ def scrub(root: str, block_size: Optional[int] = None, remove: bool = False, pro
     if not os.path.isdir(root):
         e = errno.ENOTDIR if os.path.exists(root) else errno.ENOENT
         raise OSError(e, os.strerror(e), root)
+    os.scandir(root).close()  # an unreadable root: its EACCES, not "no cache found"
     blocks: Dict[tuple, List[tuple]] = collections.defaultdict(list)
     temps: List[Finding] = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    unreadable: List[Finding] = []  # directories the walk could not list: their blocks unseen
+
+    def walk_error(e: OSError) -> None:
+        unreadable.append(Finding(e.filename, "error", 0, None, None,
+                                  f"directory not readable ({e.strerror}, errno {e.errno}): its blocks not checked"))
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=walk_error):
         dirnames.sort()
         for name in [n for n in dirnames if n.endswith(".bin")]:  # at a block path: reported, not walked
             dirnames.remove(name)
@@ -442,7 +451,8 @@ def scrub(root: str, block_size: Optional[int] = None, remove: bool = False, pro
                     findings.append(f)
                 bar.update(size or 0)
     counts["stray_temp"] = len(temps)
-    findings.extend(temps)
+    counts["error"] += len(unreadable)
+    findings.extend(temps + unreadable)
 
     def label(key):
         rel = os.path.relpath(key[0], root)
@@ -460,7 +470,7 @@ def scrub(root: str, block_size: Optional[int] = None, remove: bool = False, pro
         "adopted": [f.path for f in findings if f.adopted],
         "unverified": sum(1 for f in findings if f.status == "no_checksum" and not f.adopted),
         "capacity": capacity_summary(root),
-        "clean": counts["corrupt"] == 0 and counts["wrong_size"] == 0 and not (
+        "clean": counts["corrupt"] == 0 and counts["wrong_size"] == 0 and not unreadable and not (
             strict and any(f.status == "no_checksum" and not f.adopted for f in findings)),
     }
 
@@ -571,8 +581,8 @@ def cmd_scrub(args: argparse.Namespace) -> int:
     """Run ``kvtier scrub`` for parsed ``args`` (root, block_size, remove, json, no_progress).
 
     Prints the report (text or JSON) on stdout.  Returns the exit status: 0 clean, 1 if a
-    corrupt or wrong-size block was found (also when it was removed), 2 if ROOT is not a
-    directory, holds no cache (no block and no config.json / kvtier.json in ROOT or one
+    corrupt or wrong-size block was found (also when it was removed) or a directory could not
+    be read, 2 if ROOT is not a directory or cannot be listed, holds no cache (no block and no config.json / kvtier.json in ROOT or one
     level below: a mistyped path) or ``--block-size`` is not positive (message on stderr).
     """
     try:
