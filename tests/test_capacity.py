@@ -283,8 +283,8 @@ def test_a_garbage_ledger_counts_nothing_and_never_stops_the_evictor(tmp_path):
     skipped = [_ledger(tmp_path, "nan", '{"host": "elsewhere", "pid": 1, "bytes": 1000000000, "t": NaN}'),
                _ledger(tmp_path, "list", [1, 2]), _ledger(tmp_path, "strbytes", {"bytes": "9", "t": now}),
                _ledger(tmp_path, "torn", '{"bytes": 10, "t": 17')]
-    assert cap.read_ledgers(str(tmp_path), now=now, max_age=5.0, since=7.0) == (12345, 12345, 1)
-    assert cap.read_ledgers(str(tmp_path), now=now, max_age=5.0, remove_dead=True) == (12345, 0, 1)
+    assert cap.read_ledgers(str(tmp_path), now=now, max_age=5.0, since=7.0) == (12345, 1)
+    assert cap.read_ledgers(str(tmp_path), now=now, max_age=5.0, remove_dead=True) == (12345, 1)
     assert not any(os.path.exists(p) for p in dead) and all(os.path.exists(p) for p in skipped)
     # and a tier on the root censuses and evicts as usual beside them
     _ledger(tmp_path, "pidstr", {**me, "pid": "x", "bytes": 10**9, "t": time.time() + 3600})
@@ -610,6 +610,89 @@ def _writer_rows(tag, batch=4):
     return np.random.default_rng(tag).integers(0, 255, (batch, BS), dtype=np.uint8)
 
 
+def test_a_ledger_counts_only_what_ended_after_the_readers_census(tmp_path):
+    """A writer's ledger lists its ended jobs by age (``done`` buckets, each stamped with
+    its newest end): a reader whose census began after a bucket's stamp counts it as in
+    the census, whatever census the writer last read (it double-counted a writer's bytes
+    until that writer read the new census: stores that fit were dropped). Another host's
+    buckets keep CLOCK_SKEW_S of margin; a ledger without buckets (an older kvtier), or
+    one that counts from a newer census than the reader's, counts all its bytes."""
+    host, boot, ns = cap._host_identity()
+    now = time.time()
+    d = {"host": host, "boot": boot, "pidns": ns, "pid": os.getpid(), "t": now, "since": now - 10.0,
+         "bytes": 700, "inflight": 100, "done": [[now - 5.0, 200], [now - 1.1, 300], [now - 0.01, 100]]}
+    assert cap.ledger_bytes(d, now - 10.0, host) == 700  # the writer's own census: everything
+    assert cap.ledger_bytes(d, now - 3.0, host) == 500  # a newer census: the bucket of -5 s is in it
+    assert cap.ledger_bytes(d, now - 1.0, host) == 200  # running 100 + the bucket of -10 ms
+    assert cap.ledger_bytes(d, now - 1.0, "node2") == 500  # census of another node: 1 s of skew margin
+    assert cap.ledger_bytes(d, None, host) == 700
+    assert cap.ledger_bytes(dict(d, since=now), now - 0.2, host) == 700  # counts from a newer census
+    old = {k: v for k, v in d.items() if k not in ("done", "inflight")}
+    assert cap.ledger_bytes(old, now - 0.2, host) == 700
+    assert cap.ledger_bytes(dict(d, done=[["x", 1]]), now - 0.2, host) == 700  # a bad bucket: all
+    # read_ledgers sums them so
+    _ledger(tmp_path, "w1", d)
+    assert cap.read_ledgers(str(tmp_path), now=now, since=now - 1.0, census_host=host) == (200, 1)
+    assert cap.read_ledgers(str(tmp_path), now=now) == (700, 1)
+    # the buckets a writer keeps: one per LEDGER_AGES age, stamped with the newest end
+    ends = [(now - a, 1) for a in (9.0, 3.0, 1.0, 0.9, 0.3, 0.03, 0.02, 0.001, 0.0)]
+    b = cap.ledger_buckets(ends, now)
+    assert b == [(now - 3.0, 2), (now - 0.9, 2), (now - 0.3, 1), (now - 0.03, 1), (now - 0.0, 3)]
+    assert sum(n for _, n in b) == len(ends) and len(cap.ledger_buckets(sorted(ends * 50), now)) <= len(cap.LEDGER_AGES) + 1
+
+
+PEER = r"""
+import sys, time, numpy as np
+sys.path.insert(0, {repo!r})
+from kvtier.manager import FileSystemTierManager
+from kvtier._tier import capacity as cap
+t = FileSystemTierManager(np.zeros((1, {bs}), np.uint8), sys.argv[1], "m", block_size={bs}, use_o_direct=False,
+                          max_bytes={max_bytes})
+rc = cap.root_capacity(sys.argv[1])
+print("ready", flush=True)
+sys.stdin.readline()
+print(rc.admit(int(sys.argv[2])), flush=True)  # None: admitted, its ledger written before this line
+sys.stdin.readline()
+t.shutdown()
+"""
+
+
+def test_a_reservation_counts_on_this_host_at_the_next_admission(tmp_path, monkeypatch):
+    """Two writer processes of one host: what one admitted counts in the other's very next
+    admission (its ledger is written at the admission, the peer's kept open and re-read at
+    each), not LEDGER_PUBLISH_S later: two fast writers passed the bound by their stores
+    of the last ~100 ms (on tmpfs 1.28-1.34x a 64 MiB bound). Here the periodic re-read is
+    off (LEDGER_PUBLISH_S an hour), so only the admission's own reading can see it."""
+    mx = 64 * BS
+    t, _ = _tier(tmp_path, rows=4, max_bytes=mx)
+    p = None
+    try:
+        rc = cap.root_capacity(str(tmp_path))
+        assert rc.wait_pass(5, after=0)
+        p = subprocess.Popen([sys.executable, "-c", PEER.format(repo=REPO, bs=BS, max_bytes=mx), str(tmp_path),
+                              str(40 * BS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+        assert p.stdout.readline() == "ready\n", p.stderr.read()
+        monkeypatch.setattr(cap, "LEDGER_PUBLISH_S", 3600.0)
+        time.sleep(0.2)  # this process's thread is in its hour-long wait now
+        assert rc.admit(BS) is None  # lists the writers: the peer's ledger (nothing reserved), kept open
+        assert len(rc._peer_fds) == 1 and rc.estimate() == rc._usage["bytes"] + cap._alloc(BS)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline() == "None\n", p.stderr.read()  # the peer holds 40 blocks now
+        err = rc.admit(30 * BS)  # 40 + 30 + 1 > 64: dropped at once
+        assert isinstance(err, OSError) and err.errno == errno.ENOSPC
+        assert rc.estimate() >= 41 * BS + rc._usage["bytes"]
+        assert rc.admit(20 * BS) is None  # 40 + 20 + 1 fit
+    finally:
+        if p is not None:
+            p.stdin.write("\n")
+            p.stdin.close()
+            p.wait(30)
+        monkeypatch.setattr(cap, "LEDGER_PUBLISH_S", 0.05)
+        t.shutdown()
+
+
 def test_two_processes_stay_within_the_bound_plus_a_batch_each(tmp_path, io_backend):
     max_bytes, batch = 48 * BS, 4
     ps = [_writer(tmp_path, tag, 4.0, 0.2, max_bytes, batch, backend=io_backend.backend) for tag in (1, 2)]
@@ -623,9 +706,12 @@ def test_two_processes_stay_within_the_bound_plus_a_batch_each(tmp_path, io_back
     done = [line.split() for o in outs for line in o.splitlines() if line.startswith("done")]
     stored = sum(int(d[1]) for d in done)
     assert stored * batch * BS > 3 * max_bytes  # they wrote three bounds' worth: eviction made room
-    # the bound: max_bytes + one batch per writer + ~100 ms of the other writer's stores
-    # (its ledger published <= 50 ms late, read <= 50 ms late); each job here takes >= 2 ms
-    allowance = 2 * batch * BS + 50 * batch * BS + 64 * 1024  # + the state files
+    # the bound: max_bytes + one batch per writer (on one host each sees what the other
+    # admitted at its next admission) + the state files; + what a census walk miscounts
+    # (it is no snapshot: blocks stored into directories it has not reached yet count, as
+    # do those evicted from directories it passed; 1.4-5.6 batches here). The exact peak,
+    # by statvfs of a tmpfs of its own, is benchmarks/capacity_peak.py's.
+    allowance = 2 * batch * BS + 50 * batch * BS + 64 * 1024
     assert samples > 50 and peak <= max_bytes + allowance, (peak, max_bytes)
     assert not os.listdir(tmp_path / ".kvtier" / "writers")  # both ledgers removed at shutdown
 
@@ -762,10 +848,12 @@ def test_an_evictor_beats_during_a_long_census_and_is_not_taken_over(tmp_path, m
         rc = cap.root_capacity(root)
         assert rc.wait_pass(5, after=0) and rc.lock.held
         w = _watcher(root, 4)
-        real, calls = cap.census, []
+        real, calls, first = cap.census, [], {}
 
         def slow_census(root, keep_entries=True, progress=None):
             def step():  # one entry: the first 25 take 0.1 s each
+                if not calls:  # a census already running when the patch went in is done now
+                    first.update(n=rc.censuses, seq=rc.lock.seq, published=cap.read_usage(root)["scan_started"])
                 calls.append(1)
                 if len(calls) <= 25:
                     time.sleep(0.1)
@@ -777,9 +865,9 @@ def test_an_evictor_beats_during_a_long_census_and_is_not_taken_over(tmp_path, m
         for i in range(30):
             (tmp_path / "other" / str(i)).write_bytes(b"x")
         monkeypatch.setattr(cap, "CENSUS_PROGRESS_EVERY", 1)
-        n, seq, published = rc.censuses, rc.lock.seq, cap.read_usage(root)["scan_started"]
         monkeypatch.setattr(cap, "census", slow_census)
-        _wait_for(lambda: len(calls) > 25 and (rc.censuses > n or rc.stepped_down), 15, "no slow census")
+        _wait_for(lambda: len(calls) > 25 and (rc.censuses > first["n"] or rc.stepped_down), 15, "no slow census")
+        n, seq, published = first["n"], first["seq"], first["published"]
         if beats:
             assert rc.lock.seq - seq >= 15 and rc.stepped_down == 0 and rc.lock.held and rc.lock.check()
             _wait_for(lambda: cap.read_usage(root)["scan_started"] > published, 5, "its census not published")

@@ -31,6 +31,7 @@ lookup-hit touches on the capacity thread.
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import decimal
 import errno
@@ -101,10 +102,14 @@ INODE_RESERVE = 8
 ``evict.request`` (written as temp + rename), and the few shard directories that the
 bytes-per-inode average counts as freed when an eviction leaves them (another block in
 them) until the next census."""
-LEDGER_RECORD = 320
+LEDGER_RECORD = 640
+"""Bytes of a ledger file: one JSON object padded with spaces, rewritten in place."""
+LEDGER_AGES = (0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6)
+"""A ledger lists its ended jobs' bytes in buckets by age (seconds, one more for the older
+ones), each stamped with its newest end: a reader whose census began after a bucket's
+stamp counts it as in the census (the writer has not read that census yet)."""
 REQUEST_GAP_S = 0.1
 """A writer asks for a pass at most this often."""
-"""Bytes of a ledger file: one JSON object padded with spaces, rewritten in place."""
 
 _BLOCK_RE = re.compile(r"^[0-9a-f]+\.bin\Z")
 _SHARD1_RE = re.compile(r"^[0-9a-f]{1,3}\Z")
@@ -654,40 +659,37 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def read_ledgers(root: str, now: Optional[float] = None, max_age: float = 2 * DEFAULT_CENSUS_INTERVAL_S,
-                 skip: Optional[str] = None, remove_dead: bool = False,
-                 since: Optional[float] = None) -> Tuple[int, int, int]:
-    """``(bytes, current, live writers)``: the sum of the live writers' ledgers of ``root``
-    (except file ``skip``), and of those counting from the census started at ``since``.
-    A ledger is dead when its writer's pid is gone on this host (same boot and pid
+def scan_ledgers(root: str, now: Optional[float] = None, max_age: float = 2 * DEFAULT_CENSUS_INTERVAL_S,
+                 skip: Optional[str] = None, remove_dead: bool = False) -> Dict[str, Dict[str, Any]]:
+    """The live writers' ledgers of ``root`` (except file ``skip``), by file name.  A
+    ledger is dead when its writer's pid is gone on this host (same boot and pid
     namespace), it was not republished for ``max_age`` seconds, or it is stamped more
-    than ``max_age`` ahead of this clock; dead ones count nothing and with
-    ``remove_dead`` are removed.  A file that is no ledger (not a JSON object with a
-    finite ``t`` and a count ``bytes``) counts nothing and is left alone."""
+    than ``max_age`` ahead of this clock; dead ones are left out and with ``remove_dead``
+    removed.  A file that is no ledger (not a JSON object with a finite ``t`` and a count
+    ``bytes``) is left out and alone."""
     now = time.time() if now is None else now
     wdir = os.path.join(state_dir(root), WRITERS_DIR)
     me = _host_identity()
-    total = live = 0
-    current = 0
+    live: Dict[str, Dict[str, Any]] = {}
     try:
         names = os.listdir(wdir)
     except OSError:
-        return 0, 0, 0
+        return live
     for name in names:
         if name == skip or name.endswith(".tmp"):
             continue
         p = os.path.join(wdir, name)
         try:
             with open(p, "rb") as f:
-                d = json.loads(f.read(LEDGER_RECORD * 2))
-        except (OSError, ValueError):
+                d = parse_ledger(f.read(LEDGER_RECORD * 2))
+        except OSError:
             continue
-        if not isinstance(d, dict) or not _is_num(d.get("t")) or not _is_count(d.get("bytes")):
-            continue  # not a ledger (or torn mid-rewrite): counts nothing
-        t, b, pid = float(d["t"]), d["bytes"], d.get("pid")
+        if d is None:
+            continue  # not a ledger (or torn mid-rewrite)
+        pid = d.get("pid")
         # dead: not republished for max_age, stamped further ahead than that (a clock
         # far off, or garbage: it would never age out), or its pid gone on this host
-        dead = (not -max_age <= now - t <= max_age
+        dead = (not -max_age <= now - float(d["t"]) <= max_age
                 or ((d.get("host"), d.get("boot"), d.get("pidns")) == me
                     and not (_is_count(pid) and pid > 0 and _pid_alive(pid))))
         if dead:
@@ -697,11 +699,69 @@ def read_ledgers(root: str, now: Optional[float] = None, max_age: float = 2 * DE
                 except OSError:
                     pass
             continue
-        live += 1
-        total += b
-        if since is not None and d.get("since") == since:
-            current += b
-    return total, current, live
+        live[name] = d
+    return live
+
+
+def parse_ledger(b: bytes) -> Optional[Dict[str, Any]]:
+    """A ledger record, or None when ``b`` is none (not a JSON object with a finite ``t``
+    and a count ``bytes``; torn by a rewrite read halfway)."""
+    try:
+        d = json.loads(b)
+    except ValueError:
+        return None
+    if not isinstance(d, dict) or not _is_num(d.get("t")) or not _is_count(d.get("bytes")):
+        return None
+    return d
+
+
+def ledger_bytes(d: Dict[str, Any], since: Optional[float] = None, census_host: Optional[str] = None) -> int:
+    """What ledger ``d`` adds to the census that began at ``since`` (made on host
+    ``census_host``): its running jobs' reservations and the bytes of its jobs that ended
+    after that began (its buckets, :data:`LEDGER_AGES`; another host's less
+    :data:`CLOCK_SKEW_S`).  All its bytes when it has no buckets (an older kvtier), counts
+    from a census newer than ``since`` (its buckets before that are gone), or ``since``
+    is None."""
+    b = int(d["bytes"])
+    done, inflight, own_since = d.get("done"), d.get("inflight"), d.get("since")
+    if since is None or not _is_count(inflight) or not isinstance(done, list) or not _is_num(own_since) \
+            or own_since > since:
+        return b
+    cut = since - (0.0 if d.get("host") == census_host else CLOCK_SKEW_S)
+    n = inflight
+    for e in done:
+        if not (isinstance(e, list) and len(e) == 2 and _is_num(e[0]) and _is_count(e[1])):
+            return b
+        if e[0] >= cut:
+            n += e[1]
+    return min(n, b)
+
+
+def ledger_buckets(done: Iterable[Tuple[float, int]], now: float) -> List[Tuple[float, int]]:
+    """``done`` (ended jobs' ``(end time, bytes)``, oldest first) merged into one entry per
+    :data:`LEDGER_AGES` bucket of their age at ``now`` (the entry's time: the newest end in
+    it), oldest first."""
+    edges = [now - a for a in reversed(LEDGER_AGES)]
+    out: List[Tuple[float, int]] = []
+    last = -1
+    for t, nb in done:
+        k = bisect.bisect_right(edges, t)
+        if k == last:
+            out[-1] = (max(out[-1][0], t), out[-1][1] + nb)
+        else:
+            out.append((t, nb))
+            last = k
+    return out
+
+
+def read_ledgers(root: str, now: Optional[float] = None, max_age: float = 2 * DEFAULT_CENSUS_INTERVAL_S,
+                 skip: Optional[str] = None, remove_dead: bool = False, since: Optional[float] = None,
+                 census_host: Optional[str] = None) -> Tuple[int, int]:
+    """``(bytes, live writers)``: what the live ledgers of ``root`` (:func:`scan_ledgers`)
+    add to the census that began at ``since`` (:func:`ledger_bytes`; all their bytes when
+    None)."""
+    led = scan_ledgers(root, now, max_age, skip, remove_dead)
+    return sum(ledger_bytes(d, since, census_host) for d in led.values()), len(led)
 
 
 # ---------------------------------------------------------------------- the lock
@@ -1022,6 +1082,9 @@ class RootCapacity:
         self.pid = os.getpid()
         self.name = f"{self.host}-{self.pid}-{secrets.token_hex(4)}"
         self.ledger_path = os.path.join(state_dir(root), WRITERS_DIR, self.name)
+        self._wdir = os.path.dirname(self.ledger_path)
+        self._ledger_head = json.dumps({"host": self.ident[0], "boot": self.ident[1], "pidns": self.ident[2],
+                                        "pid": self.pid})[:-1]  # the record's constant part, without "}"
         self._lock = threading.Lock()
         self._handles: List[Handle] = []
         # this process's ledger: bytes of admitted store jobs still running, and of those
@@ -1035,9 +1098,16 @@ class RootCapacity:
         self._tick_warned = -1e9
         self.tick_failures = 0  # ticks of the capacity thread that raised
         self.publish_failures = 0  # usage.json publications that failed
-        self._others = 0  # the other writers' ledgers (admission)
-        self._others_current = 0  # those of them that count from the latest census (eviction)
+        # the other writers' ledgers as last read, by file name; this host's are kept open
+        # and re-read at each admission (one page cache: what a peer admitted a moment ago
+        # counts), the others' re-read every LEDGER_PUBLISH_S by name (a reopen: NFS's
+        # close-to-open)
+        self._ledgers: Dict[str, Dict[str, Any]] = {}
+        self._peer_fds: Dict[str, int] = {}
+        self._peer_raw: Dict[str, bytes] = {}  # the record last parsed of each
+        self._wdir_mtime: Optional[int] = None
         self._others_at = 0.0
+        self._usage_read = 0.0  # time.monotonic() when usage.json was last read
         self._cands: Optional[Candidates] = None
         self._room: Optional[int] = None  # the evictor's: census bytes + free space (statvfs)
         self._usage: Optional[Dict[str, Any]] = None
@@ -1096,6 +1166,10 @@ class RootCapacity:
         if self._thread is not threading.current_thread():
             self._thread.join()
         self.lock.release()
+        with self._lock:
+            for fd in self._peer_fds.values():
+                os.close(fd)
+            self._peer_fds.clear()
         try:
             os.close(self._ledger_fd)
             os.unlink(self.ledger_path)
@@ -1132,15 +1206,88 @@ class RootCapacity:
         return high, low
 
     def estimate(self) -> int:
-        """Usage estimate, bytes: latest census (after its eviction) + the other writers'
-        ledgers (as last read) + this process's reservations."""
+        """Usage estimate, bytes: latest census (after its eviction) + what the other
+        writers' ledgers (as last read) add to it + this process's reservations."""
         u = self._usage
-        return (u["bytes"] if u else 0) + self._others + self._own
+        return (u["bytes"] if u else 0) + self._others() + self._own
+
+    def _others(self) -> int:
+        """What the other writers' ledgers (as last read) add to the latest census
+        (:func:`ledger_bytes`)."""
+        u = self._usage
+        since = float(u["scan_started"]) if u else None
+        by = str(u.get("evictor", "")).rsplit(":", 1)[0] if u else None
+        return sum(ledger_bytes(d, since, by) for d in list(self._ledgers.values()))
+
+    def _merge_ledgers(self, mtime: Optional[int], led: Dict[str, Dict[str, Any]]) -> None:
+        """(lock held) The ledgers of a listing of the writers' directory (made when it had
+        ``mtime``): kept, and an fd opened on each of this host's (closed when it is gone;
+        reopened when its file was replaced)."""
+        self._wdir_mtime, self._ledgers = mtime, led
+        self._peer_raw.clear()  # (re-read at the next admission)
+        fds = self._peer_fds
+        for name in list(fds):
+            gone = name not in led
+            if not gone:
+                try:
+                    gone = os.fstat(fds[name]).st_nlink == 0
+                except OSError:
+                    gone = True
+            if gone:
+                os.close(fds.pop(name))
+                self._peer_raw.pop(name, None)
+        for name, d in led.items():
+            if name not in fds and (d.get("host"), d.get("boot")) == self.ident[:2]:
+                try:
+                    fds[name] = os.open(os.path.join(self._wdir, name), os.O_RDONLY | os.O_CLOEXEC)
+                except OSError:
+                    pass
+
+    def _read_peers(self) -> None:
+        """(lock held; at an admission) This host's other writers, re-read now: a listing when
+        the writers' directory changed (a writer came or went), then one pread each (a
+        record torn by its rewrite keeps the value read before)."""
+        try:
+            mtime: Optional[int] = os.stat(self._wdir).st_mtime_ns
+        except OSError:
+            mtime = None
+        if mtime != self._wdir_mtime:
+            self._merge_ledgers(mtime, scan_ledgers(self.root, max_age=2 * self.interval + 1.0, skip=self.name))
+        raw = self._peer_raw
+        for name, fd in self._peer_fds.items():
+            try:
+                b = os.pread(fd, LEDGER_RECORD * 2, 0)
+            except OSError:
+                continue
+            if raw.get(name) != b:
+                d = parse_ledger(b)
+                if d is not None:
+                    self._ledgers[name], raw[name] = d, b
+        # a writer counts from a census newer than this process's: it has dropped what that
+        # census counts, which the usage read before it does not (an estimate too low)
+        u = self._usage
+        mine = float(u["scan_started"]) if u else 0.0
+        if not self.lock.held and time.monotonic() - self._usage_read >= LEDGER_PUBLISH_S / 10 and any(
+                _is_num(d.get("since")) and d["since"] > mine for d in self._ledgers.values()):
+            u = read_usage(self.root)
+            if u is not None and float(u["scan_started"]) > mine:
+                self._take_usage(u)
+            self._usage_read = time.monotonic()
 
     def admit(self, nbytes: int) -> Optional[OSError]:
         with self._lock:
+            self._read_peers()
             est = self.estimate()
             bound = self.bound()
+            if est + nbytes > bound and not self.lock.held \
+                    and time.monotonic() - self._usage_read >= LEDGER_PUBLISH_S / 10:
+                # about to drop on a usage read up to LEDGER_PUBLISH_S ago: the evictor may
+                # have made room since (it publishes after each pass)
+                u = read_usage(self.root)
+                self._usage_read = time.monotonic()
+                if u is not None and float(u["scan_started"]) >= float((self._usage or u)["scan_started"]):
+                    self._take_usage(u)
+                    est, bound = self.estimate(), self.bound()
             if nbytes <= bound and nbytes > self._job_max:  # a pass leaves room for it
                 self._job_max = nbytes
             if est + nbytes > bound:
@@ -1162,6 +1309,12 @@ class RootCapacity:
             self._inflight += nbytes
             self._own += nbytes
             self._dirty = True
+            if self._peer_fds:
+                # published before the job's I/O starts: this host's other writers read it at
+                # their next admission (two that admit at once see each other a job late at
+                # most).  Without one, the capacity thread publishes it (a writer that comes
+                # meanwhile reads it up to LEDGER_PUBLISH_S old at its first admissions)
+                self._write_ledger(self._ledger_record())
             if est + nbytes > self.marks(bound)[0]:
                 self._ask("capacity")
         return None
@@ -1181,7 +1334,11 @@ class RootCapacity:
             self._inflight -= reserved
             self._own -= reserved
             if written > 0:
-                self._done.append((time.time(), written))
+                # kept merged by age (LEDGER_AGES: at most one entry each): a ledger
+                # record costs the same at any job rate
+                now = time.time()
+                self._done.append((now, written))
+                self._done = collections.deque(ledger_buckets(self._done, now))
                 self._own += written
             self._dirty = True
 
@@ -1249,20 +1406,33 @@ class RootCapacity:
                 "capacity_evictor_lag": (u.get("evict_finished", u["scan_finished"]) - u["scan_started"]) if u else nan}
 
     # ------------------------------------------------------------------ the thread
-    def _publish_ledger(self) -> None:
-        with self._lock:
-            u = self._usage
-            d = {"host": self.ident[0], "boot": self.ident[1], "pidns": self.ident[2], "pid": self.pid,
-                 "bytes": self._own, "since": u["scan_started"] if u else 0.0,
-                 "gen": u.get("generation", 0) if u else 0, "t": time.time()}
-            self._dirty = False
-        b = json.dumps(d, sort_keys=True).encode()
-        b = b + b" " * max(0, LEDGER_RECORD - 1 - len(b)) + b"\n"
+    def _ledger_record(self) -> bytes:
+        """(lock held) This process's ledger, one JSON object: its bytes since the census
+        it read last (``since``), as the running jobs' reservations (``inflight``) and the
+        ended jobs' buckets (``done``: ``[newest end rounded up to the ms, bytes]``, oldest
+        first: :func:`ledger_buckets`).  Formatted by hand: it is written at each admission."""
+        u, now = self._usage, time.time()
+        done = ",".join(f"[{math.ceil(t * 1000) / 1000!r},{b}]" for t, b in self._done)
+        since, gen = (float(u["scan_started"]), int(u.get("generation", 0))) if u else (0.0, 0)
+        self._dirty = False
+        b = (f'{self._ledger_head},"bytes":{self._own},"inflight":{self._inflight},"done":[{done}],'
+             f'"since":{since!r},"gen":{gen},"t":{now!r}}}').encode()
+        return b + b" " * max(0, LEDGER_RECORD - 1 - len(b)) + b"\n"
+
+    def _write_ledger(self, b: bytes) -> None:
         try:
             os.pwrite(self._ledger_fd, b, 0)
         except OSError as e:
-            logger.warning("kvtier capacity: cannot publish the ledger %s: %s", self.ledger_path, e)
+            if time.monotonic() - self._publish_warned >= 60.0:
+                self._publish_warned = time.monotonic()
+                logger.warning("kvtier capacity: cannot publish the ledger %s: %s (this warning at most once a "
+                               "minute)", self.ledger_path, e)
         self._published_at = time.monotonic()
+
+    def _publish_ledger(self) -> None:
+        with self._lock:
+            b = self._ledger_record()
+        self._write_ledger(b)
 
     def _check_state(self) -> None:
         """Make ``.kvtier/``, this process's ledger and the lock file again when they were
@@ -1295,18 +1465,26 @@ class RootCapacity:
         if not (self._still_evictor() if self.lock.held else self.lock.check()):
             self._next_census = 0.0  # try the new lock file at once
 
+    def _take_usage(self, u: Dict[str, Any]) -> None:
+        """(lock held) The usage as read from ``usage.json``: ended jobs it counts leave
+        this process's ledger."""
+        self._usage = u
+        self._trim(float(u.get("scan_started", 0)), str(u.get("evictor", "")).rsplit(":", 1)[0] == self.host)
+        self._usage_read = time.monotonic()
+
     def _refresh(self) -> None:
         """Re-read the usage and the other writers' ledgers."""
         u = read_usage(self.root) if not self.lock.held else None  # the evictor has its own, newer
         with self._lock:
             if u is not None:
-                self._usage = u
-                self._trim(float(u.get("scan_started", 0)),
-                           str(u.get("evictor", "")).rsplit(":", 1)[0] == self.host)
-            since = float(self._usage["scan_started"]) if self._usage else None
-        others, current, _ = read_ledgers(self.root, max_age=2 * self.interval + 1.0, skip=self.name, since=since)
+                self._take_usage(u)
+        try:
+            mtime: Optional[int] = os.stat(self._wdir).st_mtime_ns
+        except OSError:
+            mtime = None
+        led = scan_ledgers(self.root, max_age=2 * self.interval + 1.0, skip=self.name)
         with self._lock:
-            self._others, self._others_current = others, current
+            self._merge_ledgers(mtime, led)
         self._others_at = time.monotonic()
 
     def _run(self) -> None:
@@ -1489,8 +1667,6 @@ class RootCapacity:
         with self._lock:
             self._usage = rec
             self._trim(c.scan_started, True)
-            # the others' ledgers count from an older census until they read this one
-            self._others_current = 0
         self.last_census = c
         scan = c.scan_finished - c.scan_started
         self._next_census = time.monotonic() + max(self.interval, scan / CENSUS_CPU_SHARE)
@@ -1512,7 +1688,7 @@ class RootCapacity:
         if u is None or self._cands is None:
             return
         with self._lock:
-            ledgers = 0 if census_only else self._others_current + self._own
+            ledgers = 0 if census_only else self._others() + self._own
         est = u["bytes"] + ledgers
         if why == "enospc":  # the filesystem is full at this usage (of bytes or of inodes): the room now
             self._room = min(self._room or est, est)
