@@ -233,3 +233,22 @@ def test_capacity_overhead_runs_both_modes_and_checks_every_byte(tmp_path):
     assert len(rows) == 2 and all(float(ln.split("|")[2].split()[0]) > 0 for ln in rows)
     assert "evictor (bounded runs): " in out and "mismatched bytes: 0" in out
     assert os.listdir(tmp_path) == []
+
+
+def test_capacity_peak_runs_two_writers_and_reports_each(tmp_path):
+    """benchmarks/capacity_peak.py, small and short, usage by census (no tmpfs here): one
+    row with the peak, and per writer the jobs stored and dropped and its estimate's
+    quantiles; the root removed."""
+    script = os.path.join(HERE, os.pardir, "benchmarks", "capacity_peak.py")
+    root = tmp_path / "r"
+    r = subprocess.run([sys.executable, script, "--root", str(root), "--writers", "2", "--threads", "2",
+                        "--max-bytes", "4M", "--block", "64K", "--batch", "2", "--seconds", "1.5", "--runs", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "usage by census (walks: not a snapshot)" in r.stdout
+    rows = [ln.split("|")[1:-1] for ln in r.stdout.splitlines() if ln.startswith("| 1 |")]
+    assert len(rows) == 1 and len(rows[0]) == 4 + 2 * 2
+    peak = float(rows[0][1])
+    stored = [int(c.split("/")[0]) for c in (rows[0][4], rows[0][6])]
+    assert 0.3 < peak < 2.0 and all(n > 0 for n in stored), r.stdout  # 4 MiB bound, 1.5 s of stores
+    assert not root.exists()

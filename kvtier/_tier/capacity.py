@@ -1108,6 +1108,7 @@ class RootCapacity:
         self._wdir_mtime: Optional[int] = None
         self._others_at = 0.0
         self._usage_read = 0.0  # time.monotonic() when usage.json was last read
+        self._since_missed = 0.0  # a census a ledger counts from that usage.json did not have
         self._cands: Optional[Candidates] = None
         self._room: Optional[int] = None  # the evictor's: census bytes + free space (statvfs)
         self._usage: Optional[Dict[str, Any]] = None
@@ -1265,14 +1266,20 @@ class RootCapacity:
                     self._ledgers[name], raw[name] = d, b
         # a writer counts from a census newer than this process's: it has dropped what that
         # census counts, which the usage read before it does not (an estimate too low)
+        # (the evictor publishes a census before it counts from it: one read finds it; a
+        # ledger that names a census usage.json does not have is read for again only after
+        # LEDGER_PUBLISH_S)
         u = self._usage
         mine = float(u["scan_started"]) if u else 0.0
-        if not self.lock.held and time.monotonic() - self._usage_read >= LEDGER_PUBLISH_S / 10 and any(
-                _is_num(d.get("since")) and d["since"] > mine for d in self._ledgers.values()):
+        newer = max((float(d["since"]) for d in self._ledgers.values() if _is_num(d.get("since"))), default=0.0)
+        if newer > mine and not self.lock.held and (
+                newer != self._since_missed or time.monotonic() - self._usage_read >= LEDGER_PUBLISH_S):
             u = read_usage(self.root)
+            self._usage_read = time.monotonic()
             if u is not None and float(u["scan_started"]) > mine:
                 self._take_usage(u)
-            self._usage_read = time.monotonic()
+            if u is None or float(u["scan_started"]) < newer:
+                self._since_missed = newer
 
     def admit(self, nbytes: int) -> Optional[OSError]:
         with self._lock:
@@ -1664,6 +1671,9 @@ class RootCapacity:
                "evictor": f"{self.host}:{self.pid}", "max_bytes": self.max_bytes, "evicted": 0,
                "evicted_bytes": 0, "census_cpu_s": c.cpu_s, "room": self._room, "inodes_free": inodes_free,
                "alloc_ratio": round(alloc_ratio(c), 4), "unreadable": c.unreadable}
+        # published before this process counts from it: a writer that reads this process's
+        # ledger counting from this census (what ended before it dropped) finds it in usage.json
+        self._publish(rec)
         with self._lock:
             self._usage = rec
             self._trim(c.scan_started, True)
@@ -1698,8 +1708,6 @@ class RootCapacity:
         elif est > self.marks(mx)[0] or why == "drop":
             target = self.marks(mx)[1]
         else:
-            if census_only:
-                self._publish(u)
             return
         r = self._cands.evict(est, target, keep_going=self._still_evictor)
         freed = r.evicted_bytes

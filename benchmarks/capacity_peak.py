@@ -1,0 +1,233 @@
+#!/usr/bin/env python3
+"""How far above its bound a shared root goes: several writer processes store into one
+bounded root as fast as their pools run, and the root's real usage is sampled all along
+(issue 22's target: usage never above ``max_bytes`` + one store batch per writer).
+
+    python benchmarks/capacity_peak.py --tmpfs          # root: a tmpfs of its own (needs root): exact
+    python benchmarks/capacity_peak.py --root /mnt/nvme/kv --writers 2 --threads 16
+    python benchmarks/capacity_peak.py --admission-cost   # µs per admission, 0/1/3 other writers
+
+A run: ``--writers`` processes (FileSystemTierManager, checksums on, buffered I/O,
+``--threads`` write threads, ``max_bytes`` = ``--max-bytes``), each keeping ``--threads``
+store jobs of ``--batch`` fresh blocks of ``--block`` bytes in flight for ``--seconds``, and
+logging its usage estimate every 20 ms. This process samples the real usage every ~5 ms:
+``statvfs`` of the filesystem when the root has it to itself (``--tmpfs``, or
+``--exclusive``: exact, atomic), else a census of the root (no snapshot: it miscounts what
+changes while it walks). Reported per run: the peak usage as a multiple of the bound and
+in store batches above it, the share of samples above the bound, store jobs admitted and
+dropped per writer (most are dropped where the evictor cannot unlink as fast as the stores
+come), and each writer's estimate / the real usage (p10/p50/p90) when above 30% of the bound.
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def parse_size(s: str) -> int:
+    from kvtier._tier.capacity import parse_size as ps
+
+    return ps(s, "size")
+
+
+def worker(a: argparse.Namespace) -> None:
+    """One writer process: stores for ``--seconds``, prints its estimate log and counts."""
+    import threading
+
+    import numpy as np
+
+    from kvtier._tier import capacity as cap
+    from kvtier.manager import FileSystemTierManager, TransferJob
+
+    buf = np.random.default_rng(a.tag).integers(0, 255, (a.batch, a.block), dtype=np.uint8)
+    t = FileSystemTierManager(buf, a.root, "m", block_size=a.block, use_o_direct=False, n_read_threads=1,
+                              n_write_threads=a.threads, max_bytes=a.max_bytes)
+    rc = cap.root_capacity(a.root)
+    log, stop = [], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            log.append((time.time(), rc.estimate()))
+            time.sleep(0.02)
+
+    th = threading.Thread(target=sample)
+    th.start()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    end, j, ok, dropped, inflight = time.monotonic() + a.seconds, 0, 0, 0, 0
+    while time.monotonic() < end:
+        while inflight < a.threads:
+            keys = [(a.tag.to_bytes(2, "big") + j.to_bytes(6, "big") + i.to_bytes(2, "big") + bytes(6), 0)
+                    for i in range(a.batch)]
+            t.submit_store(TransferJob(j, keys, list(range(a.batch))))
+            j, inflight = j + 1, inflight + 1
+        time.sleep(0.001)
+        for r in t.get_finished_jobs():
+            ok += r.success
+            dropped += not r.success
+            inflight -= 1
+    t.drain_jobs(60)
+    for r in t.get_finished_jobs():
+        ok += r.success
+        dropped += not r.success
+    stop.set()
+    th.join()
+    t.shutdown()
+    print("counts", ok, dropped)
+    for ts, est in log:
+        print("est", f"{ts:.4f}", est)
+
+
+def admission_cost(a: argparse.Namespace, base: str) -> None:
+    """µs per admission + end of a store job (``RootCapacity.admit`` + ``finish``, no I/O,
+    a bound far above) with 0, 1 and 3 other writer processes on the root (peers on this
+    host: their ledgers re-read at each admission)."""
+    import numpy as np
+
+    from kvtier._tier import capacity as cap
+    from kvtier.manager import FileSystemTierManager
+
+    peer = (f"import sys, time, numpy as np; sys.path.insert(0, {REPO!r}); "
+            f"from kvtier.manager import FileSystemTierManager as F; "
+            f"t = F(np.zeros((1, 4096), np.uint8), sys.argv[1], 'm', block_size=4096, use_o_direct=False, "
+            f"max_bytes=1 << 40); print('ready', flush=True); sys.stdin.readline(); t.shutdown()")
+    print("| other writers on the host | µs per admit + finish |\n|---|---|")
+    for n in (0, 1, 3):
+        root = os.path.join(base, f"admit{n}")
+        os.makedirs(root)
+        t = FileSystemTierManager(np.zeros((1, 4096), np.uint8), root, "m", block_size=4096, use_o_direct=False,
+                                  max_bytes=1 << 40)
+        ps = [subprocess.Popen([sys.executable, "-c", peer, root], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True) for _ in range(n)]
+        try:
+            assert all(p.stdout.readline() == "ready\n" for p in ps), "a peer did not start"
+            rc = cap.root_capacity(root)
+            time.sleep(0.3)
+            k = 20000
+            t0 = time.perf_counter()
+            for _ in range(k):
+                assert rc.admit(8192) is None
+                rc.finish(8192, 8192)
+            print(f"| {n} | {(time.perf_counter() - t0) / k * 1e6:.1f} |", flush=True)
+        finally:
+            for p in ps:
+                p.communicate("\n", timeout=30)
+            t.shutdown()
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def quantiles(xs: list) -> str:
+    if not xs:
+        return "-"
+    xs = sorted(xs)
+    return " / ".join(f"{xs[min(len(xs) - 1, int(q * len(xs)))]:.2f}" for q in (0.1, 0.5, 0.9))
+
+
+def one_run(a: argparse.Namespace, root: str, exact: bool) -> dict:
+    from kvtier._tier import capacity as cap
+
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    args = [sys.executable, os.path.abspath(__file__), "--worker", "--root", root, "--seconds", str(a.seconds),
+            "--threads", str(a.threads), "--batch", str(a.batch), "--block", str(a.block),
+            "--max-bytes", str(a.max_bytes)]
+    ps = [subprocess.Popen(args + ["--tag", str(k + 1)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+          for k in range(a.writers)]
+    for p in ps:
+        assert p.stdout.readline() == "ready\n", "a writer did not start"
+    for p in ps:
+        p.stdin.write("\n")
+        p.stdin.flush()
+    real = []
+    while any(p.poll() is None for p in ps):
+        if exact:
+            st = os.statvfs(root)
+            b = (st.f_blocks - st.f_bfree) * st.f_frsize
+        else:
+            b = cap.census(root, keep_entries=False).bytes
+        real.append((time.time(), b))
+        time.sleep(0.005)
+    outs = [p.communicate()[0] for p in ps]
+    mx, batch_bytes = a.max_bytes, a.batch * a.block
+    ts = [t for t, _ in real]
+    writers = []
+    for out in outs:
+        lines = [ln.split() for ln in out.splitlines()]
+        ok, dropped = next((int(x[1]), int(x[2])) for x in lines if x[0] == "counts")
+        ratios = []
+        for x in lines:
+            if x[0] == "est":
+                i = bisect.bisect(ts, float(x[1])) - 1
+                if i >= 0 and real[i][1] > 0.3 * mx:
+                    ratios.append(int(x[2]) / real[i][1])
+        writers.append({"ok": ok, "dropped": dropped, "est_real": quantiles(ratios)})
+    peak = max(b for _, b in real)
+    return {"peak": peak / mx, "over_batches": (peak - mx) / batch_bytes,
+            "over_share": sum(b > mx for _, b in real) / len(real), "samples": len(real), "writers": writers}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", help="an empty directory to use (default: a temporary one, or the tmpfs)")
+    ap.add_argument("--tmpfs", action="store_true", help="mount a tmpfs of its own for the root (root user)")
+    ap.add_argument("--exclusive", action="store_true", help="the root's filesystem holds nothing else: statvfs")
+    ap.add_argument("--writers", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=16, help="write threads and jobs in flight per writer")
+    ap.add_argument("--max-bytes", type=parse_size, default=parse_size("64M"))
+    ap.add_argument("--block", type=parse_size, default=parse_size("256K"))
+    ap.add_argument("--batch", type=int, default=8, help="blocks per store job")
+    ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--admission-cost", action="store_true",
+                    help="only time an admission (admit + finish) with 0, 1 and 3 other writers on the root")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tag", type=int, default=1, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        return worker(a)
+    if a.admission_cost:
+        base = tempfile.mkdtemp(prefix="kvtier-admit-", dir=a.root)
+        try:
+            return admission_cost(a, base)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+    mnt = None
+    try:
+        if a.tmpfs:
+            mnt = tempfile.mkdtemp(prefix="kvtier-peak-")
+            size = 4 * a.max_bytes + 2 * a.writers * a.threads * a.batch * a.block
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", mnt], check=True)
+            root = os.path.join(mnt, "root")
+        else:
+            root = a.root or tempfile.mkdtemp(prefix="kvtier-peak-", dir="/var/tmp")
+        exact = a.tmpfs or a.exclusive
+        print(f"# {a.writers} writers x {a.threads} threads, jobs of {a.batch} x {a.block >> 10} KiB "
+              f"({a.batch * a.block >> 10} KiB), max_bytes {a.max_bytes >> 20} MiB, {a.seconds:g} s per run; "
+              f"usage by {'statvfs (exact)' if exact else 'census (walks: not a snapshot)'} of {root}")
+        print(f"# target: peak <= max_bytes + one batch per writer ({a.writers} batches)")
+        print("| run | peak / bound | above, batches | samples above | " +
+              " | ".join(f"w{k + 1} stored / dropped | w{k + 1} est/real p10/p50/p90" for k in range(a.writers)) + " |")
+        print("|---" * (4 + 2 * a.writers) + "|")
+        for r in range(a.runs):
+            d = one_run(a, root, exact)
+            cells = " | ".join(f"{w['ok']} / {w['dropped']} | {w['est_real']}" for w in d["writers"])
+            print(f"| {r + 1} | {d['peak']:.3f} | {max(0.0, d['over_batches']):.2f} | "
+                  f"{100 * d['over_share']:.1f}% of {d['samples']} | {cells} |", flush=True)
+        shutil.rmtree(root, ignore_errors=True)
+    finally:
+        if mnt is not None:
+            subprocess.run(["umount", mnt], check=False)
+            os.rmdir(mnt)
+
+
+if __name__ == "__main__":
+    main()
