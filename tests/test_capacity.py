@@ -641,6 +641,31 @@ def test_a_ledger_counts_only_what_ended_after_the_readers_census(tmp_path):
     assert sum(n for _, n in b) == len(ends) and len(cap.ledger_buckets(sorted(ends * 50), now)) <= len(cap.LEDGER_AGES) + 1
 
 
+def test_an_older_usage_read_late_is_not_taken(tmp_path):
+    """usage.json read twice (the capacity thread, an admission) and the reads finishing out
+    of order: the older record is not taken (the process would count from a census older
+    than the one it trimmed its ledger to: an estimate too low). Newer: a later census, the
+    same census after more eviction, or a later generation (an evictor whose clock is
+    behind)."""
+    t, _ = _tier(tmp_path, rows=4, max_bytes="1G", census_interval_s=3600)
+    try:
+        rc = cap.root_capacity(str(tmp_path))
+        assert rc.wait_pass(5, after=0)
+        with rc._lock:
+            u0 = dict(rc._usage)
+            u1 = dict(u0, scan_started=u0["scan_started"] + 10, scan_finished=u0["scan_finished"] + 10,
+                      evict_finished=u0["scan_finished"] + 10, bytes=5 * BS)
+            assert rc._take_usage(u1) and rc._usage is u1
+            assert not rc._take_usage(u0) and rc._usage is u1 and rc.estimate() == 5 * BS
+            u2 = dict(u1, evict_finished=u1["evict_finished"] + 1, bytes=2 * BS)  # the same census, evicted more
+            assert rc._take_usage(u2) and rc.estimate() == 2 * BS
+            assert not rc._take_usage(u1) and rc._usage is u2
+            u3 = dict(u0, generation=u2.get("generation", 0) + 1, bytes=3 * BS)  # a later generation, clock behind
+            assert rc._take_usage(u3) and rc.estimate() == 3 * BS
+    finally:
+        t.shutdown()
+
+
 PEER = r"""
 import sys, time, numpy as np
 sys.path.insert(0, {repo!r})

@@ -1276,7 +1276,7 @@ class RootCapacity:
                 newer != self._since_missed or time.monotonic() - self._usage_read >= LEDGER_PUBLISH_S):
             u = read_usage(self.root)
             self._usage_read = time.monotonic()
-            if u is not None and float(u["scan_started"]) > mine:
+            if u is not None:
                 self._take_usage(u)
             if u is None or float(u["scan_started"]) < newer:
                 self._since_missed = newer
@@ -1292,8 +1292,7 @@ class RootCapacity:
                 # have made room since (it publishes after each pass)
                 u = read_usage(self.root)
                 self._usage_read = time.monotonic()
-                if u is not None and float(u["scan_started"]) >= float((self._usage or u)["scan_started"]):
-                    self._take_usage(u)
+                if u is not None and self._take_usage(u):
                     est, bound = self.estimate(), self.bound()
             if nbytes <= bound and nbytes > self._job_max:  # a pass leaves room for it
                 self._job_max = nbytes
@@ -1472,12 +1471,23 @@ class RootCapacity:
         if not (self._still_evictor() if self.lock.held else self.lock.check()):
             self._next_census = 0.0  # try the new lock file at once
 
-    def _take_usage(self, u: Dict[str, Any]) -> None:
+    def _take_usage(self, u: Dict[str, Any]) -> bool:
         """(lock held) The usage as read from ``usage.json``: ended jobs it counts leave
-        this process's ledger."""
-        self._usage = u
-        self._trim(float(u.get("scan_started", 0)), str(u.get("evictor", "")).rsplit(":", 1)[0] == self.host)
+        this process's ledger.  One older than the one held is not taken (two reads, by
+        the capacity thread and an admission, finishing out of order: this process would
+        count from a census older than the one it trimmed its ledger to); newer is a later
+        census, or the same one after more eviction, or a later generation (an evictor
+        whose clock is behind)."""
         self._usage_read = time.monotonic()
+        cur = self._usage
+        if cur is not None:
+            def key(d: Dict[str, Any]) -> Tuple[float, float]:
+                return float(d["scan_started"]), float(d.get("evict_finished", d["scan_finished"]))
+            if key(u) < key(cur) and int(u.get("generation", 0)) <= int(cur.get("generation", 0)):
+                return False
+        self._usage = u
+        self._trim(float(u["scan_started"]), str(u.get("evictor", "")).rsplit(":", 1)[0] == self.host)
+        return True
 
     def _refresh(self) -> None:
         """Re-read the usage and the other writers' ledgers."""
