@@ -448,6 +448,62 @@ def test_jobs_larger_than_the_watermark_bands_are_not_dropped_for_ever(tmp_path,
         t.shutdown()
 
 
+BIG_WRITER = r"""
+import sys, time, numpy as np
+sys.path.insert(0, {repo!r})
+from kvtier.manager import FileSystemTierManager, TransferJob
+from kvtier._tier import capacity as cap
+bs, n = {bs}, 16
+t = FileSystemTierManager(np.ones((n, bs), np.uint8), sys.argv[1], "m", block_size=bs, use_o_direct=False,
+                          max_bytes=40 * bs, census_interval_s=0.1)
+rc = cap.root_capacity(sys.argv[1])
+print("ready", flush=True)
+sys.stdin.readline()
+res = ""
+for j in range(20):
+    t.submit_store(TransferJob(j, [(bytes([200, j]) + i.to_bytes(2, "big") + bytes(12), 0) for i in range(n)],
+                               list(range(n))))
+    t.drain_jobs(30)
+    res += "o" if all(r.success for r in t.get_finished_jobs()) else "x"
+    end = time.monotonic() + 1.0  # the evictor made room (or never will)
+    while rc.estimate() + n * bs > 40 * bs and time.monotonic() < end:
+        time.sleep(0.005)
+print(res, flush=True)
+t.shutdown()
+"""
+
+
+def test_another_processs_large_jobs_move_the_evictors_marks(tmp_path):
+    """A writer process whose store jobs (16 blocks: 40% of a 40-block bound) are larger than
+    the band between evict_low and the bound, beside an evictor process that stores only
+    4-block jobs: the writer's dropped job asks for a pass through ``evict.request`` with
+    its size (``need``), and the evictor moves its marks down so that the job fits after
+    the pass. Without ``need`` the evictor would stop at evict_low (34 blocks), where a
+    16-block job never fits: every one of its jobs dropped once the root is full."""
+    t, _ = _tier(tmp_path, rows=4, max_bytes=40 * BS, census_interval_s=0.1)
+    p = None
+    try:
+        rc = cap.root_capacity(str(tmp_path))
+        assert rc.wait_pass(5, after=0) and rc.lock.held
+        for j in range(9):  # 36 blocks: no 16-block job fits
+            assert _run(t, TransferJob(j, _keys(j, 4), list(range(4))))[0].success
+        assert rc._job_max == 4 * BS
+        p = subprocess.Popen([sys.executable, "-c", BIG_WRITER.format(repo=REPO, bs=BS), str(tmp_path)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert p.stdout.readline() == "ready\n", p.stderr.read()
+        out, err = p.communicate("\n", timeout=120)
+        res = out.strip()
+        assert p.returncode == 0 and len(res) == 20, err
+        assert rc._job_max == 16 * BS  # the writer's need, read from evict.request
+        assert res.count("o") >= 15 and "xxx" not in res, res
+        assert cap.census(str(tmp_path)).bytes <= 40 * BS + 64 * 1024
+    finally:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
+        t.shutdown()
+
+
 def test_a_ledger_removed_as_dead_is_made_again_and_said_so(tmp_path, caplog):
     """Only this process's ledger gone (an evictor removed it as dead while this process
     was stopped): made again, and the log says that, not that .kvtier/ was removed."""
