@@ -722,6 +722,35 @@ def test_an_older_usage_read_late_is_not_taken(tmp_path):
         t.shutdown()
 
 
+def test_only_ledgers_through_the_same_mount_are_re_read_at_each_admission(tmp_path):
+    """A ledger of this host is kept open and re-read at each admission only when its writer
+    stores through the same mount (the root's st_dev in the ledger: one page cache); one
+    through another mount of the volume (two FUSE clients on one host: two caches, a kept
+    fd would read stale pages) is re-read by name, as another node's."""
+    t, _ = _tier(tmp_path, rows=4, max_bytes="1G", census_interval_s=3600)
+    try:
+        rc = cap.root_capacity(str(tmp_path))
+        assert rc.wait_pass(5, after=0)
+        host, boot, ns = cap._host_identity()
+        me = {"host": host, "boot": boot, "pidns": ns, "pid": os.getpid(), "t": time.time(), "since": 0.0,
+              "inflight": 0, "done": []}
+        dev = os.stat(tmp_path).st_dev
+        _ledger(tmp_path, "same-mount", {**me, "bytes": 3 * BS, "inflight": 3 * BS, "dev": dev})
+        _ledger(tmp_path, "other-mount", {**me, "bytes": 5 * BS, "inflight": 5 * BS, "dev": dev + 1})
+        older = {k: v for k, v in me.items() if k not in ("inflight", "done")}
+        _ledger(tmp_path, "older-kvtier", {**older, "bytes": 7 * BS})  # no dev, no buckets: all its bytes
+        assert rc.admit(BS) is None
+        assert sorted(rc._peer_fds) == ["same-mount"]
+        assert rc.estimate() == rc._usage["bytes"] + (3 + 5 + 7 + 1) * BS  # all three count
+        with open(tmp_path / ".kvtier" / "writers" / "same-mount", "r+") as f:  # rewritten in place
+            f.write(json.dumps({**me, "bytes": 9 * BS, "inflight": 9 * BS, "dev": dev, "t": time.time()}) + " " * 40)
+        assert rc.admit(BS) is None and rc.estimate() == rc._usage["bytes"] + (9 + 5 + 7 + 2) * BS
+        rec = json.loads(open(rc.ledger_path).read())
+        assert rec["dev"] == dev and rec["inflight"] == 2 * BS and rec["bytes"] == 2 * BS
+    finally:
+        t.shutdown()
+
+
 PEER = r"""
 import sys, time, numpy as np
 sys.path.insert(0, {repo!r})

@@ -8,11 +8,15 @@ One bound per root (``max_bytes``), physical and root-wide:
   spends at most :data:`CENSUS_CPU_SHARE` of its time scanning), published atomically (temp
   + rename) to ``<root>/.kvtier/usage.json``.
 - **Ledgers**: between censuses each writer process counts the bytes it reserved since the
-  latest census's ``scan_started`` and publishes them in its own file
-  ``<root>/.kvtier/writers/<host>-<pid>-<tag>`` (pwrite, no fsync, at most every
-  :data:`LEDGER_PUBLISH_S`).  Admission: census bytes + every live writer's ledger + this
-  process's own reservations; a store job that would take that above ``max_bytes`` is
-  dropped at once (ENOSPC, counted ``stores_dropped``), never queued or blocked.
+  latest census's ``scan_started`` (running jobs, and ended ones by age:
+  :data:`LEDGER_AGES`) and publishes them in its own file
+  ``<root>/.kvtier/writers/<host>-<pid>-<tag>`` (pwrite, no fsync): at each admission when
+  another writer of its host has a ledger, else within :data:`LEDGER_PUBLISH_S`.
+  Admission: census bytes + what every live writer's ledger adds to that census
+  (:func:`ledger_bytes`; this host's through the same mount re-read at each admission, the others' every
+  :data:`LEDGER_PUBLISH_S`) + this process's own reservations; a store job that would
+  take that above ``max_bytes`` is dropped at once (ENOSPC, counted ``stores_dropped``),
+  never queued or blocked.
 - **One evictor per root**: the process holding the fcntl lock on
   ``<root>/.kvtier/evictor.lock`` (one fd per process and root, opened here only, never
   closed while the tier lives); every process with a bound tries it each census interval,
@@ -25,9 +29,12 @@ One bound per root (``max_bytes``), physical and root-wide:
   oldest first (:func:`recency_key`) until usage is at the low watermark, each unlink
   after an lstat that finds the same file (dev, ino, mtime) the census saw.
 
-Nothing here runs on a request path: :meth:`RootCapacity.admit` does no I/O (it reads the
-values the capacity thread refreshes), stamps run on the pool thread after a job's I/O,
-lookup-hit touches on the capacity thread.
+Little runs on a request path: :meth:`RootCapacity.admit` does a ``stat`` of the writers'
+directory, one ``pread`` per other writer of this host and, with one, a ``pwrite`` of its
+own ledger (page cache only: ~6-17 µs in all, ``benchmarks/capacity_peak.py
+--admission-cost``), and ``usage.json`` read again only before a drop or when a ledger
+counts from a newer census; stamps run on the pool thread after a job's I/O, lookup-hit
+touches on the capacity thread.
 """
 from __future__ import annotations
 
@@ -1083,8 +1090,11 @@ class RootCapacity:
         self.name = f"{self.host}-{self.pid}-{secrets.token_hex(4)}"
         self.ledger_path = os.path.join(state_dir(root), WRITERS_DIR, self.name)
         self._wdir = os.path.dirname(self.ledger_path)
+        # the root's st_dev: writers of one host through one mount share its page cache (two
+        # mounts of one GlusterFS or NFS volume do not: those re-read by name, as other nodes)
+        self._peer_id = (self.ident[0], self.ident[1], os.stat(root).st_dev)
         self._ledger_head = json.dumps({"host": self.ident[0], "boot": self.ident[1], "pidns": self.ident[2],
-                                        "pid": self.pid})[:-1]  # the record's constant part, without "}"
+                                        "pid": self.pid, "dev": self._peer_id[2]})[:-1]  # without "}"
         self._lock = threading.Lock()
         self._handles: List[Handle] = []
         # this process's ledger: bytes of admitted store jobs still running, and of those
@@ -1222,8 +1232,9 @@ class RootCapacity:
 
     def _merge_ledgers(self, mtime: Optional[int], led: Dict[str, Dict[str, Any]]) -> None:
         """(lock held) The ledgers of a listing of the writers' directory (made when it had
-        ``mtime``): kept, and an fd opened on each of this host's (closed when it is gone;
-        reopened when its file was replaced)."""
+        ``mtime``): kept, and an fd opened on each of this host's through the same mount
+        (same boot id and root ``st_dev``: one page cache; closed when it is gone, reopened
+        when its file was replaced)."""
         self._wdir_mtime, self._ledgers = mtime, led
         self._peer_raw.clear()  # (re-read at the next admission)
         fds = self._peer_fds
@@ -1238,21 +1249,28 @@ class RootCapacity:
                 os.close(fds.pop(name))
                 self._peer_raw.pop(name, None)
         for name, d in led.items():
-            if name not in fds and (d.get("host"), d.get("boot")) == self.ident[:2]:
+            if name not in fds and (d.get("host"), d.get("boot"), d.get("dev")) == self._peer_id:
                 try:
                     fds[name] = os.open(os.path.join(self._wdir, name), os.O_RDONLY | os.O_CLOEXEC)
                 except OSError:
                     pass
 
+    def _wdir_stamp(self) -> Optional[int]:
+        """The writers' directory's mtime (ns), taken before a listing; None (list again at
+        the next admission) when it cannot be read or is under 20 ms old: a writer that
+        came in the same clock tick as the listing leaves the mtime as it was."""
+        try:
+            m = os.stat(self._wdir).st_mtime_ns
+        except OSError:
+            return None
+        return None if time.time_ns() - m < 20_000_000 else m
+
     def _read_peers(self) -> None:
         """(lock held; at an admission) This host's other writers, re-read now: a listing when
         the writers' directory changed (a writer came or went), then one pread each (a
         record torn by its rewrite keeps the value read before)."""
-        try:
-            mtime: Optional[int] = os.stat(self._wdir).st_mtime_ns
-        except OSError:
-            mtime = None
-        if mtime != self._wdir_mtime:
+        mtime = self._wdir_stamp()
+        if mtime is None or mtime != self._wdir_mtime:
             self._merge_ledgers(mtime, scan_ledgers(self.root, max_age=2 * self.interval + 1.0, skip=self.name))
         raw = self._peer_raw
         for name, fd in self._peer_fds.items():
@@ -1495,10 +1513,7 @@ class RootCapacity:
         with self._lock:
             if u is not None:
                 self._take_usage(u)
-        try:
-            mtime: Optional[int] = os.stat(self._wdir).st_mtime_ns
-        except OSError:
-            mtime = None
+        mtime = self._wdir_stamp()
         led = scan_ledgers(self.root, max_age=2 * self.interval + 1.0, skip=self.name)
         with self._lock:
             self._merge_ledgers(mtime, led)
