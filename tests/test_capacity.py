@@ -1634,6 +1634,66 @@ def test_two_dfs_clients_stay_within_the_bound_plus_a_batch_each(dfs, dfs_dirs):
     assert samples > 20 and peak <= max_bytes + allowance, (peak, max_bytes)
 
 
+def _dfs_evictor_pid(root):
+    """:func:`_evictor_pid` through a FUSE client: a read that meets the rename of a new
+    usage.json (ENOENT, ESTALE: read_usage None) is read again."""
+    end = time.monotonic() + 2.0
+    while True:
+        pid = _evictor_pid(root)
+        if pid or time.monotonic() > end:
+            return pid
+        time.sleep(0.01)
+
+
+@pytest.mark.dfs
+def test_a_stopped_evictor_on_one_dfs_client_is_taken_over_through_the_other(dfs, dfs_dirs):
+    """Issue #22's takeover across two FUSE clients of one volume (GlusterFS, MooseFS): the
+    evictor A, storing through node A's mount, is SIGSTOPped (it keeps its fcntl lock); B,
+    through node B's, sees A's heartbeat still for takeover_s, takes the lock over (a new
+    evictor.lock, renamed over the old one through B's mount) and censuses; A, continued,
+    finds through its own mount that its lock file was replaced, steps down and publishes
+    nothing more. The root is back under its bound."""
+    a_root, b_root = dfs_dirs
+    max_bytes, interval, takeover = 48 * BS, 0.3, 1.5
+    ps = []
+    try:
+        a = _writer(a_root, 1, 60.0, interval, max_bytes, pause=0.02, takeover_s=takeover)
+        ps.append(a)
+        _wait_for(lambda: _dfs_evictor_pid(b_root) == a.pid, 20, "A never published a census")
+        b = _writer(b_root, 2, 60.0, interval, max_bytes, pause=0.02, takeover_s=takeover)
+        ps.append(b)
+        time.sleep(4 * interval)
+        hb = cap.read_heartbeat(b_root)
+        assert hb is not None and hb["by"].endswith(f":{a.pid}") and _dfs_evictor_pid(b_root) == a.pid  # B waits
+        os.kill(a.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        _wait_for(lambda: (cap.read_heartbeat(b_root) or {}).get("by", "").endswith(f":{b.pid}"),
+                  takeover + 4 * interval + 10, "no takeover")
+        assert time.monotonic() - t0 >= 0.9 * takeover - 0.05
+        _wait_for(lambda: _dfs_evictor_pid(a_root) == b.pid, 10, "B published no census (seen through A's mount)")
+        _wait_for(lambda: cap.census(b_root, keep_entries=False).bytes <= max_bytes + 256 * 1024, 10,
+                  "the bound is not met again")
+        gen = cap.read_usage(b_root)["generation"]
+        os.kill(a.pid, signal.SIGCONT)
+        # A runs again: B stays the evictor, seen through either mount; A publishes nothing
+        # (A's stat of the lock file may be served from its client's cache for a while:
+        # MooseFS's ~1 s; then it finds the new file and steps down)
+        end = time.monotonic() + 6.0
+        while time.monotonic() < end:
+            assert _dfs_evictor_pid(b_root) == b.pid and _dfs_evictor_pid(a_root) == b.pid
+            time.sleep(0.05)
+        assert cap.read_usage(b_root)["generation"] > gen  # B went on censusing
+    finally:
+        for p in ps:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+            p.wait()
+    a_err, b_err = a.stderr.read(), b.stderr.read()
+    assert "is no evictor of" in a_err and "took the evictor lock" not in a_err, a_err
+    assert "took the evictor lock of" in b_err and f":{a.pid}, whose heartbeat" in b_err, b_err
+
+
 # ---------------------------------------------------------------------- kvtier info ROOT
 
 def _info_root(root, rc=0):
