@@ -1258,12 +1258,14 @@ class RootCapacity:
     def _wdir_stamp(self) -> Optional[int]:
         """The writers' directory's mtime (ns), taken before a listing; None (list again at
         the next admission) when it cannot be read or is under 20 ms old: a writer that
-        came in the same clock tick as the listing leaves the mtime as it was."""
+        came in the same clock tick as the listing leaves the mtime as it was.  (A stamp
+        ahead of this clock, an NFS server's, is taken as it is: else every admission
+        would list the directory.)"""
         try:
             m = os.stat(self._wdir).st_mtime_ns
         except OSError:
             return None
-        return None if time.time_ns() - m < 20_000_000 else m
+        return None if 0 <= time.time_ns() - m < 20_000_000 else m
 
     def _read_peers(self) -> None:
         """(lock held; at an admission) This host's other writers, re-read now: a listing when
