@@ -656,6 +656,15 @@ def _host_identity() -> Tuple[str, str, int]:
     return host, boot, ns
 
 
+def _close(fd: int) -> None:
+    """Close ``fd``; an error is ignored: the fd is released whatever close answers, and on
+    FUSE (GlusterFS) its flush may answer ENOENT for a file another client renamed over."""
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -869,7 +878,7 @@ class EvictorLock:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         old, self._fd, self.held = self._fd, fd, True
         if old is not None:
-            os.close(old)  # the old file: this process holds no lock on it
+            _close(old)  # the old file: this process holds no lock on it
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else knows this file yet
             self.beat(force=True)
@@ -884,7 +893,7 @@ class EvictorLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)  # drops the lock
+            _close(self._fd)  # drops the lock
         self._fd, self.held = None, False
 
 
@@ -904,7 +913,7 @@ def read_heartbeat(root: str) -> Optional[Dict[str, Any]]:
     except (OSError, ValueError):
         return None
     finally:
-        os.close(fd)
+        _close(fd)
     if not (isinstance(d, dict) and isinstance(d.get("by"), str) and _is_count(d.get("seq"))
             and _is_num(d.get("t"))):
         return None
@@ -930,7 +939,7 @@ def lock_holder(root: str) -> Optional[int]:
     except OSError:
         return None
     finally:
-        os.close(fd)  # this process holds no lock on it (a tier's RootCapacity never calls this)
+        _close(fd)  # this process holds no lock on it (a tier's RootCapacity never calls this)
 
 
 # ---------------------------------------------------------------------- one pass
@@ -1143,7 +1152,7 @@ class RootCapacity:
         # the lock file must open (a read-only or non-file evictor.lock would fail every
         # tick: no census, no eviction, every store dropped once full): OSError with the
         # path now.  This process holds no lock of it yet, so this close drops none.
-        os.close(os.open(self.lock.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
+        _close(os.open(self.lock.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
         self.generation = 0
         self.last_pass: Optional[EvictResult] = None
         self.last_census: Optional[Census] = None
@@ -1179,10 +1188,10 @@ class RootCapacity:
         self.lock.release()
         with self._lock:
             for fd in self._peer_fds.values():
-                os.close(fd)
+                _close(fd)
             self._peer_fds.clear()
         try:
-            os.close(self._ledger_fd)
+            _close(self._ledger_fd)
             os.unlink(self.ledger_path)
         except OSError:
             pass
@@ -1246,7 +1255,7 @@ class RootCapacity:
                 except OSError:
                     gone = True
             if gone:
-                os.close(fds.pop(name))
+                _close(fds.pop(name))
                 self._peer_raw.pop(name, None)
         for name, d in led.items():
             if name not in fds and (d.get("host"), d.get("boot"), d.get("dev")) == self._peer_id:
@@ -1479,7 +1488,7 @@ class RootCapacity:
                 logger.warning("kvtier capacity: the ledger %s was removed and cannot be made again: %s",
                                self.ledger_path, e)
                 return
-            os.close(self._ledger_fd)
+            _close(self._ledger_fd)
             self._ledger_fd, self._dirty = fd, True
             if whole:
                 logger.warning("kvtier capacity: %s was removed under the running tier: made again",
@@ -1626,7 +1635,7 @@ class RootCapacity:
         except OSError:
             return  # the takeover failed (the temp could not be made, ...): try again later
         finally:
-            os.close(fd)
+            _close(fd)
         self.takeovers += 1
         self._beat_seen = None
         logger.warning("kvtier capacity: took the evictor lock of %s over from %s, whose heartbeat (seq %d) had not "
