@@ -31,8 +31,8 @@ One bound per root (``max_bytes``), physical and root-wide:
 
 Little runs on a request path: :meth:`RootCapacity.admit` does a ``stat`` of the writers'
 directory, one ``pread`` per other writer of this host and, with one, a ``pwrite`` of its
-own ledger (page cache only: ~6-17 µs in all, ``benchmarks/capacity_peak.py
---admission-cost``), and ``usage.json`` read again only before a drop or when a ledger
+own ledger (page cache only: ~7-28 µs in all with 0-3 such writers,
+``benchmarks/capacity_peak.py --admission-cost``), and ``usage.json`` read again only before a drop or when a ledger
 counts from a newer census; stamps run on the pool thread after a job's I/O, lookup-hit
 touches on the capacity thread.
 """
