@@ -300,11 +300,78 @@ def test_a_garbage_ledger_counts_nothing_and_never_stops_the_evictor(tmp_path):
         t.shutdown()
 
 
+@pytest.mark.parametrize("bad", ["[" * 5000, '{"bytes": 5, "t": 1' + "0" * 400 + "}",
+                                 "since", "done"])
+def test_a_ledger_too_deep_or_too_large_counts_nothing_and_never_fails_a_store(tmp_path, bad):
+    """A ledger nested deeper than the JSON parser's recursion (RecursionError) or with an
+    int too large for a float (OverflowError in the finite check: in ``t``, ``since`` or a
+    ``done`` bucket) raised out of submit_store and failed every tick (no census ever).
+    Now it is no ledger, or its bad field is: the stores are admitted and the evictor
+    censuses."""
+    now, big = time.time(), 10 ** 400
+    host, boot, ns = cap._host_identity()
+    me = {"host": host, "boot": boot, "pidns": ns, "pid": os.getpid(), "t": now, "bytes": BS, "inflight": BS,
+          "since": 0.0, "done": []}
+    if bad == "since":
+        bad = dict(me, since=big)
+    elif bad == "done":
+        bad = dict(me, done=[[big, BS]])
+    _ledger(tmp_path, "bad", bad)
+    t, _ = _tier(tmp_path, rows=4, max_bytes="1G", census_interval_s=0.1)
+    try:
+        rc = cap.root_capacity(str(tmp_path))
+        res = [_run(t, TransferJob(j, _keys(j, 4), list(range(4))))[0] for j in range(3)]
+        assert all(r.success for r in res)
+        assert rc.wait_pass(5, after=0) and rc.censuses >= 1 and rc.tick_failures == 0
+        assert rc._others() <= BS  # the bad ledger adds its bytes at most
+    finally:
+        t.shutdown()
+
+
+FIFO_CHILD = r"""
+import os, sys, time, numpy as np
+sys.path.insert(0, {repo!r})
+from kvtier.manager import FileSystemTierManager, TransferJob
+from kvtier._tier import capacity as cap
+root = sys.argv[1]
+t = FileSystemTierManager(np.ones((2, {bs}), np.uint8), root, "m", block_size={bs}, use_o_direct=False,
+                          max_bytes=1 << 30, census_interval_s=0.1)
+rc = cap.root_capacity(root)
+ok = 0
+for j in range(3):
+    t.submit_store(TransferJob(j, [(bytes([j]) + bytes(15), 0), (bytes([j, 1]) + bytes(14), 0)], [0, 1]))
+    t.drain_jobs(10)
+    ok += sum(r.success for r in t.get_finished_jobs())
+    time.sleep(0.1)
+print(ok, rc.censuses >= 1, flush=True)
+t.shutdown()
+print("shut down", flush=True)
+"""
+
+
+@pytest.mark.parametrize("where", ["writers/fifo", "usage.json", "evict.request"])
+def test_a_fifo_in_the_state_directory_never_hangs_a_tier(tmp_path, where):
+    """A FIFO where a ledger, usage.json or evict.request belongs: its open (or read) blocked
+    for ever (submit_store in the writers' listing, the capacity thread reading the usage
+    or the request, shutdown joining that thread). Now only regular files are read: the
+    stores run, the evictor censuses, shutdown returns."""
+    os.makedirs(tmp_path / ".kvtier" / "writers")
+    os.mkfifo(tmp_path / ".kvtier" / where)
+    # (usage.json is read at the capacity thread's first tick, before it takes the lock)
+    r = subprocess.run([sys.executable, "-c", FIFO_CHILD.format(repo=REPO, bs=BS), str(tmp_path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.split() == ["3", "True", "shut", "down"], r.stdout + r.stderr
+    assert cap.read_usage(str(tmp_path))["bytes"] > 0  # published (a FIFO usage.json renamed over)
+    assert cap.read_ledgers(str(tmp_path)) == (0, 0)  # the child's ledger removed; a FIFO is none
+
+
 @pytest.mark.parametrize("bad", [
     {"bytes": 5}, {"bytes": 5, "scan_started": "x", "scan_finished": 1.0},
     {"bytes": 5, "scan_started": 1.0, "scan_finished": 1.0, "alloc_ratio": "x"},
     {"bytes": 5, "scan_started": 1.0, "scan_finished": 1.0, "room": "x"},
     {"bytes": True, "scan_started": 1.0, "scan_finished": 1.0}, {"bytes": -5, "scan_started": 1.0, "scan_finished": 1.0},
+    {"bytes": 5, "scan_started": 1.0, "scan_finished": 1.0, "alloc_ratio": 1e308},
+    '{"bytes": 5, "scan_started": 1' + "0" * 400 + ', "scan_finished": 1.0}', "[" * 5000,
     [5], '{"bytes": 12, "scan_st'])
 def test_a_usage_file_of_the_wrong_shape_is_none_and_never_fails_a_store(tmp_path, bad):
     """A usage.json that is valid JSON with a field its readers use of the wrong type (or
@@ -501,6 +568,39 @@ def test_another_processs_large_jobs_move_the_evictors_marks(tmp_path):
         if p is not None and p.poll() is None:
             p.kill()
             p.wait()
+        t.shutdown()
+
+
+def test_a_ledger_removed_under_steady_stores_is_made_again(tmp_path):
+    """The check that this process's ledger is still linked ran only when the ledger had
+    not been published for half an interval, and a store publishes it at each admission
+    (when it has a peer) and the capacity thread within 50 ms of it: under steady stores it
+    never ran, so a ledger (or .kvtier/) removed then stayed gone, the writers blind to
+    each other. It runs each half interval now, whatever the stores do."""
+    t, _ = _tier(tmp_path, rows=2, max_bytes="1G", census_interval_s=0.2)
+    stop, n = threading.Event(), [0]
+
+    def store():
+        while not stop.is_set():
+            _run(t, TransferJob(n[0], _keys(n[0] % 250, 2), [0, 1]))
+            n[0] += 1
+            time.sleep(0.005)
+
+    th = threading.Thread(target=store)
+    try:
+        rc = cap.root_capacity(str(tmp_path))
+        assert rc.wait_pass(5, after=0)
+        th.start()
+        _wait_for(lambda: n[0] > 10, 10, "no stores")
+        os.unlink(rc.ledger_path)
+        _wait_for(lambda: os.path.exists(rc.ledger_path), 3, "the ledger was not made again under stores")
+        k = n[0]
+        _wait_for(lambda: n[0] > k + 10, 10, "the stores stopped")
+        assert json.loads(open(rc.ledger_path).read())["pid"] == os.getpid()
+    finally:
+        stop.set()
+        if th.is_alive():
+            th.join(30)
         t.shutdown()
 
 
@@ -719,6 +819,12 @@ def test_an_older_usage_read_late_is_not_taken(tmp_path):
             assert not rc._take_usage(u1) and rc._usage is u2
             u3 = dict(u0, generation=u2.get("generation", 0) + 1, bytes=3 * BS)  # a later generation, clock behind
             assert rc._take_usage(u3) and rc.estimate() == 3 * BS
+            # a record of a census "begun" 11 days ahead (garbage, a clock far off) is not taken:
+            # else no real census would ever be newer, and the ledger trimmed against it
+            fake = dict(u0, scan_started=time.time() + 1e6, scan_finished=time.time() + 1e6, generation=10 ** 12)
+            assert not rc._take_usage(fake) and rc._usage is u3
+            rc._usage = fake  # (and one held already, from before this check) yields to the next real one
+            assert rc._take_usage(u1) and rc._usage is u1
     finally:
         t.shutdown()
 

@@ -117,6 +117,10 @@ ones), each stamped with its newest end: a reader whose census began after a buc
 stamp counts it as in the census (the writer has not read that census yet)."""
 REQUEST_GAP_S = 0.1
 """A writer asks for a pass at most this often."""
+FUTURE_USAGE_S = 60.0
+"""A ``usage.json`` whose census began more than this far ahead of this clock is not taken."""
+USAGE_LIMIT = 1 << 16
+"""Bytes of ``usage.json`` read at most (a record is ~600)."""
 
 _BLOCK_RE = re.compile(r"^[0-9a-f]+\.bin\Z")
 _SHARD1_RE = re.compile(r"^[0-9a-f]{1,3}\Z")
@@ -562,7 +566,34 @@ def state_dir(root: str) -> str:
 
 
 def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A finite int or float (not bool; an int too large for a float is none)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+def _read_state_file(path: str, limit: int) -> bytes:
+    """Up to ``limit`` bytes of one of ``.kvtier/``'s files: opened non-blocking and read only
+    when it is a regular file (a FIFO there would block the open or the read for ever:
+    OSError ENOTSUP-like EINVAL instead)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not _stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        return os.pread(fd, limit, 0)
+    finally:
+        _close(fd)
+
+
+def _loads(b: bytes) -> Any:
+    """json.loads, None for what is no JSON (a nesting deep enough for RecursionError too)."""
+    try:
+        return json.loads(b)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _is_count(v: Any) -> bool:
@@ -579,7 +610,7 @@ def _valid_usage(d: Any) -> bool:
             and _is_num(d.get("scan_finished"))):
         return False
     for k, ok in (("evict_finished", _is_num), ("room", lambda v: v is None or _is_count(v)),
-                  ("alloc_ratio", lambda v: _is_num(v) and v >= 1), ("generation", _is_count),
+                  ("alloc_ratio", lambda v: _is_num(v) and 1 <= v <= 64), ("generation", _is_count),
                   ("evictor", lambda v: isinstance(v, str)), ("max_bytes", lambda v: v is None or _is_count(v)),
                   ("inodes_free", lambda v: v is None or _is_count(v))):
         if k in d and not ok(d[k]):
@@ -591,9 +622,8 @@ def read_usage(root: str) -> Optional[Dict[str, Any]]:
     """The latest published census of ``root`` (``usage.json``), or None (none, unreadable,
     truncated, or a field of the wrong type: :func:`_valid_usage`)."""
     try:
-        with open(os.path.join(state_dir(root), USAGE_FILE), "rb") as f:
-            d = json.loads(f.read())
-    except (OSError, ValueError):
+        d = _loads(_read_state_file(os.path.join(state_dir(root), USAGE_FILE), USAGE_LIMIT))
+    except OSError:
         return None
     return d if _valid_usage(d) else None
 
@@ -696,8 +726,7 @@ def scan_ledgers(root: str, now: Optional[float] = None, max_age: float = 2 * DE
             continue
         p = os.path.join(wdir, name)
         try:
-            with open(p, "rb") as f:
-                d = parse_ledger(f.read(LEDGER_RECORD * 2))
+            d = parse_ledger(_read_state_file(p, LEDGER_RECORD * 2))
         except OSError:
             continue
         if d is None:
@@ -722,10 +751,7 @@ def scan_ledgers(root: str, now: Optional[float] = None, max_age: float = 2 * DE
 def parse_ledger(b: bytes) -> Optional[Dict[str, Any]]:
     """A ledger record, or None when ``b`` is none (not a JSON object with a finite ``t``
     and a count ``bytes``; torn by a rewrite read halfway)."""
-    try:
-        d = json.loads(b)
-    except ValueError:
-        return None
+    d = _loads(b)
     if not isinstance(d, dict) or not _is_num(d.get("t")) or not _is_count(d.get("bytes")):
         return None
     return d
@@ -904,12 +930,14 @@ def read_heartbeat(root: str) -> Optional[Dict[str, Any]]:
     file, an empty one (its holder is an older kvtier: it is never taken over), a torn or
     foreign content.  Opens and closes the file: never in a process that holds the lock."""
     try:
-        fd = os.open(os.path.join(state_dir(root), LOCK_FILE), os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(os.path.join(state_dir(root), LOCK_FILE), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
     try:
         st = os.fstat(fd)
-        d = json.loads(os.pread(fd, 2 * BEAT_RECORD, 0))
+        if not _stat.S_ISREG(st.st_mode):
+            return None
+        d = _loads(os.pread(fd, 2 * BEAT_RECORD, 0))
     except (OSError, ValueError):
         return None
     finally:
@@ -1133,6 +1161,8 @@ class RootCapacity:
         self._usage: Optional[Dict[str, Any]] = None
         self._dirty = True
         self._published_at = 0.0
+        self._checked_at = 0.0
+        self._listed_at = 0.0  # time.monotonic() of the last listing of the writers at an admission  # time.monotonic() of the last _check_state (ledger and lock file there)
         self._touched: "collections.OrderedDict[str, float]" = collections.OrderedDict()
         self._touch_q: "collections.deque[str]" = collections.deque(maxlen=TOUCH_LRU)
         self._request: Optional[str] = None
@@ -1281,7 +1311,11 @@ class RootCapacity:
         the writers' directory changed (a writer came or went), then one pread each (a
         record torn by its rewrite keeps the value read before)."""
         mtime = self._wdir_stamp()
-        if mtime is None or mtime != self._wdir_mtime:
+        mono = time.monotonic()
+        if (mtime is None or mtime != self._wdir_mtime) and mono - self._listed_at >= LEDGER_PUBLISH_S / 10:
+            # (at most every 5 ms: a directory that keeps changing costs a listing per 5 ms,
+            # not one per admission; the capacity thread lists it every LEDGER_PUBLISH_S)
+            self._listed_at = mono
             self._merge_ledgers(mtime, scan_ledgers(self.root, max_age=2 * self.interval + 1.0, skip=self.name))
         raw = self._peer_raw
         for name, fd in self._peer_fds.items():
@@ -1508,8 +1542,11 @@ class RootCapacity:
         census, or the same one after more eviction, or a later generation (an evictor
         whose clock is behind)."""
         self._usage_read = time.monotonic()
+        ahead = time.time() + FUTURE_USAGE_S
+        if float(u["scan_started"]) > ahead:
+            return False  # no census begins there: garbage (or a clock far off), never trimmed against
         cur = self._usage
-        if cur is not None:
+        if cur is not None and float(cur["scan_started"]) <= ahead:
             def key(d: Dict[str, Any]) -> Tuple[float, float]:
                 return float(d["scan_started"]), float(d.get("evict_finished", d["scan_finished"]))
             if key(u) < key(cur) and int(u.get("generation", 0)) <= int(cur.get("generation", 0)):
@@ -1549,7 +1586,8 @@ class RootCapacity:
         mono = time.monotonic()
         if mono - self._others_at >= LEDGER_PUBLISH_S:
             self._refresh()
-        if mono - self._published_at >= self.interval / 2:
+        if mono - self._checked_at >= self.interval / 2:
+            self._checked_at = mono
             self._check_state()
         if self._dirty or mono - self._published_at >= self.interval / 2:
             self._publish_ledger()
@@ -1665,8 +1703,7 @@ class RootCapacity:
             if rq.st_mtime <= self._request_seen:
                 return
             self._request_seen = rq.st_mtime
-            with open(path, "rb") as f:
-                rq = json.loads(f.read())
+            rq = _loads(_read_state_file(path, 4096))
             r2, need = rq.get("reason", "capacity"), rq.get("need", 0)
         except (OSError, ValueError, AttributeError):
             return
