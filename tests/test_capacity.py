@@ -271,7 +271,9 @@ def _ledger(root, name, d):
 def test_a_garbage_ledger_counts_nothing_and_never_stops_the_evictor(tmp_path):
     """A ledger file of the wrong shape (a pid that is no int, a NaN or far-future stamp
     that would never age out, a list) is skipped or dead: read_ledgers never raises (it
-    did: int('x') in the pid check stopped every census) and counts only the good ledger."""
+    did: int('x') in the pid check stopped every census). A dead one (no live pid here)
+    counts, as a writer's that exited, until a census that began after its stamp: then
+    the evictor removes it; the far-future one is garbage: never counted, removed."""
     host, boot, ns = cap._host_identity()
     now = time.time()
     me = {"host": host, "boot": boot, "pidns": ns}
@@ -283,8 +285,11 @@ def test_a_garbage_ledger_counts_nothing_and_never_stops_the_evictor(tmp_path):
     skipped = [_ledger(tmp_path, "nan", '{"host": "elsewhere", "pid": 1, "bytes": 1000000000, "t": NaN}'),
                _ledger(tmp_path, "list", [1, 2]), _ledger(tmp_path, "strbytes", {"bytes": "9", "t": now}),
                _ledger(tmp_path, "torn", '{"bytes": 10, "t": 17')]
-    assert cap.read_ledgers(str(tmp_path), now=now, max_age=5.0, since=7.0) == (12345, 1)
-    assert cap.read_ledgers(str(tmp_path), now=now, max_age=5.0, remove_dead=True) == (12345, 1)
+    assert cap.read_ledgers(str(tmp_path), now=now, max_age=5.0, since=7.0) == (12345 + 3 * 10**9, 1)
+    assert cap.read_ledgers(str(tmp_path), now=now, max_age=5.0, remove_dead=True, before=now - 1) \
+        == (12345 + 3 * 10**9, 1)  # no census since their stamp: kept, counted (the far-future one removed)
+    assert [os.path.exists(p) for p in dead] == [True, True, True, False]
+    assert cap.read_ledgers(str(tmp_path), now=now, max_age=5.0, remove_dead=True, before=now + 1) == (12345, 1)
     assert not any(os.path.exists(p) for p in dead) and all(os.path.exists(p) for p in skipped)
     # and a tier on the root censuses and evicts as usual beside them
     _ledger(tmp_path, "pidstr", {**me, "pid": "x", "bytes": 10**9, "t": time.time() + 3600})
@@ -568,6 +573,57 @@ def test_another_processs_large_jobs_move_the_evictors_marks(tmp_path):
         if p is not None and p.poll() is None:
             p.kill()
             p.wait()
+        t.shutdown()
+
+
+LEAVER = r"""
+import os, signal, sys, time, numpy as np
+sys.path.insert(0, {repo!r})
+from kvtier.manager import FileSystemTierManager, TransferJob
+bs = {bs}
+t = FileSystemTierManager(np.ones((8, bs), np.uint8), sys.argv[1], "m", block_size=bs, use_o_direct=False,
+                          max_bytes=1 << 30, census_interval_s=3600)
+t.submit_store(TransferJob(1, [(bytes([99, i]) + bytes(14), 0) for i in range(8)], list(range(8))))
+t.drain_jobs(30)
+assert all(r.success for r in t.get_finished_jobs())
+time.sleep(0.3)  # its ledger published
+print("stored", flush=True)
+if sys.argv[2] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+t.shutdown()
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_a_writer_that_leaves_keeps_counting_until_a_census_counts_its_blocks(tmp_path, how):
+    """A writer process stores 8 blocks and exits (or is SIGKILLed) before any census saw
+    them: its ledger was removed at exit (or counted nothing once its pid was gone), so the
+    other writers' estimate lost those 8 blocks and admitted as much again (1.67-1.76x the
+    bound in a trial). Now its final ledger counts until a census that began after its last
+    write; that census counts the blocks, and the evictor removes the ledger."""
+    t, _ = _tier(tmp_path, rows=4, max_bytes="1G", census_interval_s=3600)
+    try:
+        rc = cap.root_capacity(str(tmp_path))
+        assert rc.wait_pass(5, after=0) and rc.lock.held
+        base = rc.estimate()
+        r = subprocess.run([sys.executable, "-c", LEAVER.format(repo=REPO, bs=BS), str(tmp_path), how],
+                           capture_output=True, text=True, timeout=60)
+        assert r.stdout.split() == ["stored"] and r.returncode == (-signal.SIGKILL if how == "kill" else 0), r.stderr
+        time.sleep(0.3)  # this process has re-read the ledgers
+        led = list((tmp_path / ".kvtier" / "writers").iterdir())
+        assert len(led) == 2  # this process's, and the one that left
+        assert rc.estimate() >= base + 8 * BS and cap.read_ledgers(str(tmp_path), skip=rc.name)[1] == 0
+        n = rc.censuses
+
+        def census_now():  # the first counts the blocks, the next removes the ledger
+            rc._next_census = 0.0
+            rc._wake.set()
+            return rc.censuses >= n + 2
+
+        _wait_for(census_now, 10, "no census")
+        assert os.listdir(tmp_path / ".kvtier" / "writers") == [os.path.basename(rc.ledger_path)]
+        assert rc._usage["bytes"] >= base + 8 * BS and rc.estimate() >= base + 8 * BS  # in the census now
+    finally:
         t.shutdown()
 
 
@@ -955,7 +1011,12 @@ def test_two_processes_stay_within_the_bound_plus_a_batch_each(tmp_path, io_back
     # by statvfs of a tmpfs of its own, is benchmarks/capacity_peak.py's.
     allowance = 2 * batch * BS + 50 * batch * BS + 64 * 1024
     assert samples > 50 and peak <= max_bytes + allowance, (peak, max_bytes)
-    assert not os.listdir(tmp_path / ".kvtier" / "writers")  # both ledgers removed at shutdown
+    # a writer that stored since the last census it read leaves its ledger, final (nothing in
+    # flight), for the next census to count and an evictor to remove (the one that ran on
+    # may have removed the other's already); none is live
+    left = [json.loads(open(p).read()) for p in (tmp_path / ".kvtier" / "writers").iterdir()]
+    assert len(left) <= 2 and all(d["inflight"] == 0 and d["bytes"] > 0 for d in left)
+    assert cap.read_ledgers(str(tmp_path))[1] == 0
 
 
 def test_sigkill_of_the_evictor_fails_over_within_an_interval(tmp_path):
@@ -1459,7 +1520,7 @@ def test_kvtier_evict_dry_run_deletes_nothing_and_the_real_run_evicts(tmp_path, 
     host, boot, ns = cap._host_identity()
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = _ledger(tmp_path, "dead", {"host": host, "boot": boot, "pidns": ns, "pid": int(gone.stdout),
-                                      "bytes": 10**6, "t": time.time()})  # a writer that died (its pid is gone)
+                                      "bytes": 10**6, "t": time.time() - 3600})  # died an hour ago
     before = sorted((dp, f, os.lstat(os.path.join(dp, f)).st_mtime_ns) for dp, _, fs in os.walk(tmp_path) for f in fs
                     if not f.startswith("usage.json"))
     cmd = [sys.executable, "-m", "kvtier", "evict", str(tmp_path), "--max-bytes", str(6 * BS), "--json"]

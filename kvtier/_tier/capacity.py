@@ -706,13 +706,17 @@ def _pid_alive(pid: int) -> bool:
 
 
 def scan_ledgers(root: str, now: Optional[float] = None, max_age: float = 2 * DEFAULT_CENSUS_INTERVAL_S,
-                 skip: Optional[str] = None, remove_dead: bool = False) -> Dict[str, Dict[str, Any]]:
-    """The live writers' ledgers of ``root`` (except file ``skip``), by file name.  A
-    ledger is dead when its writer's pid is gone on this host (same boot and pid
-    namespace), it was not republished for ``max_age`` seconds, or it is stamped more
-    than ``max_age`` ahead of this clock; dead ones are left out and with ``remove_dead``
-    removed.  A file that is no ledger (not a JSON object with a finite ``t`` and a count
-    ``bytes``) is left out and alone."""
+                 skip: Optional[str] = None, remove_dead: bool = False,
+                 before: Optional[float] = None) -> Dict[str, Dict[str, Any]]:
+    """The writers' ledgers of ``root`` (except file ``skip``), by file name.  A ledger is
+    dead (``"_dead": True``) when its writer's pid is gone on this host (same boot and pid
+    namespace: it exited, or was killed) or it was not republished for ``max_age``
+    seconds: it still counts (what its writer stored since its census is on disk) until
+    a census that began after its last write (``before``: that census's
+    ``scan_started``) counts that; then ``remove_dead`` removes it.  One stamped more than
+    ``max_age`` ahead of this clock is garbage (it would never age out): left out, and
+    removed with ``remove_dead``.  A file that is no ledger (not a JSON object with a
+    finite ``t`` and a count ``bytes``) is left out and alone."""
     now = time.time() if now is None else now
     wdir = os.path.join(state_dir(root), WRITERS_DIR)
     me = _host_identity()
@@ -731,19 +735,19 @@ def scan_ledgers(root: str, now: Optional[float] = None, max_age: float = 2 * DE
             continue
         if d is None:
             continue  # not a ledger (or torn mid-rewrite)
-        pid = d.get("pid")
-        # dead: not republished for max_age, stamped further ahead than that (a clock
-        # far off, or garbage: it would never age out), or its pid gone on this host
-        dead = (not -max_age <= now - float(d["t"]) <= max_age
-                or ((d.get("host"), d.get("boot"), d.get("pidns")) == me
-                    and not (_is_count(pid) and pid > 0 and _pid_alive(pid))))
-        if dead:
+        pid, t = d.get("pid"), float(d["t"])
+        future = now - t < -max_age
+        dead = (now - t > max_age or ((d.get("host"), d.get("boot"), d.get("pidns")) == me
+                                      and not (_is_count(pid) and pid > 0 and _pid_alive(pid))))
+        if future or (dead and before is not None and t < before):
             if remove_dead:
                 try:
                     os.unlink(p)
                 except OSError:
                     pass
             continue
+        if dead:
+            d["_dead"] = True
         live[name] = d
     return live
 
@@ -798,12 +802,13 @@ def ledger_buckets(done: Iterable[Tuple[float, int]], now: float) -> List[Tuple[
 
 def read_ledgers(root: str, now: Optional[float] = None, max_age: float = 2 * DEFAULT_CENSUS_INTERVAL_S,
                  skip: Optional[str] = None, remove_dead: bool = False, since: Optional[float] = None,
-                 census_host: Optional[str] = None) -> Tuple[int, int]:
-    """``(bytes, live writers)``: what the live ledgers of ``root`` (:func:`scan_ledgers`)
-    add to the census that began at ``since`` (:func:`ledger_bytes`; all their bytes when
-    None)."""
-    led = scan_ledgers(root, now, max_age, skip, remove_dead)
-    return sum(ledger_bytes(d, since, census_host) for d in led.values()), len(led)
+                 census_host: Optional[str] = None, before: Optional[float] = None) -> Tuple[int, int]:
+    """``(bytes, live writers)``: what the ledgers of ``root`` (:func:`scan_ledgers`, the
+    dead that still count included) add to the census that began at ``since``
+    (:func:`ledger_bytes`; all their bytes when None), and how many of them are live."""
+    led = scan_ledgers(root, now, max_age, skip, remove_dead, before)
+    return (sum(ledger_bytes(d, since, census_host) for d in led.values()),
+            sum(not d.get("_dead") for d in led.values()))
 
 
 # ---------------------------------------------------------------------- the lock
@@ -986,8 +991,9 @@ def one_pass(root: str, max_bytes: int, high: float = DEFAULT_HIGH, low: float =
     (not published here; its ``room`` is that room).  ``lock``, the evictor lock held:
     beaten during the census, checked during the eviction (a pass taken over stops:
     :meth:`EvictorLock.still_held`)."""
-    if not dry_run:  # dead writers' ledgers go, as at a tier evictor's census
-        read_ledgers(root, remove_dead=True)
+    if not dry_run:  # dead writers' ledgers that the last census counted go, as at a tier evictor's census
+        u = read_usage(root)
+        read_ledgers(root, remove_dead=True, before=float(u["scan_started"]) if u else None)
     c = census(root, progress=None if lock is None else lock.beat)
     usage = c.bytes
     try:
@@ -1210,7 +1216,10 @@ class RootCapacity:
         self.close()
 
     def close(self) -> None:
-        """Stop the thread, drop the lock, remove this process's ledger."""
+        """Stop the thread, drop the lock; remove this process's ledger when the latest
+        census it read counts all it stored, else leave it, final, to count that until a
+        census does (the evictor removes it then: :func:`scan_ledgers`; gone at once, the
+        other writers would admit those bytes again)."""
         self._stop = True
         self._wake.set()
         if self._thread is not threading.current_thread():
@@ -1220,11 +1229,15 @@ class RootCapacity:
             for fd in self._peer_fds.values():
                 _close(fd)
             self._peer_fds.clear()
-        try:
-            _close(self._ledger_fd)
-            os.unlink(self.ledger_path)
-        except OSError:
-            pass
+            counted = not self._done and self._inflight <= 0
+            if not counted:
+                self._write_ledger(self._ledger_record())
+        _close(self._ledger_fd)
+        if counted:
+            try:
+                os.unlink(self.ledger_path)
+            except OSError:
+                pass
 
     # ------------------------------------------------------------------ admission
     def reserve_of(self, block_size: int) -> int:
@@ -1717,7 +1730,8 @@ class RootCapacity:
     def _census_pass(self, why: Optional[str]) -> None:
         """A census (recalibrates the usage, rebuilds the candidates), then evict if due."""
         cpu0 = time.thread_time()
-        read_ledgers(self.root, max_age=2 * self.interval + 1.0, skip=self.name, remove_dead=True)
+        read_ledgers(self.root, max_age=2 * self.interval + 1.0, skip=self.name, remove_dead=True,
+                     before=float(self._usage["scan_started"]) if self._usage else None)
         sweep_state_temps(self.root)
         self.generation = max(self.generation, int((self._usage or {}).get("generation", 0))) + 1
         c = census(self.root, progress=self.lock.beat)
