@@ -89,8 +89,9 @@ EVICT_BATCH_S = 0.05
 :data:`EVICT_BATCH` unlinks or :data:`EVICT_BATCH_S` seconds (a stop, a hang: at once after it)."""
 
 LEDGER_PUBLISH_S = 0.05
-"""A writer publishes its ledger at most this often (and the capacity thread flushes a
-pending change within this long); other writers' ledgers are re-read at most this often."""
+"""The capacity thread flushes a pending change of this process's ledger within this long
+(a writer with a peer on its host and mount writes it at each admission too) and lists the
+other writers' ledgers this often (the peers' are re-read at each admission)."""
 CLOCK_SKEW_S = 1.0
 """Reservations made up to this long before a census's ``scan_started`` stay in the ledger:
 the census may not have seen them (clocks of nodes differ; a scan sees a directory once)."""
@@ -1299,7 +1300,6 @@ class RootCapacity:
                     gone = True
             if gone:
                 _close(fds.pop(name))
-                self._peer_raw.pop(name, None)
         for name, d in led.items():
             if name not in fds and (d.get("host"), d.get("boot"), d.get("dev")) == self._peer_id:
                 try:
@@ -1348,28 +1348,30 @@ class RootCapacity:
         u = self._usage
         mine = float(u["scan_started"]) if u else 0.0
         newer = max((float(d["since"]) for d in self._ledgers.values() if _is_num(d.get("since"))), default=0.0)
-        if newer > mine and not self.lock.held and (
-                newer != self._since_missed or time.monotonic() - self._usage_read >= LEDGER_PUBLISH_S):
-            u = read_usage(self.root)
-            self._usage_read = time.monotonic()
-            if u is not None:
-                self._take_usage(u)
-            if u is None or float(u["scan_started"]) < newer:
+        if newer > mine:
+            self._reread_usage(0.0 if newer != self._since_missed else LEDGER_PUBLISH_S)
+            if self._usage is None or float(self._usage["scan_started"]) < newer:
                 self._since_missed = newer
+
+    def _reread_usage(self, min_gap: float) -> bool:
+        """(lock held; not the evictor, which has its own) ``usage.json`` read again now,
+        unless it was read less than ``min_gap`` seconds ago; True when that took a newer
+        record (:meth:`_take_usage`)."""
+        if self.lock.held or time.monotonic() - self._usage_read < min_gap:
+            return False
+        u = read_usage(self.root)
+        self._usage_read = time.monotonic()
+        return u is not None and self._take_usage(u)
 
     def admit(self, nbytes: int) -> Optional[OSError]:
         with self._lock:
             self._read_peers()
             est = self.estimate()
             bound = self.bound()
-            if est + nbytes > bound and not self.lock.held \
-                    and time.monotonic() - self._usage_read >= LEDGER_PUBLISH_S / 10:
-                # about to drop on a usage read up to LEDGER_PUBLISH_S ago: the evictor may
-                # have made room since (it publishes after each pass)
-                u = read_usage(self.root)
-                self._usage_read = time.monotonic()
-                if u is not None and self._take_usage(u):
-                    est, bound = self.estimate(), self.bound()
+            # about to drop on a usage read up to LEDGER_PUBLISH_S ago: the evictor may have
+            # made room since (it publishes after each pass)
+            if est + nbytes > bound and self._reread_usage(LEDGER_PUBLISH_S / 10):
+                est, bound = self.estimate(), self.bound()
             if nbytes <= bound and nbytes > self._job_max:  # a pass leaves room for it
                 self._job_max = nbytes
             if est + nbytes > bound:
