@@ -576,15 +576,16 @@ def _is_num(v: Any) -> bool:
         return False
 
 
-def _read_state_file(path: str, limit: int) -> bytes:
-    """Up to ``limit`` bytes of one of ``.kvtier/``'s files: opened non-blocking and read only
-    when it is a regular file (a FIFO there would block the open or the read for ever:
-    OSError ENOTSUP-like EINVAL instead)."""
+def _read_state_file(path: str, limit: int) -> Tuple[bytes, os.stat_result]:
+    """Up to ``limit`` bytes of one of ``.kvtier/``'s files, and its fstat: opened
+    non-blocking and read only when it is a regular file (a FIFO there would block the open
+    or the read for ever: OSError EINVAL instead)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        if not _stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not _stat.S_ISREG(st.st_mode):
             raise OSError(errno.EINVAL, "not a regular file", path)
-        return os.pread(fd, limit, 0)
+        return os.pread(fd, limit, 0), st
     finally:
         _close(fd)
 
@@ -623,7 +624,7 @@ def read_usage(root: str) -> Optional[Dict[str, Any]]:
     """The latest published census of ``root`` (``usage.json``), or None (none, unreadable,
     truncated, or a field of the wrong type: :func:`_valid_usage`)."""
     try:
-        d = _loads(_read_state_file(os.path.join(state_dir(root), USAGE_FILE), USAGE_LIMIT))
+        d = _loads(_read_state_file(os.path.join(state_dir(root), USAGE_FILE), USAGE_LIMIT)[0])
     except OSError:
         return None
     return d if _valid_usage(d) else None
@@ -731,7 +732,7 @@ def scan_ledgers(root: str, now: Optional[float] = None, max_age: float = 2 * DE
             continue
         p = os.path.join(wdir, name)
         try:
-            d = parse_ledger(_read_state_file(p, LEDGER_RECORD * 2))
+            d = parse_ledger(_read_state_file(p, LEDGER_RECORD * 2)[0])
         except OSError:
             continue
         if d is None:
@@ -936,18 +937,10 @@ def read_heartbeat(root: str) -> Optional[Dict[str, Any]]:
     file, an empty one (its holder is an older kvtier: it is never taken over), a torn or
     foreign content.  Opens and closes the file: never in a process that holds the lock."""
     try:
-        fd = os.open(os.path.join(state_dir(root), LOCK_FILE), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        b, st = _read_state_file(os.path.join(state_dir(root), LOCK_FILE), 2 * BEAT_RECORD)
     except OSError:
         return None
-    try:
-        st = os.fstat(fd)
-        if not _stat.S_ISREG(st.st_mode):
-            return None
-        d = _loads(os.pread(fd, 2 * BEAT_RECORD, 0))
-    except (OSError, ValueError):
-        return None
-    finally:
-        _close(fd)
+    d = _loads(b)
     if not (isinstance(d, dict) and isinstance(d.get("by"), str) and _is_count(d.get("seq"))
             and _is_num(d.get("t"))):
         return None
@@ -1718,7 +1711,7 @@ class RootCapacity:
             if rq.st_mtime <= self._request_seen:
                 return
             self._request_seen = rq.st_mtime
-            rq = _loads(_read_state_file(path, 4096))
+            rq = _loads(_read_state_file(path, 4096)[0])
             r2, need = rq.get("reason", "capacity"), rq.get("need", 0)
         except (OSError, ValueError, AttributeError):
             return
