@@ -1114,8 +1114,15 @@ def test_a_stopped_evictor_is_taken_over_and_steps_down_when_it_runs_again(tmp_p
         gen = cap.read_usage(root)["generation"]
         os.kill(a.pid, signal.SIGCONT)
         end = time.monotonic() + 1.5
-        while time.monotonic() < end:  # A runs again: B stays the evictor, A publishes nothing
-            assert _evictor_pid(root) == b.pid and cap.lock_holder(root) == b.pid
+        while time.monotonic() < end:  # A runs again: B stays the evictor, A censuses nothing
+            u = cap.read_usage(root) or {}
+            assert cap.lock_holder(root) == b.pid
+            if u.get("evictor", "").endswith(f":{a.pid}"):
+                # only the record A was stopped in the middle of publishing (its rename
+                # pending): older than B's censuses, so no writer that read one takes it
+                assert u["generation"] < gen, (u, gen)
+            else:
+                assert _evictor_pid(root) in (b.pid, 0)
             time.sleep(0.02)
         assert cap.read_usage(root)["generation"] > gen  # B went on censusing
     finally:
@@ -1609,13 +1616,30 @@ def test_kvtier_evict_with_unusable_state_files_says_so_and_exits_1(tmp_path):
     assert "evicted" in r.stdout and sum(os.path.exists(p) for p in paths) < 12
 
 
+@pytest.mark.parametrize("size", ["1", "500", "1K", "36863"])
+def test_kvtier_evict_refuses_a_bound_that_holds_no_block(tmp_path, size):
+    """``kvtier evict ROOT --max-bytes 500`` (500G meant) evicted every block, exit 0: a
+    trial's typo emptied the cache. A bound below one block plus the root's own files, which
+    a tier refuses too, is refused: exit 2, every block still there."""
+    t, _ = _tier(tmp_path, max_bytes="1G", census_interval_s=3600)
+    try:
+        assert all(r.success for r in _run(t, TransferJob(1, _keys(1, 6), list(range(6)))))
+    finally:
+        t.shutdown()
+    blocks = sorted(p for p in tmp_path.rglob("*.bin"))
+    r = subprocess.run([sys.executable, "-m", "kvtier", "evict", str(tmp_path), "--max-bytes", size],
+                       capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 2 and "less than one block plus the root's own files" in r.stderr, r.stderr
+    assert sorted(p for p in tmp_path.rglob("*.bin")) == blocks and len(blocks) == 6
+
+
 def test_kvtier_evict_refuses_a_directory_that_is_no_cache_root(tmp_path):
     """A real run on a directory with no .kvtier/ and no rank directory (a typo, $HOME)
     is exit 1 and leaves it as it was (before: .kvtier/ made there, usage.json written);
     --dry-run censuses it (0 blocks); a missing root is exit 1."""
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "a.txt").write_bytes(b"x" * 5000)
-    cmd = [sys.executable, "-m", "kvtier", "evict", "--max-bytes", "1"]
+    cmd = [sys.executable, "-m", "kvtier", "evict", "--max-bytes", "64K"]
     r = subprocess.run(cmd + [str(tmp_path)], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 1 and "no cache root" in r.stderr, (r.returncode, r.stderr)
     assert sorted(os.listdir(tmp_path)) == ["notes"] and os.listdir(tmp_path / "notes") == ["a.txt"]
@@ -1702,7 +1726,7 @@ def test_kvtier_evict_refuses_while_a_live_evictor_holds_the_lock(tmp_path):
         while not (cap.read_usage(str(tmp_path)) or {}).get("evictor", "").endswith(f":{a.pid}"):
             assert time.monotonic() < end
             time.sleep(0.02)
-        r = subprocess.run([sys.executable, "-m", "kvtier", "evict", str(tmp_path), "--max-bytes", "1"],
+        r = subprocess.run([sys.executable, "-m", "kvtier", "evict", str(tmp_path), "--max-bytes", "64K"],
                            capture_output=True, text=True, cwd=REPO)
         assert r.returncode == 1 and "holds the evictor lock" in r.stderr and str(a.pid) in r.stderr
         assert re.search(rf"; heartbeat \d+ s old by [^ ]+:{a.pid}, seq \d+;", r.stderr), r.stderr

@@ -58,6 +58,11 @@ def cmd_evict(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as e:
         print(f"kvtier evict: {e}", file=sys.stderr)
         return 2
+    least = _cap.ALLOC_UNIT + _cap.STATE_BYTES  # what a tier of the smallest block accepts (capacity.attach)
+    if bound < least:  # "--max-bytes 500" meant as 500G would evict every block
+        print(f"kvtier evict: --max-bytes {args.max_bytes} is {bound} bytes: less than one block plus the root's own "
+              f"files ({least} bytes at least; a tier refuses such a bound too): nothing done", file=sys.stderr)
+        return 2
     lock = None
     published = True
     try:
