@@ -21,6 +21,10 @@ and each kvtier cell's ratio to vLLM's fs tier.
 
     python benchmarks/vllm_tier_bench.py                      # 2 MiB and 16 MiB, ~2 min
     python benchmarks/vllm_tier_bench.py --root /mnt/nvme --total-mib 4096 --repeat 5
+    python benchmarks/vllm_tier_bench.py --block-kib 4 --jobs 1 --total-mib 40   # one job of 10,240 small blocks
+
+With ``--jobs 1`` a pass is one job: vLLM runs it as one call on one thread, kvtier splits a
+load of >= 1024 blocks over its pool (``load_split_blocks``, docs/tier.md "Split loads").
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # vllm_harness
 MIB = 1 << 20
 GIB = 1 << 30
 CELLS = ("fs", "kvtier-off", "kvtier-on")
+SERIAL = "on-serial"  # --serial-cell: kvtier-on with load_split_blocks=0 (every job one call)
 
 
 def loadavg() -> str:
@@ -87,9 +92,12 @@ def bench_block_size(args, block_bytes: int, fs_io) -> dict:
 
     n = max(args.jobs, (args.total_mib * MIB) // block_bytes)
     root = tempfile.mkdtemp(prefix="kvtier-vllm-bench-", dir=args.root)
+    cells = CELLS + ((SERIAL,) if args.serial_cell else ())
     tiers = [{"type": "fs", "root_dir": root},
              {"type": "kvtier", "root_dir": root, "checksum_blocks": False},
              {"type": "kvtier", "root_dir": root, "checksum_blocks": True}]
+    if args.serial_cell:
+        tiers.append({"type": "kvtier", "root_dir": root, "checksum_blocks": True, "load_split_blocks": 0})
     h = Harness(tiers, block_bytes=block_bytes, num_chunks=2 * n, model="meta-llama/Llama-3.1-8B")
     try:
         rng = np.random.default_rng(block_bytes)
@@ -103,11 +111,11 @@ def bench_block_size(args, block_bytes: int, fs_io) -> dict:
         for t in h.tiers[1:]:
             assert t.file_mapper.get_file_name(keys[0]) == h.tiers[0].file_mapper.get_file_name(keys[0])
         job_ids = itertools.count(1)
-        res = {c: {"store_s": [], "load_s": [], "store_cpu": [], "load_cpu": []} for c in CELLS}
-        orders = [CELLS, CELLS[::-1], CELLS[1:] + CELLS[:1]]
+        res = {c: {"store_s": [], "load_s": [], "store_cpu": [], "load_cpu": []} for c in cells}
+        orders = [cells, cells[::-1], cells[1:] + cells[:1]]
         for rep in range(args.repeat):
             for cell in orders[rep % len(orders)]:
-                tier = h.tiers[CELLS.index(cell)]
+                tier = h.tiers[cells.index(cell)]
                 shutil.rmtree(rank_dir, ignore_errors=True)
                 os.makedirs(rank_dir)
                 os.sync()
@@ -123,7 +131,7 @@ def bench_block_size(args, block_bytes: int, fs_io) -> dict:
                     raise SystemExit(f"{cell}: loaded bytes differ from the stored ones")
         gib = n * block_bytes / GIB
         out = {}
-        for cell in CELLS:
+        for cell in cells:
             r = res[cell]
             out[cell] = {
                 "store_gbs": n * block_bytes / statistics.median(r["store_s"]) / 1e9,
@@ -142,9 +150,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", default=None, help="directory for the cache (default: the temp dir)")
     ap.add_argument("--block-mib", type=int, nargs="+", default=[2, 16])
+    ap.add_argument("--block-kib", type=int, nargs="+", default=None,
+                    help="block sizes in KiB instead of --block-mib (e.g. 4 for small blocks)")
     ap.add_argument("--jobs", type=int, default=16, help="jobs in flight per pass")
     ap.add_argument("--total-mib", type=int, default=512, help="MiB per store/load pass")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--serial-cell", action="store_true",
+                    help=f"add a cell {SERIAL!r}: kvtier-on with load_split_blocks=0 (no job split over threads)")
     ap.add_argument("--vllm-python-io", action="store_true",
                     help="vLLM's fs tier with its Python io instead of fs_io_C")
     args = ap.parse_args(argv)
@@ -168,13 +180,15 @@ def main(argv=None) -> int:
            f"{'load CPU s/GiB':>14} {'store x fs':>10} {'load x fs':>9}")
     print(hdr)
     print("-" * len(hdr))
-    for mib in args.block_mib:
-        r = bench_block_size(args, mib * MIB, fs_io)
+    sizes = [k << 10 for k in args.block_kib] if args.block_kib else [m * MIB for m in args.block_mib]
+    for size in sizes:
+        label = f"{size >> 20:>4}Mi" if size % MIB == 0 else f"{size >> 10:>4}Ki"
+        r = bench_block_size(args, size, fs_io)
         fs = r["cells"]["fs"]
-        for cell in CELLS:
+        for cell in r["cells"]:
             c = r["cells"][cell]
             ratio = "" if cell == "fs" else f"{c['store_gbs'] / fs['store_gbs']:>10.2f} {c['load_gbs'] / fs['load_gbs']:>9.2f}"
-            print(f"{mib:>4}Mi {cell:<11} {c['store_gbs']:>10.2f} {c['load_gbs']:>10.2f} "
+            print(f"{label} {cell:<11} {c['store_gbs']:>10.2f} {c['load_gbs']:>10.2f} "
                   f"{c['store_cpu_per_gib']:>15.3f} {c['load_cpu_per_gib']:>14.3f} {ratio}")
         print(f"       ({r['blocks']} blocks per pass; O_DIRECT fs/off/on: {r['o_direct']}; "
               f"load average after: {loadavg()})")

@@ -225,6 +225,7 @@ class FileSystemTierManager:
         io_timeout_s: Optional[float] = None,  # deadline of a job, startup probe (default 120 s)
         lookup_timeout_s: Optional[float] = None,  # deadline of a lookup (default 2 s)
         load_landing: str = "auto",  # where loads land: auto, direct, bounce (kvtier/_tier/landing.py)
+        load_split_blocks: int = 512,  # a load of >= twice this many blocks runs as parts on several threads
         max_bytes: Any = None,  # capacity bound of the root (kvtier/_tier/capacity.py, docs/capacity.md)
         evict_high: float = 0.95,  # watermarks, fractions of max_bytes
         evict_low: float = 0.85,
@@ -235,6 +236,7 @@ class FileSystemTierManager:
         # ---- configuration checks: no I/O until all of them pass ----
         cfg = TierConfig(n_read_threads, n_write_threads, checksum_blocks, use_o_direct, durable,
                          sweep_stale_temps_after, io_timeout_s, lookup_timeout_s, load_landing=load_landing,
+                         load_split_blocks=load_split_blocks,
                          max_bytes=max_bytes, evict_high=evict_high, evict_low=evict_low,
                          census_interval_s=census_interval_s, touch_window_s=touch_window_s,
                          takeover_s=takeover_s)

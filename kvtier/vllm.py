@@ -81,7 +81,7 @@ FS_KEYS: Dict[str, Any] = {"root_dir": None, "n_read_threads": 16, "n_write_thre
 #: kvtier's own keys, with their defaults.
 KVTIER_KEYS: Dict[str, Any] = {"checksum_blocks": True, "durable": False, "use_o_direct": True,
                                "sweep_stale_temps_after": None, "io_timeout_s": None,
-                               "lookup_timeout_s": None, "load_landing": "auto",
+                               "lookup_timeout_s": None, "load_landing": "auto", "load_split_blocks": 512,
                                # a bounded root (docs/capacity.md): max_bytes, evict_high, evict_low,
                                # census_interval_s, touch_window_s, takeover_s
                                **_capacity.CONFIG_KEYS}

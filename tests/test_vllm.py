@@ -874,3 +874,59 @@ def test_config_files_removed_under_a_running_vllm_tier_are_both_written_again(h
     h.store(ks, data)
     h.wait_tiers()
     assert [open(p, "rb").read() for p in paths] == before
+
+
+def test_a_large_load_job_runs_split_and_vllm_gets_one_result(harness, tmp_path):
+    """load_split_blocks reaches the engine; a load job of 24 blocks through vLLM's
+    TransferJob runs as 3 parts (docs/tier.md, "Split loads") and vLLM gets one JobResult
+    with every key, the bytes where a single call puts them."""
+    import threading
+
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    from kvtier import io as kio
+    from vllm_harness import key
+
+    h = harness([tier_config("kvtier", str(tmp_path / "a"), load_split_blocks=8, n_read_threads=3)])
+    (a,) = h.tiers
+    assert a._engine.load_split_blocks == 8
+    a._engine._max_parts = 3  # this machine may have fewer CPUs than parts
+    n = 24
+    keys = [key(i, salt=7) for i in range(n)]
+    rng = np.random.default_rng(7)
+    for c in range(n):
+        h.view[c] = rng.integers(0, 256, BS, dtype=np.uint8)
+    want = h.view[:n].copy()
+    rc = ReqContext(req_id="split")
+    a.submit_store(TransferJob(job_id=1, keys=keys, chunk_ids=np.arange(n, dtype=np.int32), is_promotion=False,
+                               req_context=rc))
+    a.drain_jobs()
+    assert [(r.job_id, r.success) for r in a.get_finished_jobs()] == [(1, True)]
+    h.view[n:2 * n] = 0
+    calls, real = [], kio.batch_load_block
+
+    def counted(paths, *args, **kw):
+        calls.append((threading.current_thread().name, len(paths)))
+        return real(paths, *args, **kw)
+
+    kio.batch_load_block = counted
+    try:
+        a.submit_load(TransferJob(job_id=2, keys=keys, chunk_ids=np.arange(n, 2 * n, dtype=np.int32),
+                                  is_promotion=True, req_context=rc))
+        a.drain_jobs()
+    finally:
+        kio.batch_load_block = real
+    (r,) = a.get_finished_jobs()
+    assert (r.job_id, r.success, r.transfer_bytes) == (2, True, n * BS)
+    assert np.array_equal(h.view[n:2 * n], want)
+    assert sorted(k for _, k in calls) == [8, 8, 8]
+
+
+@pytest.mark.parametrize("value,exc", [(-1, ValueError), (True, TypeError), ("8", TypeError)])
+def test_load_split_blocks_is_checked_before_any_io(vllm, tmp_path, value, exc):
+    from vllm_harness import Harness
+
+    with pytest.raises(exc, match="load_split_blocks"):
+        Harness([tier_config("kvtier", str(tmp_path / "c"), load_split_blocks=value)], block_bytes=BS)
+    assert not (tmp_path / "c").exists()

@@ -3,7 +3,7 @@
 :class:`kvtier.manager.FileSystemTierManager` (keyword arguments) and
 :class:`kvtier.vllm.KvtierTier` (a vLLM tier entry) build one :class:`TierConfig` from
 their keys: the engine's thread counts, the checksum mode, O_DIRECT, durability, the
-stale-temp sweep, the two deadlines, where loads land and a bounded root's capacity knobs
+stale-temp sweep, the two deadlines, where loads land, how large loads split and a bounded root's capacity knobs
 (:mod:`kvtier._tier.capacity`, docs/capacity.md). Each shell keeps what only it has (the manager's
 FileMapper fields and metrics, vLLM's ``root_dir``, ``locality`` and events). A new key
 both shells take goes here (a field, its check in :meth:`TierConfig.__post_init__`, and
@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 from kvtier._blockio.policy import check_mode
 from kvtier._tier import capacity as _capacity
 from kvtier._tier.deadline import DEFAULT_IO_TIMEOUT_S, check_timeout
+from kvtier._tier.engine import SPLIT_LOAD_BLOCKS
 
 
 def _check_threads(name: str, v) -> None:
@@ -52,6 +53,7 @@ class TierConfig:
     io_timeout_s: Optional[float] = None
     lookup_timeout_s: Optional[float] = None
     load_landing: str = "auto"
+    load_split_blocks: int = SPLIT_LOAD_BLOCKS
     max_bytes: Any = None
     evict_high: float = _capacity.DEFAULT_HIGH
     evict_low: float = _capacity.DEFAULT_LOW
@@ -72,6 +74,11 @@ class TierConfig:
         from kvtier._tier.landing import check_mode as check_landing
 
         check_landing(self.load_landing)
+        if isinstance(self.load_split_blocks, bool) or not isinstance(self.load_split_blocks, int):
+            raise TypeError(f"load_split_blocks must be an int (0: never split), got "
+                            f"{type(self.load_split_blocks).__name__}")
+        if self.load_split_blocks < 0:
+            raise ValueError(f"load_split_blocks must be >= 0 (0: never split), got {self.load_split_blocks}")
         if self.sweep_stale_temps_after is not None:
             from kvtier._tier.sweep import check_sweep_after
 
@@ -90,4 +97,4 @@ class TierConfig:
         is the startup's answer, :class:`kvtier._tier.startup.Started`)."""
         return {"n_read_threads": self.n_read_threads, "n_write_threads": self.n_write_threads,
                 "checksum": self.checksum_blocks, "durable": self.durable, "io_timeout_s": self.io_timeout_s,
-                "lookup_timeout_s": self.lookup_timeout_s}
+                "lookup_timeout_s": self.lookup_timeout_s, "load_split_blocks": self.load_split_blocks}

@@ -148,6 +148,9 @@ class Job:
     returned: bool = False  # its I/O call returned (set under the engine's lock)
     view: Any = None  # the engine's view, taken with the job and dropped when its I/O call returns
     reserved: int = 0  # bytes a bounded root's capacity reserved for this store at admission
+    split: Any = None  # the _Split this job is a part of (a large load run on several threads), or None
+    part: int = 0  # its index among the split's parts
+    first: int = 0  # the index of its first block in the job the caller submitted
 
 
 @dataclass(frozen=True)
@@ -198,6 +201,66 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+SPLIT_LOAD_BLOCKS = 512
+"""A load of at least twice this many blocks runs as parts of at least this many, one per
+pool thread, up to the CPUs this process may use (``load_split_blocks``; 0: never split).
+A job of many small blocks is bound by its per-block system calls on one thread (~2-3 µs
+a 4 KiB block); parts on idle threads divide its wall time, at the cost of the parts'
+own calls (a few µs each). docs/tier.md, "Split loads"."""
+
+
+def split_parts(n_blocks: int, split_blocks: int, max_parts: int) -> int:
+    """How many parts a load of ``n_blocks`` runs as (1: not split)."""
+    if split_blocks <= 0:
+        return 1
+    return max(1, min(max_parts, n_blocks // split_blocks))
+
+
+class _Split:
+    """A load job run as parts (each a :class:`Job` of consecutive blocks, queued and run,
+    deadline included, as any job), reported once, as one job, when every part has its
+    result: the partial keep is the prefix of whole parts and the first failed part's own
+    keep; a failed part makes the parts after it that have not started skip (their blocks
+    could not be kept). Under the engine's lock."""
+
+    __slots__ = ("job", "parts", "results", "left", "taken", "skipped", "failed")
+
+    def __init__(self, job: Job, n: int) -> None:
+        self.job = job
+        bounds = [len(job.keys) * i // n for i in range(n + 1)]
+        self.parts = [Job(job.job_id, job.keys[a:b], job.paths[a:b], job.offsets[a:b], True,
+                          job.submitted_at, split=self, part=i, first=a)
+                      for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        self.results: List[Optional[Finished]] = [None] * n  # None: not reported, or skipped
+        self.left = n  # parts not yet reported or skipped
+        self.taken: set = set()  # parts a thread took
+        self.skipped: set = set()  # parts never to run: a part before them failed
+        self.failed = False  # a part has failed
+
+    def merged(self) -> Finished:
+        """The job's one result from its parts'."""
+        job, ran = self.job, [r for r in self.results if r is not None]
+        n_ok, err = 0, None
+        for r in self.results:
+            if r is None:  # skipped: only ever after a failed part
+                break
+            n_ok += r.n_ok
+            if r.error is not None:
+                err = r.error
+                if isinstance(err, OSError):
+                    err.num_succeeded = n_ok  # the whole job's count, as an unsplit job's error
+                break
+        counts: Dict[str, int] = {}
+        for r in ran:
+            for k, v in r.policy_counts.items():
+                counts[k] = counts.get(k, 0) + v
+        # each part's I/O ran from submitted + elapsed - io_time to submitted + elapsed
+        end = max((r.elapsed for r in ran), default=0.0)
+        start = min((r.elapsed - r.io_time for r in ran), default=end)
+        return Finished(job.job_id, True, job.keys, n_ok, end - start, end, err,
+                        any(r.checksum_failed for r in ran), sum(r.checksum_retries for r in ran), counts)
+
+
 class TierEngine:
     """Runs store and load jobs between ``view`` and files, on a pool of threads.
 
@@ -211,6 +274,8 @@ class TierEngine:
         thread_name: thread name prefix (threads are ``<prefix>_r<i>`` / ``_w<i>``).
         io_timeout_s: deadline of a job, counted from the start of its I/O (seconds,
             > 0), or 0 for none (docs/tier.md, "Deadlines").
+        load_split_blocks: a load of at least twice this many blocks runs as parts on
+            several threads (:data:`SPLIT_LOAD_BLOCKS`; 0: never).
         lookup_timeout_s: deadline of a :meth:`lookup` (seconds, > 0, or 0 for none);
             None: :data:`kvtier._tier.deadline.DEFAULT_LOOKUP_TIMEOUT_S` (2 s), or
             ``io_timeout_s`` when that is shorter and not 0 (``io_timeout_s=0`` leaves the
@@ -236,7 +301,7 @@ class TierEngine:
                  io_timeout_s: float = DEFAULT_IO_TIMEOUT_S, root: str = "",
                  before_job: Optional[Callable[[], None]] = None,
                  lookup_timeout_s: Optional[float] = None, io: Any = None, landing: str = "bounce",
-                 capacity: Any = None) -> None:
+                 capacity: Any = None, load_split_blocks: int = SPLIT_LOAD_BLOCKS) -> None:
         self.io_timeout_s = check_timeout(io_timeout_s)
         self.io = _kio if io is None else io
         self.capacity = capacity  # kvtier._tier.capacity.Handle of a bounded root, or None
@@ -256,6 +321,12 @@ class TierEngine:
         self.checksum = checksum
         self.use_o_direct = use_o_direct
         self.landing = landing  # where loads land: kvtier/_tier/landing.py
+        self.load_split_blocks = load_split_blocks
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+        self._max_parts = max(1, min(cpus, n_read_threads + n_write_threads))
         self.durable = durable
         # durable: paths whose durable store failed at a sync (P19: maybe published, not known
         # durable); lookups answer them as misses until a durable store of them succeeds,
@@ -350,7 +421,9 @@ class TierEngine:
                 self._finished.append(Finished(job_id, is_promotion, (), 0, 0.0, 0.0))
                 return
             if self._stuck >= self.max_stuck:  # the filesystem holds the cap of threads
-                self._refuse(job)
+                result = self._refused(job)
+                self._count(job, result)
+                self._finished.append(result)
                 return
             if self.capacity is not None and not is_promotion:  # a bounded root: dropped, never queued
                 err, job.reserved = self.capacity.admit(len(keys), self.block_size)
@@ -360,8 +433,13 @@ class TierEngine:
                     self._finished.append(result)
                     return
             self._inflight += 1
-            (self._load_q if is_promotion else self._store_q).append(job)
-            self._cond.notify()
+            n = split_parts(len(keys), self.load_split_blocks, self._max_parts) if is_promotion else 1
+            if n > 1:  # a large load: its parts on as many threads, reported as one job (_report)
+                self._load_q.extend(_Split(job, n).parts)
+                self._cond.notify(n)
+            else:
+                (self._load_q if is_promotion else self._store_q).append(job)
+                self._cond.notify()
 
     def take_finished(self) -> List[Finished]:
         """The jobs finished since the last call, in completion order; their ids become
@@ -415,12 +493,23 @@ class TierEngine:
         the engine holds the buffer (its exporter, e.g. an mmap, can be closed)."""
         with self._cond:
             self._unreserve(self._store_q)
-            discarded = [j.job_id for j in list(self._load_q) + list(self._store_q)]
+            queued = list(self._load_q) + list(self._store_q)
+            self._load_q.clear()
+            self._store_q.clear()
+            discarded = []
+            for j in queued:
+                sp = j.split
+                if sp is None or not (sp.taken or any(sp.results)):  # never ran: discarded
+                    if sp is None or j.part == 0:  # a split job once (its part 0 is queued still)
+                        discarded.append(j.job_id)
+                elif j.part not in sp.skipped and sp.results[j.part] is None:  # not reached: the job ends short
+                    err = OSError(errno.ECANCELED, f"load job {j.job_id!r} (at block {j.first} of "
+                                  f"{len(sp.job.keys)}, named here) not started: shut down "
+                                  f"({os.strerror(errno.ECANCELED)})", j.paths[0])
+                    self._report(j, Finished(j.job_id, True, j.keys, 0, 0.0, 0.0, err), queued=False)
             self._inflight -= len(discarded)
             for jid in discarded:
                 self._live.discard(jid)
-            self._load_q.clear()
-            self._store_q.clear()
             self._stop = True
             # the engine's reference to the buffer: no job starts any more; a running one
             # (even stuck in a syscall) holds its own until its I/O call returns
@@ -480,6 +569,8 @@ class TierEngine:
                             break
                     self._cond.wait()
                 job = first.popleft() if first else second.popleft()
+                if job.split is not None:
+                    job.split.taken.add(job.part)
                 job.view = self.view  # the thread's own reference: shutdown() drops the engine's
                 if self.io_timeout_s:
                     self._in_io += 1
@@ -495,9 +586,7 @@ class TierEngine:
                     self._in_io -= 1
                 self._running.discard(job)
                 if job.state is None or job.state.finish():  # else the watchdog reported it
-                    self._count(job, result)
-                    self._finished.append(result)
-                    self._inflight -= 1
+                    self._report(job, result)
                 if w.stuck:  # back from a call that outlived its deadline
                     w.stuck = False
                     self._stuck -= 1
@@ -571,10 +660,12 @@ class TierEngine:
         # the block in flight: the job state counts the blocks a load loaded / a store stored
         # (final now), and a batch goes block after block
         at = max(0, min(job.state.blocks_done, len(job.keys) - 1))
-        what = f"{op} job {job.job_id!r} (at block {at} of {len(job.keys)}, named here) {why}"
+        total = len(job.split.job.keys) if job.split is not None else len(job.keys)
+        what = f"{op} job {job.job_id!r} (at block {job.first + at} of {total}, named here) {why}"
         if err_no == errno.ETIMEDOUT:
             err = timed_out(what, self.io_timeout_s, job.paths[at])
-            self.counters.add(f"{op}_timeouts")
+            if job.split is None or not job.split.failed:  # a split job's timeouts count once
+                self.counters.add(f"{op}_timeouts")
         else:
             err = OSError(err_no, f"{what} ({os.strerror(err_no)})", job.paths[at])
         logger.warning("%s", err)
@@ -583,9 +674,7 @@ class TierEngine:
         n_ok = min(job.state.blocks_done, len(job.keys)) if job.is_promotion else 0
         result = Finished(job.job_id, job.is_promotion, job.keys, n_ok, now - job.started_at,
                           now - job.submitted_at, err)
-        self._count(job, result)
-        self._finished.append(result)
-        self._inflight -= 1
+        self._report(job, result)
         w = job.worker
         if not job.returned:  # the worker is still in the I/O call; it drops the result on return
             w.stuck = True
@@ -596,24 +685,50 @@ class TierEngine:
             if self._stuck >= self.max_stuck or self._healthy[True] + self._healthy[False] == 0:
                 self._fail_queued()
 
-    def _refuse(self, job: Job) -> None:
-        """Fail ``job`` at once: the cap of stuck threads is reached (lock held)."""
+    def _report(self, job: Job, result: Finished, queued: bool = True) -> None:
+        """``job`` has its result (lock held): counted and made available; for a part of a
+        split load, kept until every part has one, then the job's one result
+        (:meth:`_Split.merged`). A failed part makes the parts after it that no thread took
+        skip (taken out of the queue when ``queued``)."""
+        sp = job.split
+        if sp is None:
+            self._count(job, result)
+            self._finished.append(result)
+            self._inflight -= 1
+            return
+        sp.results[job.part] = result
+        sp.left -= 1
+        if result.error is not None:
+            sp.failed = True
+            for p in sp.parts[job.part + 1:]:
+                if p.part in sp.taken or p.part in sp.skipped or sp.results[p.part] is not None:
+                    continue  # a thread runs it and reports it, or it is done with
+                if queued:
+                    self._load_q.remove(p)
+                sp.skipped.add(p.part)  # never run, never reported
+                sp.left -= 1
+        if sp.left == 0:
+            merged = sp.merged()
+            self._count(sp.job, merged)
+            self._finished.append(merged)
+            self._inflight -= 1
+
+    def _refused(self, job: Job) -> Finished:
+        """The result of ``job`` failed at once, the cap of stuck threads reached (lock
+        held; counted as refused; the caller reports it)."""
         self._unreserve([job])
         err = OSError(errno.EAGAIN, f"{self._stuck} threads of this tier are stuck in the filesystem past "
                       f"their deadline (cap {self.max_stuck}): job not started", self.root or job.paths[0])
-        result = Finished(job.job_id, job.is_promotion, job.keys, 0, 0.0, time.monotonic() - job.submitted_at,
-                          err)
-        self._count(job, result)
-        self.counters.add("jobs_refused")
-        self._finished.append(result)
+        self.counters.add("jobs_refused")  # a split job once: its first refused part skips the rest
         self._cond.notify_all()
+        return Finished(job.job_id, job.is_promotion, job.keys, 0, 0.0, time.monotonic() - job.submitted_at, err)
 
     def _fail_queued(self) -> None:
         """No healthy thread left: the queued jobs are refused (lock held)."""
         for q in (self._load_q, self._store_q):
             while q:
-                self._inflight -= 1
-                self._refuse(q.popleft())
+                job = q.popleft()
+                self._report(job, self._refused(job))
 
     def _unreserve(self, jobs: Sequence[Job]) -> None:
         """Admitted stores that will never run give their reservation back."""
@@ -714,15 +829,16 @@ class TierEngine:
                     self._not_durable.add(job.paths[n_ok])  # P19: maybe published, not known durable
         if err is not None:
             op = "load" if job.is_promotion else "store"
+            at, total = job.first + n_ok, (len(job.split.job.keys) if job.split is not None else n)
             why = err
             if job.is_promotion and self.checksum == "strict" and getattr(err, "errno", None) == errno.ENODATA:
                 why = f"no checksum record (strict: a miss, the file kept): {getattr(err, 'filename', '')!r}"
             if job.state is not None and job.state.state == EXPIRED:  # already reported (deadline, shutdown)
                 logger.debug("%s job %r (already reported failed) ended late at block %d of %d (%s): %s",
-                             op, job.job_id, n_ok, n, getattr(err, "operation", "") or "-", why)
+                             op, job.job_id, at, total, getattr(err, "operation", "") or "-", why)
             else:  # rate-limited per kind: a full or sick filesystem fails every job
                 self.warnings.warn(f"failed {op} job", "%s job %r failed at block %d of %d (%s): %s", op,
-                                   job.job_id, n_ok, n, getattr(err, "operation", "") or "-", why)
+                                   job.job_id, at, total, getattr(err, "operation", "") or "-", why)
         if counts.get("unverified"):
             self.warnings.warn("unverified load", "loaded %d block(s) without a CRC32C record (stored by vLLM "
                                "or with checksums off, or copied without xattrs): unverified; counted as "
