@@ -336,6 +336,24 @@ def read_block_info(base_path: str) -> Optional[dict]:
                          f"to have it written again") from None
 
 
+def root_block_sizes(root: str) -> "dict[str, int]":
+    """``{layout directory name: block_bytes}`` for each ``<model>_<digest>`` directory of
+    ``root`` whose ``kvtier.json`` records a block size (one listing of ``root``, one open per
+    directory in it).  A layout without the file (vLLM's ``"fs"`` tier writes none), or with
+    one that is unreadable or not JSON, is left out; OSError when ``root`` cannot be listed."""
+    out = {}
+    with os.scandir(root) as it:
+        dirs = sorted(e.name for e in it if e.is_dir())
+    for name in dirs:
+        try:
+            v = (read_block_info(os.path.join(root, name)) or {}).get("block_bytes")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            out[name] = v
+    return out
+
+
 def write_block_info(base_path: str, block_bytes: int) -> bool:
     """Record ``{"block_bytes": N}`` in ``<base_path>/kvtier.json`` (kvtier-only, not
     hashed; atomically, only if absent).  Returns True if written.

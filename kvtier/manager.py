@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 from kvtier._blockio.buffers import is_torch_tensor as _is_torch_tensor, torch_bytes_view
+from kvtier._tier import capacity as _capacity
 from kvtier._tier.config import TierConfig
 from kvtier._tier.engine import TierEngine
 from kvtier._tier.startup import GeometryGuard, RootGuard, filesystem_type, info_signature, start
@@ -260,6 +261,8 @@ class FileSystemTierManager:
             replicated_layout, canonical_format,
         )
         self.root_dir = self.file_mapper.root_dir
+        if cfg.capacity is not None:  # a bound below one block, before any I/O (a percentage: at attach)
+            _capacity.check_holds_a_block(cfg.capacity, self.block_size, self.root_dir)
         self.checksum_blocks = checksum_blocks
         self.durable = durable
         self.n_read_threads = n_read_threads
@@ -310,8 +313,6 @@ class FileSystemTierManager:
         self._export_dsa_counters()
         self.capacity = None  # the root's bound: kvtier._tier.capacity.Handle (docs/capacity.md)
         if cfg.capacity is not None:
-            from kvtier._tier import capacity as _capacity
-
             try:  # ValueError: a bound below one block, or another tier of this process bounds the root
                 # otherwise; OSError: .kvtier/
                 self.capacity = _capacity.attach(self.root_dir, cfg.capacity, self.metrics.counters,

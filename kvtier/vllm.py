@@ -229,6 +229,8 @@ class KvtierTier(SecondaryTierManager):
             raise ValueError("the primary KV view must be C-contiguous")
         flat = view if (view.ndim == 1 and view.format == "B") else view.cast("B")
         bs = self.block_size_bytes
+        if tc.capacity is not None:  # a bound below one block, before any I/O (a percentage: at attach)
+            _capacity.check_holds_a_block(tc.capacity, bs, root_dir)
 
         # Paths: vLLM's own FileMapper, as the fs tier builds it (imported here: the
         # module import stays cheap for the API server, which only needs the metrics).
@@ -276,7 +278,7 @@ class KvtierTier(SecondaryTierManager):
         counters = Counters()
         self.capacity = None  # a bounded root (docs/capacity.md): evicted blocks of this rank -> removed events
         if tc.capacity is not None:
-            self.capacity = _capacity.attach(root_dir, tc.capacity, counters, self._on_evicted)
+            self.capacity = _capacity.attach(root_dir, tc.capacity, counters, self._on_evicted, block_size=bs)
             counters.capacity_gauges = self.capacity.gauges
         geometry = GeometryGuard(info_path, bs, lambda: read_block_info(info_dir),
                                  write_files,  # both: a tree recreated under the same inodes

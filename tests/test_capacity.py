@@ -86,8 +86,10 @@ def test_parse_max_bytes_bad_inputs(value, exc, text):
 
 def test_a_bound_below_one_block_is_refused_at_start_and_leaves_nothing_running(tmp_path):
     with pytest.raises(ValueError) as ei:
-        _tier(tmp_path, max_bytes="1K")
+        _tier(tmp_path / "new", max_bytes="1K")
     assert "less than one block" in str(ei.value) and f"({BS} bytes" in str(ei.value) and str(tmp_path) in str(ei.value)
+    assert "max_bytes '1K' (1024 bytes)" in str(ei.value)
+    assert not (tmp_path / "new").exists()  # refused before any I/O (was: root, config.json, kvtier.json made)
     # exactly one block: the root's own files (config.json, kvtier.json, .kvtier/) leave it no room
     with pytest.raises(ValueError) as ei:
         _tier(tmp_path, max_bytes=BS)
@@ -1631,6 +1633,39 @@ def test_kvtier_evict_refuses_a_bound_that_holds_no_block(tmp_path, size):
                        capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.returncode == 2 and "less than one block plus the root's own files" in r.stderr, r.stderr
     assert sorted(p for p in tmp_path.rglob("*.bin")) == blocks and len(blocks) == 6
+
+
+def test_kvtier_evict_refuses_a_bound_below_the_block_size_the_root_records(tmp_path):
+    """A root of 2 MiB blocks (kvtier.json records block_bytes) and ``--max-bytes 1M``: above
+    the 36 KiB floor, below one block. Before, accepted and every block evicted (exit 0);
+    now exit 2 naming the block size and the smallest bound that holds one block, every
+    block and the root's files untouched. That bound itself is accepted."""
+    bs = 2 << 20
+    buf = np.frombuffer(np.random.default_rng(7).bytes(3 * bs), dtype=np.uint8).reshape(3, bs).copy()
+    t = FileSystemTierManager(buf, str(tmp_path), "m", block_size=bs, use_o_direct=False,
+                              n_read_threads=1, n_write_threads=1)
+    try:
+        assert all(r.success for r in _run(t, TransferJob(1, _keys(1, 3), [0, 1, 2])))
+    finally:
+        t.shutdown()
+    layout = os.path.basename(t.file_mapper.base_path)
+    before = {str(p): (p.stat().st_mtime_ns, p.stat().st_size) for p in tmp_path.rglob("*") if p.is_file()}
+    assert sum(p.endswith(".bin") for p in before) == 3
+    least = bs + cap.STATE_BYTES
+    for argv in (["--max-bytes", "1M"], ["--max-bytes", str(least - 1), "--dry-run"]):
+        r = subprocess.run([sys.executable, "-m", "kvtier", "evict", str(tmp_path), *argv],
+                           capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert r.returncode == 2, (argv, r.returncode, r.stderr)
+        assert "less than one block plus the root's own files" in r.stderr, r.stderr
+        assert f"the root's blocks are {bs} bytes (2.0 MiB, {layout}/kvtier.json)" in r.stderr, r.stderr
+        assert f"the smallest bound that holds one is {least} bytes" in r.stderr, r.stderr
+        assert r.stdout == "" and "Traceback" not in r.stderr
+        assert {str(p): (p.stat().st_mtime_ns, p.stat().st_size)
+                for p in tmp_path.rglob("*") if p.is_file()} == before
+    r = subprocess.run([sys.executable, "-m", "kvtier", "evict", str(tmp_path), "--max-bytes", str(least),
+                        "--dry-run", "--json"], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["max_bytes"] == least
 
 
 def test_kvtier_evict_refuses_a_directory_that_is_no_cache_root(tmp_path):

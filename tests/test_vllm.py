@@ -303,6 +303,24 @@ def test_sweep_after_below_a_minute_is_a_value_error_naming_the_key(vllm, tmp_pa
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.parametrize("max_bytes", [8192, 40959, "36K"])
+def test_a_bound_below_one_block_is_a_value_error_before_any_io(vllm, tmp_path, max_bytes):
+    """max_bytes below one block plus the root's own files (8192 + 32768 bytes here): a
+    ValueError naming max_bytes and the block size, before the root is made. Before, the
+    vLLM tier checked the bound against a block of 0 bytes (32 KiB): 40959 was taken and
+    no store was ever admitted."""
+    from kvtier._tier import capacity as cap
+    from vllm_harness import Harness
+
+    assert cap.least_bound(BS) == 40960
+    with pytest.raises(ValueError) as ei:
+        Harness([tier_config("kvtier", str(tmp_path / "c"), max_bytes=max_bytes)], block_bytes=BS)
+    msg = str(ei.value)
+    assert f"max_bytes {max_bytes!r} (" in msg and f"less than one block ({BS} bytes" in msg, msg
+    assert "give at least 40960" in msg and str(tmp_path / "c") in msg, msg
+    assert not (tmp_path / "c").exists()
+
+
 def test_fs_keys_accepted_and_checksums_default_on(harness, tmp_path):
     h = harness([tier_config("kvtier", str(tmp_path / "a"), enable_kv_events=False, locality="REMOTE",
                              backpressure={"backpressure_cls": "EMABackpressureDetector"}),

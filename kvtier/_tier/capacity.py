@@ -1027,11 +1027,7 @@ def attach(root: str, config: CapacityConfig, counters: Any = None,
     (nothing could be stored) or
     another tier of this process already bounds the root with other values."""
     real = os.path.realpath(root)
-    mx, least = config.bound(real), _alloc(block_size) + STATE_BYTES
-    if mx < least:  # before anything starts: nothing to undo
-        raise ValueError(f"max_bytes {config.max_bytes!r} ({mx} bytes) is less than one block ({block_size} bytes, "
-                         f"{_alloc(block_size)} allocated) plus the root's own files ({STATE_BYTES} bytes): no store "
-                         f"could ever be admitted at {root}; give at least {least}")
+    check_holds_a_block(config, block_size, root, real)  # before anything starts: nothing to undo
     with _roots_lock:
         rc = _roots.get(real)
         if rc is not None and rc.config != config and _resolved(rc.config, real) != _resolved(config, real):
@@ -1042,6 +1038,28 @@ def attach(root: str, config: CapacityConfig, counters: Any = None,
         h = Handle(rc, counters, on_evicted)
         rc._attach(h)
     return h
+
+
+def least_bound(block_size: int) -> int:
+    """The smallest bound that holds one block of ``block_size`` bytes: the block allocated
+    (rounded up to :data:`ALLOC_UNIT`) plus the root's own files (:data:`STATE_BYTES`);
+    36 KiB for a block of one page (what ``kvtier evict`` takes when the root records no
+    block size), 2 MiB + 32 KiB for a 2 MiB block."""
+    return _alloc(block_size) + STATE_BYTES
+
+
+def check_holds_a_block(config: CapacityConfig, block_size: int, root: str, resolve_at: Optional[str] = None) -> None:
+    """ValueError naming ``max_bytes``, ``block_size`` and ``root`` when the bound is less
+    than :func:`least_bound` of ``block_size``: no store could ever be admitted.
+    ``resolve_at``: the path whose filesystem a percentage is of; None (a shell's check
+    before any I/O, the root may not exist yet): a percentage is not checked here
+    (:func:`attach` checks it)."""
+    mx = parse_max_bytes(config.max_bytes, resolve_at)
+    least = least_bound(block_size)
+    if mx is not None and mx < least:
+        raise ValueError(f"max_bytes {config.max_bytes!r} ({mx} bytes) is less than one block ({block_size} "
+                         f"bytes, {_alloc(block_size)} allocated) plus the root's own files "
+                         f"({STATE_BYTES} bytes): no store could ever be admitted at {root}; give at least {least}")
 
 
 def _resolved(config: CapacityConfig, root: str) -> Tuple[int, float, float, float, float, float]:

@@ -13,7 +13,10 @@ Exit status: 0 done; 1 the root is missing or holds no cache (no ``.kvtier/``, n
 enforces its own bound), an eviction failed, part of the root could not be read (EACCES,
 EIO: the census is low by it; the pass still ran), ``.kvtier/`` cannot be used (the lock
 opened, the census published), or the lock was taken over during the pass (this process
-was stopped longer than the tiers' ``takeover_s``); 2 bad arguments.
+was stopped longer than the tiers' ``takeover_s``); 2 bad arguments, among them a
+``--max-bytes`` that holds no block: less than one block plus the root's own files, the
+block of the largest size a ``<model>_<digest>/kvtier.json`` of the root records (a tier of
+that size refuses such a bound too), 36 KiB where none records one (vLLM's ``"fs"`` tier).
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ import sys
 import time
 
 from kvtier._tier import capacity as _cap
+from kvtier.cli._text import human_bytes
+from kvtier.file_mapper import root_block_sizes
 
 
 def _looks_like_a_root(root: str) -> bool:
@@ -58,10 +63,25 @@ def cmd_evict(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as e:
         print(f"kvtier evict: {e}", file=sys.stderr)
         return 2
-    least = _cap.ALLOC_UNIT + _cap.STATE_BYTES  # what a tier of the smallest block accepts (capacity.attach)
+    try:  # the block size each layout's kvtier.json records (vLLM's "fs" tier records none)
+        sizes = root_block_sizes(root)
+    except OSError:
+        sizes = {}  # unreadable: said below
+    if sizes:  # the largest: a bound must hold one block of each layout, as each layout's tier requires
+        layout, bs = max(sizes.items(), key=lambda kv: (kv[1], kv[0]))
+        least = _cap.least_bound(bs)
+    else:
+        least = _cap.least_bound(_cap.ALLOC_UNIT)  # what a tier of the smallest block accepts (capacity.attach)
     if bound < least:  # "--max-bytes 500" meant as 500G would evict every block
-        print(f"kvtier evict: --max-bytes {args.max_bytes} is {bound} bytes: less than one block plus the root's own "
-              f"files ({least} bytes at least; a tier refuses such a bound too): nothing done", file=sys.stderr)
+        if sizes:
+            print(f"kvtier evict: --max-bytes {args.max_bytes} is {bound} bytes: less than one block plus the root's "
+                  f"own files: the root's blocks are {bs} bytes ({human_bytes(bs)}, {layout}/kvtier.json), the "
+                  f"smallest bound that holds one is {least} bytes ({human_bytes(least)}; a tier of that block size "
+                  f"refuses less too): nothing done", file=sys.stderr)
+        else:
+            print(f"kvtier evict: --max-bytes {args.max_bytes} is {bound} bytes: less than one block plus the root's "
+                  f"own files ({least} bytes at least; a tier refuses such a bound too): nothing done",
+                  file=sys.stderr)
         return 2
     lock = None
     published = True
