@@ -544,6 +544,52 @@ def test_load_checks_the_crc_of_the_identity_record(io_backend, tmp_path):
     assert (err.errno, err.condemned) == (errno.EBADMSG, "checksum") and not os.path.exists(p[3])
 
 
+@pytest.mark.parametrize("left", ["both", "id_only", "vllm_only", "neither"])
+def test_what_a_load_verifies_by_the_records_a_block_has(io_backend, tmp_path, left):
+    """The README's account of the two CRC records, each set of them (a block kvtier stored
+    has both): either record verifies the block, in strict mode too (``user.kvtier.id``
+    alone: its xattr ``user.vllm.kv_crc32c`` removed, the identity record carries the same
+    CRC); a flipped byte is then EBADMSG, condemned. Only with neither is nothing verified:
+    checksum True loads it counted ``unverified`` (the flipped byte too), "strict" is
+    ENODATA, a miss counted ``unverified_miss``, the file kept."""
+    bs = 8192
+    view = rand_blocks(1, bs, seed=61)
+    p = block_paths(tmp_path, 1)
+    io_backend.batch_store_block(p, view, [0], bs, checksum=True)
+    drop = {"both": [], "id_only": [XATTR], "vllm_only": [ID_XATTR], "neither": [XATTR, ID_XATTR]}[left]
+    for name in drop:
+        os.removexattr(p[0], name)
+    assert sorted(n for n in os.listxattr(p[0]) if n.startswith("user.")) == sorted({XATTR, ID_XATTR} - set(drop))
+    verified = left != "neither"
+    for mode in (True, "strict"):
+        out = np.zeros(bs, dtype=np.uint8)
+        counts = {}
+        if verified or mode is True:
+            assert io_backend.batch_load_block(p, out, [0], bs, checksum=mode, counts=counts) == 0
+            assert np.array_equal(out, view) and counts == ({} if verified else {"unverified": 1}), (mode, counts)
+        else:
+            with pytest.raises(OSError) as ei:
+                io_backend.batch_load_block(p, out, [0], bs, checksum=mode, counts=counts)
+            e = ei.value
+            assert (e.errno, e.num_succeeded, e.checksum_failed, e.condemned) == (errno.ENODATA, 0, False, None)
+            assert counts == {"unverified_miss": 1}, counts
+        assert os.path.exists(p[0])
+    flip_bit(p[0], bs // 2)
+    on_disk = np.fromfile(p[0], np.uint8)
+    out = np.zeros(bs, dtype=np.uint8)
+    counts = {}
+    if verified:
+        with pytest.raises(OSError) as ei:
+            io_backend.batch_load_block(p, out, [0], bs, checksum=True, counts=counts)
+        e = ei.value
+        assert (e.errno, e.checksum_failed, e.condemned) == (errno.EBADMSG, True, "checksum")
+        assert not os.path.exists(p[0])
+    else:
+        assert io_backend.batch_load_block(p, out, [0], bs, checksum=True, counts=counts) == 0
+        assert np.array_equal(out, on_disk) and not np.array_equal(out, view) and counts == {"unverified": 1}
+        assert os.path.exists(p[0])
+
+
 def test_legacy_block_without_record_loads(io_backend, tmp_path):
     bs = 100 * 1024
     view = rand_blocks(2, bs, seed=2)
