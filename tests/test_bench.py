@@ -85,8 +85,8 @@ def test_bench_root_that_is_not_a_directory_is_named_as_such(tmp_path, capsys, k
     rc = main(["bench", "--vllm", "off", "--min-pass-s", "0", "--preset", "tiny", "--blocks", "4", "--root", str(root),
                "--no-progress"])
     err = capsys.readouterr().err
-    what = "does not exist" if kind == "missing" else "is not a directory"
-    assert rc == 2 and err.strip() == f"kvtier bench: --root {str(root)!r} {what}"
+    what = "No such file or directory" if kind == "missing" else "Not a directory"
+    assert rc == 2 and err.strip() == f"kvtier bench: --root {root}: {what}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ([] if kind == "missing" else ["nope"])
 
 

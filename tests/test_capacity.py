@@ -1683,9 +1683,9 @@ def test_kvtier_evict_refuses_a_directory_that_is_no_cache_root(tmp_path):
     assert r.returncode == 0 and out["census"]["blocks"] == 0 and out["census"]["files"] == 1 and out["evicted"] == 0
     assert sorted(os.listdir(tmp_path)) == ["notes"]
     r = subprocess.run(cmd + [str(tmp_path / "missing")], capture_output=True, text=True, cwd=REPO)
-    assert r.returncode == 1 and f"{tmp_path / 'missing'}: No such file or directory" in r.stderr
+    assert r.returncode == 2 and f"{tmp_path / 'missing'}: No such file or directory" in r.stderr
     r = subprocess.run(cmd + [str(tmp_path / "notes" / "a.txt")], capture_output=True, text=True, cwd=REPO)
-    assert r.returncode == 1 and f"{tmp_path / 'notes' / 'a.txt'}: Not a directory" in r.stderr
+    assert r.returncode == 2 and f"{tmp_path / 'notes' / 'a.txt'}: Not a directory" in r.stderr
 
 
 def test_kvtier_scrub_reports_what_it_cannot_read(tmp_path):
@@ -2017,20 +2017,21 @@ def test_kvtier_info_root_shows_the_census_the_writers_and_the_lock(tmp_path):
 def test_kvtier_info_root_unbounded_and_missing(tmp_path):
     d = _info_root(tmp_path)
     assert d["capacity"] is None and d["rank_dirs"] == [] and not (tmp_path / ".kvtier").exists()
-    r = _info_root(tmp_path / "nope", rc=1)
+    r = _info_root(tmp_path / "nope", rc=2)
     assert "No such file or directory" in r.stderr and str(tmp_path / "nope") in r.stderr and r.stdout == ""
 
 
 def test_kvtier_evict_judges_its_arguments_before_the_root(tmp_path):
     """A bad ``--max-bytes`` is a usage error (exit 2, the parser's message) even when ROOT
-    is missing too; a good one on a missing ROOT is exit 1 with the path; nothing is made."""
+    is missing too; a good one on a missing ROOT is exit 2 with the path (as every
+    subcommand: tests/test_cli.py); nothing is made."""
     missing = tmp_path / "nope"
     r = subprocess.run([sys.executable, "-m", "kvtier", "evict", str(missing), "--max-bytes", "abc"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "cannot parse 'abc'" in r.stderr
     r = subprocess.run([sys.executable, "-m", "kvtier", "evict", str(missing), "--max-bytes", "90%"],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and f"{missing}: No such file or directory" in r.stderr
+    assert r.returncode == 2 and f"{missing}: No such file or directory" in r.stderr
     assert not missing.exists()
 
 

@@ -175,6 +175,55 @@ def test_scrub_symlink_is_error_and_kept(tmp_path, capsys):
     assert d["counts"]["error"] == 1 and os.path.islink(paths[5])
 
 
+# every subcommand's way of taking a directory: (argv before it, option or None, argv after it)
+DIR_ARGS = {
+    "info": ([], None, []),
+    "scrub": (["--no-progress"], None, []),
+    "doctor": (["--wait", "0.3"], None, []),
+    "evict": (["--max-bytes", "1G"], None, []),
+    "bench": (["--vllm", "off", "--preset", "tiny", "--blocks", "4", "--no-progress"], "--root", []),
+    "bench --node-b": (["--vllm", "off", "--preset", "tiny", "--blocks", "4", "--no-progress", "--root", "{ok}"],
+                       "--node-b", []),
+    "doctor --peer": (["--wait", "0.3", "{ok}"], "--peer", []),
+}
+
+
+def test_dir_args_lists_every_subcommand_that_takes_a_root():
+    """A new subcommand with a ROOT (or a --root) is checked below, not forgotten."""
+    from kvtier.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    takes = {name for name, p in sub.choices.items()
+             if any(a.dest == "root" for a in p._actions)}
+    assert takes == {"info", "scrub", "doctor", "evict", "bench"}
+    assert takes <= set(DIR_ARGS)
+
+
+@pytest.mark.parametrize("kind", ["missing", "file", "below_a_file"])
+@pytest.mark.parametrize("cmd", sorted(DIR_ARGS))
+def test_every_subcommand_says_the_same_of_a_root_that_is_no_directory(tmp_path, cmd, kind):
+    """A ROOT that does not exist, is a regular file, or lies below one: exit 2 (bad
+    arguments, as ``kvtier --help`` says) from every subcommand, one line on stderr naming
+    the path and the errno text, nothing on stdout, nothing made. Before: info and evict
+    exit 1, scrub and doctor 2, doctor said "not a directory" of a missing path, bench
+    named no errno."""
+    ok = tmp_path / "ok"
+    ok.mkdir()
+    f = tmp_path / "f"
+    f.write_bytes(b"not a directory")
+    root, why = {"missing": (tmp_path / "missing", "No such file or directory"),
+                 "file": (f, "Not a directory"), "below_a_file": (f / "sub", "Not a directory")}[kind]
+    name = cmd.split()[0]
+    before, opt, after = DIR_ARGS[cmd]
+    argv = [name] + [a.replace("{ok}", str(ok)) for a in before] + ([opt] if opt else []) + [str(root)] + after
+    r = subprocess.run([sys.executable, "-m", "kvtier", *argv], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, (argv, r.returncode, r.stderr)
+    assert r.stderr == f"kvtier {name}: {opt + ' ' if opt else ''}{root}: {why}\n", (argv, r.stderr)
+    assert r.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f", "ok"] and os.listdir(ok) == []
+    assert f.read_bytes() == b"not a directory"
+
+
 def test_scrub_bad_root(tmp_path, capsys):
     assert main(["scrub", str(tmp_path / "missing")]) == 2
     assert "No such file" in capsys.readouterr().err

@@ -232,7 +232,7 @@ def test_peer_that_is_another_directory_is_unusable(tmp_path):
 
 def test_bad_arguments(tmp_path):
     code, d, err = doctor(str(tmp_path / "missing"))
-    assert code == 2 and "not a directory" in err
+    assert code == 2 and f"{tmp_path / 'missing'}: No such file or directory" in err
     code, d, err = doctor(str(tmp_path), "--wait", "0")
     assert code == 2 and "--wait" in err
 

@@ -170,8 +170,16 @@ def _print_info(d: dict) -> None:
 def cmd_info(args: argparse.Namespace) -> int:
     """``kvtier info [ROOT]``: print :func:`info_dict` (and with ``args.root`` the root's
     section, :func:`kvtier.cli.root_info.root_info`) as text, or as JSON with ``args.json``.
-    Returns 0, or 1 when a KVTIER_* setting is refused (shown as an error) or ROOT is no
-    directory; a missing C core or DSA is reported, not an error."""
+    Returns 0, 1 when a KVTIER_* setting is refused (shown as an error) or ROOT cannot be
+    read, 2 when ROOT does not exist or is no directory (as every subcommand:
+    :func:`kvtier.cli._text.dir_error`); a missing C core or DSA is reported, not an error."""
+    if getattr(args, "root", None) is not None:
+        from kvtier.cli._text import EXIT_USAGE, dir_error
+
+        err = dir_error(args.root)
+        if err is not None:
+            print(f"kvtier info: {err}", file=sys.stderr)
+            return EXIT_USAGE
     d = info_dict()
     if getattr(args, "root", None) is not None:
         from kvtier.cli.root_info import print_root_info, root_info
@@ -193,7 +201,11 @@ def cmd_info(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvtier`` argument parser with its subcommands ``info``, ``bench``, ``scrub``, ``doctor`` and ``evict``;
     each sets ``func``, the handler that takes the parsed Namespace and returns an exit status."""
-    p = argparse.ArgumentParser(prog="kvtier", description="Checksummed storage tier for LLM KV-cache blocks.")
+    p = argparse.ArgumentParser(prog="kvtier", description="Checksummed storage tier for LLM KV-cache blocks.",
+                                epilog="Exit status of every command: 0 done (clean); 1 a check failed or found "
+                                       "something (each command's --help says what); 2 bad arguments, among them "
+                                       "a ROOT (or bench --root, doctor --peer) that does not exist or is no "
+                                       "directory: the message on stderr names the path and the errno text.")
     p.add_argument("--version", action="version", version=f"kvtier {kvtier.__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -217,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """Entry point of the ``kvtier`` command.  ``argv``: list of str arguments without the
     program name (None: ``sys.argv[1:]``).  Returns the subcommand's exit status (int: 0 ok,
-    1 check failed, 2 bad arguments).  argparse raises SystemExit (code 2) for an unknown
+    1 check failed, 2 bad arguments, a ROOT that does not exist or is no directory among
+    them: :data:`kvtier.cli._text.EXIT_USAGE`).  argparse raises SystemExit (code 2) for an unknown
     command or option and (code 0) for ``--help`` / ``--version``."""
     args = build_parser().parse_args(argv)
     try:

@@ -1,8 +1,30 @@
-"""Text helpers shared by the ``kvtier`` subcommands (bench, scrub, doctor), in a module of
-their own so that those modules do not import kvtier.cli, which imports them."""
+"""Text helpers shared by the ``kvtier`` subcommands (bench, scrub, doctor, evict), in a
+module of their own so that those modules do not import kvtier.cli, which imports them."""
 from __future__ import annotations
 
+import errno
+import os
 import re
+import stat
+from typing import Optional
+
+EXIT_USAGE = 2
+"""The exit status of every subcommand for bad arguments, a ROOT that is no directory among
+them (:func:`dir_error`); 0 is done / clean, 1 a check that failed or found something."""
+
+
+def dir_error(path: str) -> Optional[str]:
+    """Why ``path`` cannot be a subcommand's ROOT (or ``--root``, ``--peer``), as
+    ``"<path>: <errno text>"``: stat's own errno (ENOENT, ENOTDIR for a path through a file,
+    EACCES, ELOOP), ENOTDIR for something that is not a directory; None for a directory.
+    Every subcommand that takes a ROOT says this and exits :data:`EXIT_USAGE`."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return f"{path}: {e.strerror}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{path}: {os.strerror(errno.ENOTDIR)}"
+    return None
 
 
 def plain_text(doc: str) -> str:

@@ -38,7 +38,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from kvtier.cli._text import human_bytes
+from kvtier.cli._text import EXIT_USAGE, dir_error, human_bytes
 from kvtier.cli.presets import DEFAULT_PRESET, PRESETS
 
 DEFAULT_TOKENS = 16
@@ -593,10 +593,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not os.path.isdir(d_plot) or not os.access(d_plot, os.W_OK):
             print(f"kvtier bench: --plot: directory {d_plot!r} does not exist or is not writable", file=sys.stderr)
             return 2
-    if args.root is not None and not os.path.isdir(args.root):  # else the error names a temp under it
-        what = "is not a directory" if os.path.exists(args.root) else "does not exist"
-        print(f"kvtier bench: --root {args.root!r} {what}", file=sys.stderr)
-        return 2
+    err = None if args.root is None else dir_error(args.root)
+    if err is not None:  # else the error names a temp under it
+        print(f"kvtier bench: --root {err}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         d = run_bench(args.preset, args.tokens, args.blocks, jobs, args.root, checks, args.threads,
                       not args.no_o_direct, args.repeat, args.seed, not args.no_progress, args.keep,

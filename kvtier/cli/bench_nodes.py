@@ -268,6 +268,13 @@ def cmd_two_clients(args) -> int:
     if not args.root:
         print("kvtier bench: --node-b needs --root (node A's mount of the same directory)", file=sys.stderr)
         return 2
+    from kvtier.cli._text import EXIT_USAGE, dir_error
+
+    for opt, path in (("--root", args.root), ("--node-b", args.node_b)):
+        err = dir_error(path)
+        if err is not None:  # else the error names a temp under it
+            print(f"kvtier bench: {opt} {err}", file=sys.stderr)
+            return EXIT_USAGE
     try:
         jobs = max(int(x) for x in args.jobs.split(",") if x.strip())
         engines, note = engines_for(args.checksum, args.vllm)

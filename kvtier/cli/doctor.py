@@ -46,6 +46,7 @@ from typing import Callable, List, Optional, Tuple
 
 from kvtier._blockio.records import XATTR_NAME as XATTR
 from kvtier._tier.mountinfo import MountEntry, mount_of
+from kvtier.cli._text import EXIT_USAGE, dir_error
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 # csrc/block/block.c opens O_DIRECT only for page-aligned buffers and lengths (a multiple of 4096),
@@ -567,10 +568,12 @@ def run_doctor(root: str, peer: Optional[str] = None, wait: float = 5.0) -> dict
     """Probe ``root`` (and ``peer``, the same directory through another client);
     returns the report dict (``checks``, ``kvtier``, ``recommended``, ``status``,
     ``exit``). Leaves no file behind."""
-    if not os.path.isdir(root):
-        raise _Unusable(f"{root}: not a directory")
-    if peer is not None and not os.path.isdir(peer):
-        raise _Unusable(f"--peer {peer}: not a directory")
+    err = dir_error(root)
+    if err is not None:
+        raise _Unusable(err)
+    err = None if peer is None else dir_error(peer)
+    if err is not None:
+        raise _Unusable(f"--peer {err}")
     m = mount_of(root)
     checks = [check_filesystem(m)]
     name = f".kvtier_probe_doctor_{secrets.token_hex(6)}"
@@ -687,6 +690,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         d = run_doctor(args.root, args.peer, args.wait)
     except _Unusable as e:
         print(f"kvtier doctor: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     print(json.dumps(d, indent=2) if args.json else format_report(d))
     return d["exit"]

@@ -8,20 +8,19 @@ newest) down to ``--evict-low``: the policy and the evictor lock of the tiers
 ``--dry-run`` deletes nothing, takes no lock and lists what would go. A real run publishes
 its census to ``ROOT/.kvtier/usage.json`` as a tier's evictor does.
 
-Exit status: 0 done; 1 the root is missing or holds no cache (no ``.kvtier/``, no
+Exit status: 0 done; 1 the root holds no cache (no ``.kvtier/``, no
 ``<model>_<digest>_r<rank>/``: a real run refuses it, ``--dry-run`` censuses it), another process holds the evictor lock (it
 enforces its own bound), an eviction failed, part of the root could not be read (EACCES,
 EIO: the census is low by it; the pass still ran), ``.kvtier/`` cannot be used (the lock
 opened, the census published), or the lock was taken over during the pass (this process
-was stopped longer than the tiers' ``takeover_s``); 2 bad arguments, among them a
-``--max-bytes`` that holds no block: less than one block plus the root's own files, the
+was stopped longer than the tiers' ``takeover_s``); 2 bad arguments, among them a ROOT
+that does not exist or is no directory and a ``--max-bytes`` that holds no block: less than one block plus the root's own files, the
 block of the largest size a ``<model>_<digest>/kvtier.json`` of the root records (a tier of
 that size refuses such a bound too), 36 KiB where none records one (vLLM's ``"fs"`` tier).
 """
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import os
 import socket
@@ -29,7 +28,7 @@ import sys
 import time
 
 from kvtier._tier import capacity as _cap
-from kvtier.cli._text import human_bytes
+from kvtier.cli._text import EXIT_USAGE, dir_error, human_bytes
 from kvtier.file_mapper import root_block_sizes
 
 
@@ -46,18 +45,18 @@ def cmd_evict(args: argparse.Namespace) -> int:
     """``kvtier evict ROOT --max-bytes SIZE [--dry-run] [--json]``: one census and eviction
     pass by hand, with the tiers' policy and lock.  Without ``--dry-run`` it takes the
     evictor lock (exit 1 when a live process holds it: that one enforces its bound);
-    ``--dry-run`` deletes nothing and needs no lock.  Exit 0, 1 (lock held, root missing),
-    2 (bad arguments)."""
+    ``--dry-run`` deletes nothing and needs no lock.  Exit 0, 1 (lock held, no cache root),
+    2 (bad arguments, ROOT missing or no directory)."""
     root = os.path.abspath(args.root)
     try:  # the arguments first: a bad one is exit 2 whatever the root (a percentage needs the root: below)
         cfg = _cap.check_config(args.max_bytes, args.evict_high, args.evict_low)
     except (TypeError, ValueError) as e:
         print(f"kvtier evict: {e}", file=sys.stderr)
         return 2
-    if not os.path.isdir(root):
-        e = errno.ENOENT if not os.path.exists(root) else errno.ENOTDIR
-        print(f"kvtier evict: {root}: {os.strerror(e)}", file=sys.stderr)
-        return 1
+    err = dir_error(args.root)
+    if err is not None:
+        print(f"kvtier evict: {err}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         bound = cfg.bound(root)  # type: ignore[union-attr]
     except (TypeError, ValueError) as e:

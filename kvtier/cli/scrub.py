@@ -585,6 +585,12 @@ def cmd_scrub(args: argparse.Namespace) -> int:
     be read, 2 if ROOT is not a directory or cannot be listed, holds no cache (no block and no config.json / kvtier.json in ROOT or one
     level below: a mistyped path) or ``--block-size`` is not positive (message on stderr).
     """
+    from kvtier.cli._text import EXIT_USAGE, dir_error
+
+    err = dir_error(args.root)
+    if err is not None:  # as every subcommand words it (the OSError below: "[Errno 2] ...: 'ROOT'")
+        print(f"kvtier scrub: {err}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         d = scrub(args.root, args.block_size, args.remove, not args.no_progress,
                   adopt=getattr(args, "adopt", False), strict=getattr(args, "strict", False))
