@@ -73,6 +73,23 @@ HASHED_FIELDS = (
 )
 
 
+def check_root_dir(root_dir: Any) -> str:
+    """``root_dir`` as a str, checked before anything resolves it: TypeError unless a str or
+    os.PathLike of text, ValueError naming ``root_dir`` when it is empty (``""`` would be
+    the working directory once made absolute) or holds a NUL byte."""
+    if not isinstance(root_dir, (str, os.PathLike)):
+        raise TypeError(f"root_dir must be a str or os.PathLike, got {type(root_dir).__name__}")
+    root = os.fspath(root_dir)
+    if not isinstance(root, str):
+        raise TypeError("root_dir must be a text path")
+    if not root:
+        raise ValueError("root_dir must not be empty: give the tier's root directory (\"\" would be the working "
+                         "directory)")
+    if "\0" in root:
+        raise ValueError(f"root_dir must not contain a NUL byte: {root!r}")
+    return root
+
+
 def _check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -210,20 +227,13 @@ class FileMapper:
         replicated_layout: bool = False,
         canonical_format: Optional[str] = None,
     ) -> None:
-        if not isinstance(root_dir, (str, os.PathLike)):
-            raise TypeError(f"root_dir must be a str or os.PathLike, got {type(root_dir).__name__}")
-        root = os.fspath(root_dir)
-        if not isinstance(root, str):
-            raise TypeError("root_dir must be a text path")
-        if not root:
-            raise ValueError("root_dir must not be empty")
+        root = check_root_dir(root_dir)
         if not isinstance(model_name, str):
             raise TypeError(f"model_name must be a str, got {type(model_name).__name__}")
         if not model_name:
             raise ValueError("model_name must not be empty")
-        for name, v in (("root_dir", root), ("model_name", model_name)):
-            if "\0" in v:
-                raise ValueError(f"{name} must not contain a NUL byte: {v!r}")
+        if "\0" in model_name:
+            raise ValueError(f"model_name must not contain a NUL byte: {model_name!r}")
         if not isinstance(inference_engine, str) or not inference_engine:
             raise TypeError("inference_engine must be a non-empty str")
         _check_int("tokens_per_hash", tokens_per_hash, 1)

@@ -34,7 +34,7 @@ from kvtier._tier import capacity as _capacity
 from kvtier._tier.config import TierConfig
 from kvtier._tier.engine import TierEngine
 from kvtier._tier.startup import GeometryGuard, RootGuard, filesystem_type, info_signature, start
-from kvtier.file_mapper import FileMapper, Key
+from kvtier.file_mapper import FileMapper, Key, check_root_dir
 from kvtier.metrics import TieringMetricsTracker, tier_label
 
 logger = logging.getLogger(__name__)
@@ -137,7 +137,8 @@ class FileSystemTierManager:
         primary: buffer-protocol object (bytearray, numpy array, torch CPU tensor,
             mmap), C-contiguous; a 2-D buffer holds one block per row (block size = row
             stride in bytes), a 1-D buffer needs ``block_size``.
-        root_dir: directory of the cache (created if missing).
+        root_dir: directory of the cache (created if missing; relative: against the working
+            directory, once); ValueError naming it when empty ("" is no directory to resolve).
         model_name ... canonical_format: the FileMapper fields (vLLM 0.33's names) (:class:`FileMapper`).
         block_size: bytes per block (checked against a 2-D buffer's row stride).
         n_read_threads / n_write_threads: read- and write-priority threads, >= 1.
@@ -255,7 +256,7 @@ class FileSystemTierManager:
         self._readonly = self._view.readonly
         self._primary = primary  # keep the exporter alive (dropped by shutdown())
         self.file_mapper = FileMapper(
-            os.path.abspath(os.fspath(root_dir)),  # resolved once: a later chdir moves nothing
+            os.path.abspath(check_root_dir(root_dir)),  # "" refused; resolved once: a later chdir moves nothing
             model_name, tokens_per_hash, blocks_per_file, tp_size, pp_size,
             pcp_size, dcp_size, rank, dtype, kv_cache_groups, inference_engine, parallel_agnostic,
             replicated_layout, canonical_format,

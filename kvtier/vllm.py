@@ -202,8 +202,11 @@ class KvtierTier(SecondaryTierManager):
             raise TypeError(f"the {tier_type!r} tier needs 'root_dir'; valid keys: {sorted(valid)}")
         cfg = {**valid, **config}
         root_dir = cfg["root_dir"]
-        if not isinstance(root_dir, str) or not root_dir:
+        if not isinstance(root_dir, str):
             raise TypeError(f"root_dir must be a non-empty str, got {root_dir!r}")
+        if not root_dir:  # abspath("") is the working directory
+            raise ValueError(f"root_dir must not be empty: give the {tier_type!r} tier's root directory (\"\" would be "
+                             f"the working directory)")
         from kvtier._tier.config import TierConfig, check_bool
 
         tc = TierConfig(**{k: cfg[k] for k in TierConfig.__dataclass_fields__})  # the keys both shells take

@@ -472,6 +472,24 @@ def test_bad_config_raises_before_any_io(tmp_path):
     assert root.is_dir()
 
 
+class _EmptyPath:  # an os.PathLike of ""
+    def __fspath__(self) -> str:
+        return ""
+
+
+@pytest.mark.parametrize("root_dir", ["", _EmptyPath()], ids=["str", "pathlike"])
+def test_an_empty_root_dir_is_a_value_error_not_the_working_directory(tmp_path, monkeypatch, root_dir):
+    """root_dir="" was made absolute first: the tier silently used the working directory
+    (config.json, kvtier.json and the rank directory made there). Now a ValueError naming
+    root_dir, before any I/O."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^root_dir must not be empty"):
+        FileSystemTierManager(rand_buf(), root_dir, "m", use_o_direct=False)
+    with pytest.raises(ValueError, match=r"^root_dir must not be empty"):
+        FileSystemTierManager.from_config(rand_buf(), {"root_dir": root_dir, "model_name": "m"})
+    assert os.listdir(tmp_path) == []
+
+
 def test_block_size_recorded_mismatch(tmp_path):
     with mk(rand_buf(), tmp_path):
         pass

@@ -303,6 +303,20 @@ def test_sweep_after_below_a_minute_is_a_value_error_naming_the_key(vllm, tmp_pa
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.parametrize("kind", ["kvtier", "KvtierTier"])
+def test_an_empty_root_dir_is_a_value_error_naming_it(vllm, tmp_path, monkeypatch, kind):
+    """root_dir "" (abspath: the working directory) is a ValueError naming root_dir (it was a
+    TypeError, as for a value of another type), before any I/O; another type stays a TypeError."""
+    from vllm_harness import Harness
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^root_dir must not be empty: give the '.*' tier's root directory"):
+        Harness([tier_config(kind, "")], block_bytes=BS)
+    with pytest.raises(TypeError, match=r"^root_dir must be a non-empty str, got 5"):
+        Harness([tier_config(kind, 5)], block_bytes=BS)
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("max_bytes", [8192, 40959, "36K"])
 def test_a_bound_below_one_block_is_a_value_error_before_any_io(vllm, tmp_path, max_bytes):
     """max_bytes below one block plus the root's own files (8192 + 32768 bytes here): a
