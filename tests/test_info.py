@@ -182,3 +182,100 @@ def test_info_reports_the_crc_copy():
     assert bad_json["crc_copy"] is None
     assert bad_json["crc_copy_error"].startswith(
         "KVTIER_CRC_COPY='2' is not valid")
+
+
+# ---------------------------------------------------------------- kvtier info ROOT: can a block be stored there
+
+
+def _read_only_statvfs(monkeypatch, root):
+    """os.statvfs of ``root`` as on a read-only mount (ST_RDONLY set), other paths as they are."""
+    real = os.statvfs
+
+    def statvfs(p):
+        st = real(p)
+        if os.path.abspath(os.fspath(p)) != root:
+            return st
+        t = list(st)
+        t[8] |= os.ST_RDONLY  # f_flag
+        return os.statvfs_result(t)
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+
+
+def _info_root_here(capsys, root):
+    """``kvtier info ROOT --json`` and ``kvtier info ROOT`` in this process (the monkeypatches
+    hold): (exit status, the JSON's root section, the text)."""
+    from kvtier.cli import main
+
+    rc_json = main(["info", root, "--json"])
+    d = json.loads(capsys.readouterr().out)["root"]
+    rc_text = main(["info", root])
+    text = capsys.readouterr().out
+    assert rc_json == rc_text
+    return rc_json, d, text
+
+
+def _assert_flagged(rc, d, text, why):
+    assert rc == 0  # said, not an error: info reports
+    assert d["writable"] is False and why in d["not_writable"], d
+    line = next(ln for ln in text.splitlines() if ln.startswith("  writable:     "))
+    assert line.startswith("  writable:     NO: ") and why in line and "no block can be stored here" in line, line
+
+
+@pytest.mark.parametrize("how", ["read_only_mount", "no_write_access"])
+def test_info_root_says_when_no_block_can_be_stored_there(tmp_path, monkeypatch, capsys, how):
+    """A root on a read-only mount (statvfs ST_RDONLY) or one this process may not write
+    (access W_OK refused: root ignores modes, so both are monkeypatched here) is flagged in
+    the text and the JSON (was: nothing said, the tier's startup failed later with EROFS);
+    a writable root says yes."""
+    root = str(tmp_path)
+    rc, d, text = _info_root_here(capsys, root)
+    assert rc == 0 and d["writable"] is True and d["not_writable"] is None and d["filesystem"]["read_only"] is False
+    assert "  writable:     yes" in text.splitlines()
+    if how == "read_only_mount":
+        _read_only_statvfs(monkeypatch, root)
+        why = "is mounted read-only (statvfs ST_RDONLY)"
+    else:
+        real_access = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if (os.fspath(p) == root and mode & os.W_OK)
+                            else real_access(p, mode, **kw))
+        why = f"this process (uid {os.geteuid()}) may not write to it (access W_OK refused)"
+    rc, d, text = _info_root_here(capsys, root)
+    _assert_flagged(rc, d, text, why)
+    assert d["filesystem"]["read_only"] is (how == "read_only_mount")
+    assert os.listdir(tmp_path) == []
+
+
+def test_info_root_on_a_real_read_only_bind_mount(tmp_path, monkeypatch, capsys):
+    """A read-only bind mount for real where mount(8) may (root with CAP_SYS_ADMIN, as CI):
+    ``kvtier info`` flags it and a tier there fails with EROFS, as it says. Where mounting is
+    refused, the same check through a monkeypatched statvfs (never a skip: CI=true fails skips)."""
+    src, mnt = tmp_path / "src", tmp_path / "mnt"
+    src.mkdir()
+    mnt.mkdir()
+    mounted = (shutil.which("mount") is not None and os.geteuid() == 0
+               and subprocess.run(["mount", "--bind", str(src), str(mnt)], capture_output=True).returncode == 0)
+    try:
+        if mounted and subprocess.run(["mount", "-o", "remount,bind,ro", str(mnt)],
+                                      capture_output=True).returncode != 0:
+            subprocess.run(["umount", str(mnt)], capture_output=True)
+            mounted = False
+        if not mounted:
+            _read_only_statvfs(monkeypatch, str(mnt))
+        rc, d, text = _info_root_here(capsys, str(mnt))
+        _assert_flagged(rc, d, text, "is mounted read-only (statvfs ST_RDONLY)")
+        assert d["filesystem"]["read_only"] is True
+        if mounted:
+            import errno
+
+            import numpy as np
+            from kvtier.manager import FileSystemTierManager
+
+            assert os.statvfs(str(mnt)).f_flag & os.ST_RDONLY and not os.access(str(mnt), os.W_OK)
+            with pytest.raises(OSError) as ei:
+                FileSystemTierManager(np.zeros((2, 4096), np.uint8), str(mnt), "m", use_o_direct=False)
+            assert ei.value.errno == errno.EROFS and str(mnt) in str(ei.value)
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(mnt)], capture_output=True)
+    assert os.listdir(src) == []

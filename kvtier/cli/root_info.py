@@ -1,6 +1,7 @@
 """``kvtier info ROOT``: what a cache root holds and how it is bounded, without a scan.
 
-Everything here is read from what the root already has: its mount (mountinfo, statvfs),
+Everything here is read from what the root already has: its mount (mountinfo, statvfs;
+whether a block can be stored there at all: a read-only mount, or ``access(W_OK)`` refused),
 its rank directories (one listing of ROOT), the latest census its evictor published
 (``ROOT/.kvtier/usage.json``), the writers' ledgers (``ROOT/.kvtier/writers/``), the evictor
 lock's holder (F_GETLK) and its heartbeat (the lock file's record).  Nothing is created,
@@ -18,7 +19,10 @@ from kvtier._tier import capacity as _cap
 
 def root_info(root: str, now: Optional[float] = None) -> Dict[str, Any]:
     """The root section of ``kvtier info ROOT`` as a dict: ``root`` (absolute path),
-    ``filesystem`` (mount point, fstype, kind, size, free bytes and inodes), ``load_landing``
+    ``filesystem`` (mount point, fstype, kind, size, free bytes and inodes, ``read_only``:
+    statvfs ``ST_RDONLY``), ``writable`` (False on a read-only mount or when ``access(W_OK)``
+    refuses this process: no block can be stored there, no tier starts there) and
+    ``not_writable`` (why, else None), ``load_landing``
     (what ``auto`` picks here, and why), ``rank_dirs`` (the ``<model>_<digest>_r<rank>``
     directories), ``capacity`` (None for a root no evictor has censused, else the latest
     census: used and max bytes, its age, its evictor, the live writers' ledgers, the
@@ -36,9 +40,18 @@ def root_info(root: str, now: Optional[float] = None) -> Dict[str, Any]:
         raise OSError(e, os.strerror(e), root)
     st = os.statvfs(root)
     m = mount_of(root)
+    read_only = bool(st.f_flag & os.ST_RDONLY)
     fs = {"mount_point": m.mount_point if m else None, "fstype": m.fstype if m else None,
           "kind": m.kind if m else None, "size_bytes": st.f_blocks * st.f_frsize,
-          "free_bytes": st.f_bavail * st.f_frsize, "inodes_free": st.f_favail if st.f_files else None}
+          "free_bytes": st.f_bavail * st.f_frsize, "inodes_free": st.f_favail if st.f_files else None,
+          "read_only": read_only}
+    if read_only:
+        at = f" at {m.mount_point}" if m else ""
+        not_writable: Optional[str] = f"the filesystem{at} is mounted read-only (statvfs ST_RDONLY)"
+    elif not os.access(root, os.W_OK):
+        not_writable = f"this process (uid {os.geteuid()}) may not write to it (access W_OK refused)"
+    else:
+        not_writable = None
     mode, why = landing.resolve("auto", root)
     with os.scandir(root) as it:
         ranks = sorted(e.name for e in it if _cap._RANK_RE.match(e.name) and e.is_dir() and e.name != _cap.STATE_DIR)
@@ -51,8 +64,8 @@ def root_info(root: str, now: Optional[float] = None) -> Dict[str, Any]:
         beat = None if hb is None else {"by": hb["by"], "seq": hb["seq"],
                                         "age_s": (time.time() if now is None else now) - hb["t"]}
         c.update(writers_live=live, writers_bytes=ledgers, lock_holder=_cap.lock_holder(root), heartbeat=beat)
-    return {"root": root, "filesystem": fs, "load_landing": {"auto": mode, "why": why},
-            "rank_dirs": ranks, "capacity": c}
+    return {"root": root, "filesystem": fs, "writable": not_writable is None, "not_writable": not_writable,
+            "load_landing": {"auto": mode, "why": why}, "rank_dirs": ranks, "capacity": c}
 
 
 def print_root_info(d: Dict[str, Any]) -> None:
@@ -65,6 +78,11 @@ def print_root_info(d: Dict[str, Any]) -> None:
     where = f"{fs['fstype']} ({fs['kind']}) at {fs['mount_point']}" if fs["fstype"] else "mount unknown"
     inodes = "" if fs["inodes_free"] is None else f", {fs['inodes_free']:,} inodes free"
     print(f"  filesystem:   {where}: {human_bytes(fs['size_bytes'])}, {human_bytes(fs['free_bytes'])} free{inodes}")
+    if d["writable"]:
+        print("  writable:     yes")
+    else:
+        print(f"  writable:     NO: {d['not_writable']}: no block can be stored here and no tier starts here "
+              f"(its startup writes a probe file)")
     print(f"  load landing: auto -> {d['load_landing']['auto']} ({d['load_landing']['why']})")
     r = d["rank_dirs"]
     print(f"  rank dirs:    {len(r)}" + (f" ({', '.join(r[:4])}{', ...' if len(r) > 4 else ''})" if r else
