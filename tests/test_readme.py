@@ -26,6 +26,18 @@ def test_quick_start_is_two_commands_and_ci_runs_the_test_one():
     assert test in ci
 
 
+def test_quick_start_says_how_long_the_suite_and_all_of_ci_take():
+    """The test command's comment gives the time of the suite (CI's main stage, ~12 min on 2
+    cores) and of all of .ci/run's stages (~31 min); it said "about 15 minutes", neither."""
+    block = re.search(r"## Quick start\n\n```sh\n(.*?)```", README, re.S).group(1)
+    comment = block.split("# install test dependencies", 1)[1].split("\nscripts/bootstrap --test", 1)[0]
+    comment = " ".join(line.lstrip("# ") for line in comment.splitlines())
+    assert re.search(r"the whole test suite \(about 12 minutes on 2 cores\b", comment), comment
+    assert re.search(r"all of CI, \.ci/run: .* about 31 minutes\)", comment), comment
+    stages = [ln for ln in (ROOT / ".ci" / "run").read_text().splitlines() if "pytest" in ln or ln.startswith("scripts/")]
+    assert any("scripts/sanitize" in ln for ln in stages) and any("scripts/test-no-isal" in ln for ln in stages)
+
+
 @pytest.mark.parametrize("checksum", ["as written", "off"])
 def test_python_example_runs(tmp_path, caplog, recwarn, checksum):
     """The example runs as written, and with checksums off too (what a user may try next),
