@@ -284,3 +284,64 @@ def test_a_stalled_part_is_reported_at_its_deadline_and_writes_nothing_late(back
     finally:
         ff.clear()
         t.shutdown()
+
+
+def test_the_merge_takes_the_failed_parts_flags_and_only_the_io_that_ran():
+    job = E.Job("j", tuple(range(6)), [f"p{i}" for i in range(6)], [i * BS for i in range(6)], True, 0.0)
+    sp = E._Split(job, 3)
+    e0 = OSError(errno.ENOENT, "gone", "p0")
+    sp.results = [E.Finished("j", True, (0, 1), 0, 1.0, 1.95, e0, False, 0, {"a": 1}),  # ran 0.95-1.95 s
+                  E.Finished("j", True, (2, 3), 1, 0.5, 1.5, OSError(errno.EBADMSG, "bad"), True, 1, {"a": 2}),
+                  E.Finished("j", True, (4, 5), 0, 0.0, 2.0, OSError(errno.ECANCELED, "shut down"))]  # never ran
+    assert sp.chosen() == 0
+    r = sp.merged()
+    assert (r.n_ok, r.error, r.checksum_failed) == (0, e0, False)  # part 0's failure, not part 1's
+    assert e0.num_succeeded == 0
+    assert (r.checksum_retries, r.policy_counts) == (1, {"a": 3})  # what every part did, happened
+    assert r.io_time == pytest.approx(1.0) and r.elapsed == pytest.approx(2.0)  # 0.95 s .. 1.95 s of I/O
+
+
+def test_a_split_job_is_refused_once_by_the_geometry_check(tmp_path):
+    n = 6
+    buf = rows(2 * n, seed=6)
+    with split_tier(buf, tmp_path / "c") as t:
+        keys = keys_for(n)
+        store(t, keys)
+        info = os.path.join(t.file_mapper.base_path, "kvtier.json")
+        assert os.path.exists(info)
+        with open(info, "w") as f:  # another geometry's now
+            f.write('{"block_bytes": 8192}')
+        before = t.metrics.counters.snapshot()
+        r = load(t, keys, n)
+        assert (r.success, r.successful_keys, r.error.errno) == (False, (), errno.EINVAL)
+        c = t.metrics.counters.snapshot()
+        assert c["geometry_refused"] - before.get("geometry_refused", 0) == 1  # one job, one refusal
+        assert c["load_failures"] - before["load_failures"] == 1
+        assert all(os.path.exists(t.file_mapper.get_file_name(k)) for k in keys)  # nothing touched
+
+
+@pytest.mark.mount
+@pytest.mark.timeout(120)
+def test_a_timeout_counts_when_a_later_part_failed_first(backend, ff, area):
+    """Part 0 stalls (block 0), part 1 fails at once (block 2 is gone): the job's error is
+    part 0's timeout, counted once as a timeout, logged once."""
+    T, n = 0.3, 6
+    buf = rows(2 * n, seed=7)
+    t = split_tier(buf, area, io_timeout_s=30, lookup_timeout_s=T)
+    t._engine.io_timeout_s = T
+    try:
+        keys = keys_for(n)
+        paths = [t.file_mapper.get_file_name(k) for k in keys]
+        kio.batch_store_block(paths, t._view, [i * BS for i in range(n)], BS, checksum=True)
+        os.unlink(paths[2])
+        ff.stall("read", "/" + os.path.relpath(paths[0], ff.mnt))
+        t.submit_load(TransferJob("L", keys, list(range(n, 2 * n))))
+        assert t.drain_jobs(T + 5)
+        (r,) = t.get_finished_jobs()
+        assert (r.success, r.successful_keys) == (False, ())
+        assert isinstance(r.error, TimeoutError) and r.error.filename == paths[0]
+        c = t.metrics.counters.snapshot()
+        assert (c["load_jobs"], c["load_failures"], c["load_timeouts"]) == (1, 1, 1)
+    finally:
+        ff.clear()
+        t.shutdown()

@@ -223,7 +223,8 @@ class _Split:
     keep; a failed part makes the parts after it that have not started skip (their blocks
     could not be kept). Under the engine's lock."""
 
-    __slots__ = ("job", "parts", "results", "left", "taken", "skipped", "failed")
+    __slots__ = ("job", "parts", "results", "left", "taken", "skipped", "failed", "expired", "check_lock",
+                 "checked", "refused")
 
     def __init__(self, job: Job, n: int) -> None:
         self.job = job
@@ -236,17 +237,35 @@ class _Split:
         self.taken: set = set()  # parts a thread took
         self.skipped: set = set()  # parts never to run: a part before them failed
         self.failed = False  # a part has failed
+        self.expired: set = set()  # parts reported at their deadline (ETIMEDOUT)
+        # the shell's check before a job (before_job) runs once for the job, by its first part
+        self.check_lock = threading.Lock()
+        self.checked = False
+        self.refused: Optional[BaseException] = None
+
+    def chosen(self) -> int:
+        """The index of the part whose error is the job's (the first that failed), or -1."""
+        for i, r in enumerate(self.results):
+            if r is None:  # skipped: only ever after a failed part
+                break
+            if r.error is not None:
+                return i
+        return -1
 
     def merged(self) -> Finished:
-        """The job's one result from its parts'."""
+        """The job's one result from its parts': the keep and the error (its
+        ``checksum_failed`` too) of the prefix up to the first failed part, as one call
+        would have them; the retries and policy counts of every part that ran (parts after
+        the failed one may have run meanwhile: what they did happened, a provably bad block
+        they met is removed and counted, as a later job's would be)."""
         job, ran = self.job, [r for r in self.results if r is not None]
-        n_ok, err = 0, None
+        n_ok, err, ck = 0, None, False
         for r in self.results:
             if r is None:  # skipped: only ever after a failed part
                 break
             n_ok += r.n_ok
             if r.error is not None:
-                err = r.error
+                err, ck = r.error, r.checksum_failed
                 if isinstance(err, OSError):
                     err.num_succeeded = n_ok  # the whole job's count, as an unsplit job's error
                 break
@@ -254,11 +273,13 @@ class _Split:
         for r in ran:
             for k, v in r.policy_counts.items():
                 counts[k] = counts.get(k, 0) + v
-        # each part's I/O ran from submitted + elapsed - io_time to submitted + elapsed
+        # each part's I/O ran from submitted + elapsed - io_time to submitted + elapsed (a
+        # part cancelled before it started has no I/O: io_time 0)
+        io = [r for r in ran if r.io_time > 0]
         end = max((r.elapsed for r in ran), default=0.0)
-        start = min((r.elapsed - r.io_time for r in ran), default=end)
-        return Finished(job.job_id, True, job.keys, n_ok, end - start, end, err,
-                        any(r.checksum_failed for r in ran), sum(r.checksum_retries for r in ran), counts)
+        span = max((r.elapsed for r in io), default=0.0) - min((r.elapsed - r.io_time for r in io), default=0.0)
+        return Finished(job.job_id, True, job.keys, n_ok, span, end, err, ck,
+                        sum(r.checksum_retries for r in ran), counts)
 
 
 class TierEngine:
@@ -506,7 +527,8 @@ class TierEngine:
                     err = OSError(errno.ECANCELED, f"load job {j.job_id!r} (at block {j.first} of "
                                   f"{len(sp.job.keys)}, named here) not started: shut down "
                                   f"({os.strerror(errno.ECANCELED)})", j.paths[0])
-                    self._report(j, Finished(j.job_id, True, j.keys, 0, 0.0, 0.0, err), queued=False)
+                    self._report(j, Finished(j.job_id, True, j.keys, 0, 0.0, time.monotonic() - j.submitted_at, err),
+                                 queued=False)
             self._inflight -= len(discarded)
             for jid in discarded:
                 self._live.discard(jid)
@@ -664,11 +686,14 @@ class TierEngine:
         what = f"{op} job {job.job_id!r} (at block {job.first + at} of {total}, named here) {why}"
         if err_no == errno.ETIMEDOUT:
             err = timed_out(what, self.io_timeout_s, job.paths[at])
-            if job.split is None or not job.split.failed:  # a split job's timeouts count once
-                self.counters.add(f"{op}_timeouts")
         else:
             err = OSError(err_no, f"{what} ({os.strerror(err_no)})", job.paths[at])
-        logger.warning("%s", err)
+        if job.split is None:
+            if err_no == errno.ETIMEDOUT:
+                self.counters.add(f"{op}_timeouts")
+            logger.warning("%s", err)
+        elif err_no == errno.ETIMEDOUT:  # counted and logged once, if it is the job's error (_report)
+            job.split.expired.add(job.part)
         # the partial keep: the blocks whole and verified while the job was live (final
         # now that expire() succeeded; a store keeps none: its count only names the block)
         n_ok = min(job.state.blocks_done, len(job.keys)) if job.is_promotion else 0
@@ -709,6 +734,14 @@ class TierEngine:
                 sp.left -= 1
         if sp.left == 0:
             merged = sp.merged()
+            chosen = sp.chosen()
+            if chosen in sp.expired:
+                self.counters.add("load_timeouts")
+                logger.warning("%s", merged.error)
+            elif merged.error is not None:  # the job's failure, once (a part's is logged at debug)
+                self.warnings.warn("failed load job", "load job %r failed at block %d of %d (%s): %s", sp.job.job_id,
+                                   merged.n_ok, len(sp.job.keys), getattr(merged.error, "operation", "") or "-",
+                                   merged.error)
             self._count(sp.job, merged)
             self._finished.append(merged)
             self._inflight -= 1
@@ -774,14 +807,16 @@ class TierEngine:
         n = len(job.keys)
         err: Optional[BaseException] = None
         n_ok, checksum_failed, retries = n, False, 0
-        refused: Optional[JobRefused] = None
+        refused: Optional[BaseException] = None
         if self.before_job is not None:
-            try:
-                self.before_job()
-            except JobRefused as e:  # the check says no: the job fails, nothing touched
-                refused = e
-            except Exception:  # a check must never break the data path
-                logger.exception("the check before a job failed")
+            sp = job.split
+            if sp is None:
+                refused = self._check_before_job()
+            else:
+                with sp.check_lock:  # once for the whole job (its counters and log lines once)
+                    if not sp.checked:
+                        sp.refused, sp.checked = self._check_before_job(), True
+                    refused = sp.refused
         counts: Dict[str, int] = {}
         view = job.view if job.view is not None else self.view
         if view is None:
@@ -833,7 +868,10 @@ class TierEngine:
             why = err
             if job.is_promotion and self.checksum == "strict" and getattr(err, "errno", None) == errno.ENODATA:
                 why = f"no checksum record (strict: a miss, the file kept): {getattr(err, 'filename', '')!r}"
-            if job.state is not None and job.state.state == EXPIRED:  # already reported (deadline, shutdown)
+            if job.split is not None:  # a part: the job's failure is logged once, at its merge (_report)
+                logger.debug("%s job %r, part %d, failed at block %d of %d (%s): %s", op, job.job_id, job.part, at,
+                             total, getattr(err, "operation", "") or "-", why)
+            elif job.state is not None and job.state.state == EXPIRED:  # already reported (deadline, shutdown)
                 logger.debug("%s job %r (already reported failed) ended late at block %d of %d (%s): %s",
                              op, job.job_id, at, total, getattr(err, "operation", "") or "-", why)
             else:  # rate-limited per kind: a full or sick filesystem fails every job
@@ -846,6 +884,17 @@ class TierEngine:
                                "--adopt' records checksums for them", counts["unverified"])
         return Finished(job.job_id, job.is_promotion, job.keys, n_ok, t1 - t0,
                         t1 - job.submitted_at, err, checksum_failed, retries, counts)
+
+    def _check_before_job(self) -> Optional[BaseException]:
+        """The shell's check before a job: the JobRefused it raised (the job fails, nothing
+        touched), or None (passed, or failed itself: a check must never break the data path)."""
+        try:
+            self.before_job()
+        except JobRefused as e:
+            return e
+        except Exception:
+            logger.exception("the check before a job failed")
+        return None
 
     def _count(self, job: Job, r: Finished) -> None:
         try:
