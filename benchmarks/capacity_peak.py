@@ -6,6 +6,7 @@ bounded root as fast as their pools run, and the root's real usage is sampled al
     python benchmarks/capacity_peak.py --tmpfs          # root: a tmpfs of its own (needs root): exact
     python benchmarks/capacity_peak.py --root /mnt/nvme/kv --writers 2 --threads 16
     python benchmarks/capacity_peak.py --admission-cost   # µs per admission, 0/1/3 other writers
+    python benchmarks/capacity_peak.py --dfs glusterfs    # two clients ("nodes") of one volume (tests/dfs.py)
 
 A run: ``--writers`` processes (FileSystemTierManager, checksums on, buffered I/O,
 ``--threads`` write threads, ``max_bytes`` = ``--max-bytes``), each keeping ``--threads``
@@ -17,16 +18,27 @@ changes while it walks). Reported per run: the peak usage as a multiple of the b
 in store batches above it, the share of samples above the bound, store jobs admitted and
 dropped per writer (most are dropped where the evictor cannot unlink as fast as the stores
 come), and each writer's estimate / the real usage (p10/p50/p90) when above 30% of the bound.
+
+``--dfs glusterfs|moosefs``: a real distributed filesystem with two client mounts on this
+machine (tests/dfs.py: servers and clients in network namespaces of their own), writer k
+storing through mount k % 2, as two nodes do. Its servers keep their data on a tmpfs of the
+benchmark's own. GlusterFS (a distribute volume: each file once, on one brick) is sampled by
+that tmpfs's ``statvfs``, less what it held just before the writers started: exact. MooseFS
+keeps chunk files (headers, 64 KiB blocks) whose size is not what its clients report, so it
+is sampled by a census of the root through mount A (a walk, not a snapshot).
 """
 from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +53,6 @@ def parse_size(s: str) -> int:
 
 def worker(a: argparse.Namespace) -> None:
     """One writer process: stores for ``--seconds``, prints its estimate log and counts."""
-    import threading
 
     import numpy as np
 
@@ -132,31 +143,46 @@ def quantiles(xs: list) -> str:
     return " / ".join(f"{xs[min(len(xs) - 1, int(q * len(xs)))]:.2f}" for q in (0.1, 0.5, 0.9))
 
 
-def one_run(a: argparse.Namespace, root: str, exact: bool) -> dict:
+def used(path: str) -> int:
+    st = os.statvfs(path)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def one_run(a: argparse.Namespace, roots: list, exact: "str | None") -> dict:
+    """One run: writer k stores into ``roots[k % len(roots)]`` (one directory, or its paths
+    through several mounts); the real usage is ``statvfs`` of ``exact`` less what it held
+    before the writers started, or (None) a census of ``roots[0]``."""
     from kvtier._tier import capacity as cap
 
+    root = roots[0]
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
-    args = [sys.executable, os.path.abspath(__file__), "--worker", "--root", root, "--seconds", str(a.seconds),
+    base = used(exact) if exact else 0  # before the writers make the root's own files (they count)
+    args = [sys.executable, os.path.abspath(__file__), "--worker", "--seconds", str(a.seconds),
             "--threads", str(a.threads), "--batch", str(a.batch), "--block", str(a.block),
             "--max-bytes", str(a.max_bytes)]
-    ps = [subprocess.Popen(args + ["--tag", str(k + 1)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-          for k in range(a.writers)]
+    ps = [subprocess.Popen(args + ["--root", roots[k % len(roots)], "--tag", str(k + 1)], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True) for k in range(a.writers)]
     for p in ps:
         assert p.stdout.readline() == "ready\n", "a writer did not start"
-    for p in ps:
+    outs = [""] * len(ps)
+
+    def drain(k: int) -> None:  # read as it comes: a writer's log fills a pipe's buffer
+        outs[k] = ps[k].stdout.read()
+
+    readers = [threading.Thread(target=drain, args=(k,)) for k in range(len(ps))]
+    for p, th in zip(ps, readers):
+        th.start()
         p.stdin.write("\n")
         p.stdin.flush()
     real = []
     while any(p.poll() is None for p in ps):
-        if exact:
-            st = os.statvfs(root)
-            b = (st.f_blocks - st.f_bfree) * st.f_frsize
-        else:
-            b = cap.census(root, keep_entries=False).bytes
+        b = used(exact) - base if exact else cap.census(root, keep_entries=False).bytes
         real.append((time.time(), b))
         time.sleep(0.005)
-    outs = [p.communicate()[0] for p in ps]
+    for p, th in zip(ps, readers):
+        p.wait()
+        th.join()
     mx, batch_bytes = a.max_bytes, a.batch * a.block
     ts = [t for t, _ in real]
     writers = []
@@ -180,6 +206,8 @@ def main() -> None:
     ap.add_argument("--root", help="an empty directory to use (default: a temporary one, or the tmpfs)")
     ap.add_argument("--tmpfs", action="store_true", help="mount a tmpfs of its own for the root (root user)")
     ap.add_argument("--exclusive", action="store_true", help="the root's filesystem holds nothing else: statvfs")
+    ap.add_argument("--dfs", choices=("glusterfs", "moosefs"),
+                    help="a distributed filesystem with two client mounts (tests/dfs.py; root user), writer k on mount k %% 2")
     ap.add_argument("--writers", type=int, default=2)
     ap.add_argument("--threads", type=int, default=16, help="write threads and jobs in flight per writer")
     ap.add_argument("--max-bytes", type=parse_size, default=parse_size("64M"))
@@ -201,32 +229,50 @@ def main() -> None:
         finally:
             shutil.rmtree(base, ignore_errors=True)
     mnt = None
-    try:
-        if a.tmpfs:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill unmounts and stops the servers too
+    with contextlib.ExitStack() as stack:
+        if a.tmpfs or a.dfs:
             mnt = tempfile.mkdtemp(prefix="kvtier-peak-")
             size = 4 * a.max_bytes + 2 * a.writers * a.threads * a.batch * a.block
+            if a.dfs:  # MooseFS: 2 copies of each chunk (goal 2), removed chunks freed in the background,
+                size = max(size, 4 << 30)  # and each chunkserver keeps 256 MiB free (tmpfs: memory only as used)
             subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", mnt], check=True)
-            root = os.path.join(mnt, "root")
+
+            def unmount() -> None:
+                subprocess.run(["umount", mnt], check=False)
+                os.rmdir(mnt)
+
+            stack.callback(unmount)
+        if a.dfs:
+            sys.path.insert(0, os.path.join(REPO, "tests"))
+            from dfs import cluster
+
+            c = stack.enter_context(cluster(a.dfs, workdir=mnt))
+            roots = [os.path.join(m, "root") for m in c.mounts]
+            exact = mnt if a.dfs == "glusterfs" else None
+            how = (f"statvfs of the bricks' tmpfs, less its use before the run" if exact else
+                   "census through mount A (walks: not a snapshot)")
+            where = f"{a.dfs}, writer k through mount k % 2: {', '.join(roots)}"
+        elif a.tmpfs:
+            roots, exact, how = [os.path.join(mnt, "root")], mnt, "statvfs (exact)"
+            where = roots[0]
         else:
-            root = a.root or tempfile.mkdtemp(prefix="kvtier-peak-", dir="/var/tmp")
-        exact = a.tmpfs or a.exclusive
+            roots = [a.root or tempfile.mkdtemp(prefix="kvtier-peak-", dir="/var/tmp")]
+            exact = roots[0] if a.exclusive else None
+            how, where = ("statvfs (exact)" if exact else "census (walks: not a snapshot)"), roots[0]
         print(f"# {a.writers} writers x {a.threads} threads, jobs of {a.batch} x {a.block >> 10} KiB "
               f"({a.batch * a.block >> 10} KiB), max_bytes {a.max_bytes >> 20} MiB, {a.seconds:g} s per run; "
-              f"usage by {'statvfs (exact)' if exact else 'census (walks: not a snapshot)'} of {root}")
+              f"usage by {how} of {where}")
         print(f"# target: peak <= max_bytes + one batch per writer ({a.writers} batches)")
         print("| run | peak / bound | above, batches | samples above | " +
               " | ".join(f"w{k + 1} stored / dropped | w{k + 1} est/real p10/p50/p90" for k in range(a.writers)) + " |")
         print("|---" * (4 + 2 * a.writers) + "|")
         for r in range(a.runs):
-            d = one_run(a, root, exact)
+            d = one_run(a, roots, exact)
             cells = " | ".join(f"{w['ok']} / {w['dropped']} | {w['est_real']}" for w in d["writers"])
             print(f"| {r + 1} | {d['peak']:.3f} | {max(0.0, d['over_batches']):.2f} | "
                   f"{100 * d['over_share']:.1f}% of {d['samples']} | {cells} |", flush=True)
-        shutil.rmtree(root, ignore_errors=True)
-    finally:
-        if mnt is not None:
-            subprocess.run(["umount", mnt], check=False)
-            os.rmdir(mnt)
+        shutil.rmtree(roots[0], ignore_errors=True)
 
 
 if __name__ == "__main__":

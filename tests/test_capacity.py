@@ -993,6 +993,61 @@ def test_a_reservation_counts_on_this_host_at_the_next_admission(tmp_path, monke
         t.shutdown()
 
 
+def test_a_writer_takes_its_share_of_the_room_while_another_host_or_mount_writes(tmp_path, monkeypatch):
+    """A live ledger of another view (here: another root st_dev, as a second mount of a
+    GlusterFS volume) makes 2 views: between two reads of the other views' ledgers a writer
+    admits at most half the room it saw at the read (its first job always), since the
+    other view sees these admissions only at its next read of this ledger and may fill the
+    same room (two GlusterFS clients went 3.2-3.7 batches over a 64 MiB bound). At the next
+    read it takes half of what is left; with the other view gone, the whole room."""
+    mx = 64 * BS
+    t, _ = _tier(tmp_path, rows=4, max_bytes=mx)
+    try:
+        rc = cap.root_capacity(str(tmp_path))
+        assert rc.wait_pass(5, after=0)
+        monkeypatch.setattr(cap, "LEDGER_PUBLISH_S", 3600.0)  # no periodic re-read: this test reads
+        time.sleep(0.2)  # the capacity thread is in its hour-long wait now
+        monkeypatch.setattr(rc, "_ask", lambda reason: None)  # and no drop wakes it (a pass re-anchors)
+        host, boot, pidns = cap._host_identity()
+        other = os.path.join(cap.state_dir(str(tmp_path)), cap.WRITERS_DIR, "node-b")
+        with open(other, "w") as f:
+            json.dump({"host": host, "boot": boot, "pidns": pidns, "pid": os.getpid(),
+                       "dev": os.stat(str(tmp_path)).st_dev + 1, "bytes": 0, "inflight": 0, "done": [],
+                       "since": 0.0, "gen": 0, "t": time.time()}, f)
+        with rc._lock:
+            assert rc._views == 1
+        rc._refresh()
+        a = cap._alloc(BS)
+        with rc._lock:
+            assert rc._views == 2
+            base = rc.estimate()
+        assert base == rc._anchor and base < 4 * a  # the root's own files
+
+        def admitted():
+            n = 0
+            while (err := rc.admit(BS)) is None:
+                n += 1
+                assert n <= 64
+            assert err.errno == errno.ENOSPC
+            return n, str(err)
+
+        n1, why = admitted()
+        assert n1 == (mx - base) // 2 // a  # half the room
+        assert "this writer's share" in why and "2 hosts or mounts" in why
+        rc._refresh()  # the other view read again: half of what is left
+        n2, _ = admitted()
+        assert n2 == (mx - base - n1 * a) // 2 // a
+        os.unlink(other)
+        rc._refresh()
+        with rc._lock:
+            assert rc._views == 1
+        n3, why = admitted()  # alone: up to the bound
+        assert n3 == (mx - base) // a - n1 - n2 and "this writer's share" not in why
+    finally:
+        monkeypatch.setattr(cap, "LEDGER_PUBLISH_S", 0.05)
+        t.shutdown()
+
+
 def test_two_processes_stay_within_the_bound_plus_a_batch_each(tmp_path, io_backend):
     max_bytes, batch = 48 * BS, 4
     ps = [_writer(tmp_path, tag, 4.0, 0.2, max_bytes, batch, backend=io_backend.backend) for tag in (1, 2)]

@@ -1172,6 +1172,14 @@ class RootCapacity:
         self._peer_raw: Dict[str, bytes] = {}  # the record last parsed of each
         self._wdir_mtime: Optional[int] = None
         self._others_at = 0.0
+        # the room seen from this view is shared with the other views (hosts, mounts) that write
+        # the root: they see this process's admissions only once they read its ledger again
+        # (up to ~2 LEDGER_PUBLISH_S), so between two of its reads of theirs (an anchor) this
+        # view takes 1/views of the room it saw then (after its first job): two nodes that see
+        # the same freed room never both fill it (docs/capacity.md, "Admission")
+        self._views = 1  # distinct (host, boot id, root st_dev) of the live writers, this one's included
+        self._anchor: Optional[int] = None  # the estimate at the last read of the other views' ledgers
+        self._anchor_own = 0  # bytes this process admitted since
         self._usage_read = 0.0  # time.monotonic() when usage.json was last read
         self._since_missed = 0.0  # a census a ledger counts from that usage.json did not have
         self._cands: Optional[Candidates] = None
@@ -1301,6 +1309,9 @@ class RootCapacity:
         when its file was replaced)."""
         self._wdir_mtime, self._ledgers = mtime, led
         self._peer_raw.clear()  # (re-read at the next admission)
+        views = {(d.get("host"), d.get("boot"), d.get("dev")) for d in led.values() if not d.get("_dead")}
+        views.discard(self._peer_id)
+        self._views = 1 + len(views)
         fds = self._peer_fds
         for name in list(fds):
             gone = name not in led
@@ -1385,7 +1396,11 @@ class RootCapacity:
                 est, bound = self.estimate(), self.bound()
             if nbytes <= bound and nbytes > self._job_max:  # a pass leaves room for it
                 self._job_max = nbytes
-            if est + nbytes > bound:
+            share = None
+            if self._views > 1 and self._anchor is not None and self._anchor_own:
+                # this view's share of the room seen at the anchor (its first job since: always)
+                share = self._anchor + max(0, bound - self._anchor) // self._views
+            if est + nbytes > bound or (share is not None and est + nbytes > share):
                 self._ask("drop")
                 u = self._usage
                 age = f"{time.time() - u['scan_started']:.1f} s old" if u else "none yet"
@@ -1396,6 +1411,9 @@ class RootCapacity:
                                    "stores_dropped; this warning at most once a minute)",
                                    self.root, est, nbytes, bound, self.max_bytes)
                 room = "" if bound == self.max_bytes else f" (the filesystem has room for {bound})"
+                if est + nbytes <= bound:  # the share rule
+                    room += (f", or this writer's share {share} of the room it saw with {self._views} hosts or "
+                             f"mounts writing the root")
                 return OSError(errno.ENOSPC, f"store dropped by kvtier capacity: the root's usage estimate "
                                              f"{est} bytes + this job's {nbytes} would pass max_bytes "
                                              f"{self.max_bytes}{room} (census {age}, evictor "
@@ -1403,12 +1421,14 @@ class RootCapacity:
                                              f"recomputed next time", self.root)
             self._inflight += nbytes
             self._own += nbytes
+            self._anchor_own += nbytes
             self._dirty = True
-            if self._peer_fds:
+            if self._peer_fds or self._views > 1:
                 # published before the job's I/O starts: this host's other writers read it at
                 # their next admission (two that admit at once see each other a job late at
-                # most).  Without one, the capacity thread publishes it (a writer that comes
-                # meanwhile reads it up to LEDGER_PUBLISH_S old at its first admissions)
+                # most), the other views at their next read.  Without any, the capacity thread
+                # publishes it (a writer that comes meanwhile reads it up to LEDGER_PUBLISH_S
+                # old at its first admissions)
                 self._write_ledger(self._ledger_record())
             if est + nbytes > self.marks(bound)[0]:
                 self._ask("capacity")
@@ -1577,9 +1597,16 @@ class RootCapacity:
                 return float(d["scan_started"]), float(d.get("evict_finished", d["scan_finished"]))
             if key(u) < key(cur) and int(u.get("generation", 0)) <= int(cur.get("generation", 0)):
                 return False
+        changed = cur is None or any(u.get(k) != cur.get(k) for k in ("scan_started", "evict_finished", "generation"))
         self._usage = u
         self._trim(float(u["scan_started"]), str(u.get("evictor", "")).rsplit(":", 1)[0] == self.host)
+        if changed:  # a census or a pass: room the other views see too
+            self._re_anchor()
         return True
+
+    def _re_anchor(self) -> None:
+        """(lock held) The room this view shares with the others is counted from now."""
+        self._anchor, self._anchor_own = self.estimate(), 0
 
     def _refresh(self) -> None:
         """Re-read the usage and the other writers' ledgers."""
@@ -1591,6 +1618,7 @@ class RootCapacity:
         led = scan_ledgers(self.root, max_age=2 * self.interval + 1.0, skip=self.name)
         with self._lock:
             self._merge_ledgers(mtime, led)
+            self._re_anchor()  # the other views' ledgers as of now: a new share of the room
         self._others_at = time.monotonic()
 
     def _run(self) -> None:
@@ -1777,6 +1805,7 @@ class RootCapacity:
         with self._lock:
             self._usage = rec
             self._trim(c.scan_started, True)
+            self._re_anchor()  # the other views count from this census too
         self.last_census = c
         scan = c.scan_finished - c.scan_started
         self._next_census = time.monotonic() + max(self.interval, scan / CENSUS_CPU_SHARE)
@@ -1816,6 +1845,8 @@ class RootCapacity:
                    evicted_bytes=u.get("evicted_bytes", 0) + r.evicted_bytes)
         with self._lock:
             self._usage = rec
+            if r.evicted:
+                self._re_anchor()  # the room it freed is the other views' too
         self._publish(rec)
         self.last_pass = r
         self.passes += 1
