@@ -92,9 +92,40 @@ LEDGER_PUBLISH_S = 0.05
 """The capacity thread flushes a pending change of this process's ledger within this long
 (a writer with a peer on its host and mount writes it at each admission too) and lists the
 other writers' ledgers this often (the peers' are re-read at each admission)."""
-CLOCK_SKEW_S = 1.0
-"""Reservations made up to this long before a census's ``scan_started`` stay in the ledger:
-the census may not have seen them (clocks of nodes differ; a scan sees a directory once)."""
+OTHER_VIEW_S = 2.0
+"""Bytes a writer stored up to this long before a census's ``scan_started`` stay in its
+ledger when the census was made through another view of the root (another host, or another
+mount on this one: :func:`view_of`): the census may not have counted them whole. Clocks of
+nodes differ (~1 s is allowed for), and a client's attribute cache shows another client's
+file at its size of up to its timeout earlier (1 s by default for GlusterFS's md-cache and
+MooseFS's ``mfsattrcacheto``): a census through mount A counted a block that mount B had
+just written at the size of its temp's first stat, and with that block's bytes gone from
+B's ledger the estimates were short by up to the bound (two MooseFS clients reached
+1.97x)."""
+
+
+def view_of(host: str, boot: str, dev: int) -> List[Any]:
+    """A writer's or census's view of the root: ``[hostname, boot id, the root's st_dev]``:
+    two processes of one view share one page cache and one attribute cache (their census
+    sees what the other wrote, at once)."""
+    return [host, boot, dev]
+
+
+def same_view(d: Dict[str, Any], census_view: Any) -> bool:
+    """Whether ledger ``d``'s writer has the census's view (``census_view``: a
+    :func:`view_of` list, or a bare hostname from an older kvtier's usage record)."""
+    if isinstance(census_view, list) and len(census_view) == 3:
+        return [d.get("host"), d.get("boot"), d.get("dev")] == census_view
+    return census_view is not None and d.get("host") == census_view
+
+
+def usage_view(u: Optional[Dict[str, Any]]) -> Any:
+    """The view a usage record's census was made through (its ``view``; an older record's:
+    its evictor's hostname), None without a record."""
+    if not u:
+        return None
+    v = u.get("view")
+    return v if isinstance(v, list) and len(v) == 3 else str(u.get("evictor", "")).rsplit(":", 1)[0]
 CENSUS_CPU_SHARE = 0.02
 """The evictor waits at least ``scan seconds / CENSUS_CPU_SHARE`` between censuses."""
 TOUCH_LRU = 1 << 16
@@ -763,11 +794,11 @@ def parse_ledger(b: bytes) -> Optional[Dict[str, Any]]:
     return d
 
 
-def ledger_bytes(d: Dict[str, Any], since: Optional[float] = None, census_host: Optional[str] = None) -> int:
-    """What ledger ``d`` adds to the census that began at ``since`` (made on host
-    ``census_host``): its running jobs' reservations and the bytes of its jobs that ended
-    after that began (its buckets, :data:`LEDGER_AGES`; another host's less
-    :data:`CLOCK_SKEW_S`).  All its bytes when it has no buckets (an older kvtier), counts
+def ledger_bytes(d: Dict[str, Any], since: Optional[float] = None, census_view: Any = None) -> int:
+    """What ledger ``d`` adds to the census that began at ``since`` (made through
+    ``census_view``, :func:`usage_view`): its running jobs' reservations and the bytes of its
+    jobs that ended after that began (its buckets, :data:`LEDGER_AGES`; less
+    :data:`OTHER_VIEW_S` when the census was made through another view, :func:`same_view`).  All its bytes when it has no buckets (an older kvtier), counts
     from a census newer than ``since`` (its buckets before that are gone), or ``since``
     is None."""
     b = int(d["bytes"])
@@ -775,7 +806,7 @@ def ledger_bytes(d: Dict[str, Any], since: Optional[float] = None, census_host: 
     if since is None or not _is_count(inflight) or not isinstance(done, list) or not _is_num(own_since) \
             or own_since > since:
         return b
-    cut = since - (0.0 if d.get("host") == census_host else CLOCK_SKEW_S)
+    cut = since - (0.0 if same_view(d, census_view) else OTHER_VIEW_S)
     n = inflight
     for e in done:
         if not (isinstance(e, list) and len(e) == 2 and _is_num(e[0]) and _is_count(e[1])):
@@ -804,12 +835,12 @@ def ledger_buckets(done: Iterable[Tuple[float, int]], now: float) -> List[Tuple[
 
 def read_ledgers(root: str, now: Optional[float] = None, max_age: float = 2 * DEFAULT_CENSUS_INTERVAL_S,
                  skip: Optional[str] = None, remove_dead: bool = False, since: Optional[float] = None,
-                 census_host: Optional[str] = None, before: Optional[float] = None) -> Tuple[int, int]:
+                 census_view: Any = None, before: Optional[float] = None) -> Tuple[int, int]:
     """``(bytes, live writers)``: what the ledgers of ``root`` (:func:`scan_ledgers`, the
     dead that still count included) add to the census that began at ``since``
     (:func:`ledger_bytes`; all their bytes when None), and how many of them are live."""
     led = scan_ledgers(root, now, max_age, skip, remove_dead, before)
-    return (sum(ledger_bytes(d, since, census_host) for d in led.values()),
+    return (sum(ledger_bytes(d, since, census_view) for d in led.values()),
             sum(not d.get("_dead") for d in led.values()))
 
 
@@ -973,7 +1004,8 @@ def lock_holder(root: str) -> Optional[int]:
 
 def one_pass(root: str, max_bytes: int, high: float = DEFAULT_HIGH, low: float = DEFAULT_LOW,
              dry_run: bool = False, force: Optional[str] = None, generation: int = 0, evictor: str = "",
-             lock: Optional[EvictorLock] = None) -> Tuple[Census, EvictResult, Dict[str, Any]]:
+             lock: Optional[EvictorLock] = None, view: Optional[List[Any]] = None
+             ) -> Tuple[Census, EvictResult, Dict[str, Any]]:
     """A census of ``root`` and, when it passes ``high * max_bytes``, an eviction down to
     ``low * max_bytes``; ``force="drop"`` (a writer dropped a store): down to ``low *
     max_bytes`` whatever the census; ``force="enospc"`` (the filesystem is full): down to
@@ -1005,7 +1037,7 @@ def one_pass(root: str, max_bytes: int, high: float = DEFAULT_HIGH, low: float =
     rec = {"bytes": c.bytes if dry_run else r.usage_after, "files": c.files - len(r.evicted) * (not dry_run),
            "blocks": c.blocks - len(r.evicted) * (not dry_run), "scan_started": c.scan_started,
            "scan_finished": c.scan_finished, "evict_finished": time.time(), "generation": generation,
-           "evictor": evictor, "max_bytes": max_bytes, "evicted": 0 if dry_run else len(r.evicted),
+           "evictor": evictor, "view": view, "max_bytes": max_bytes, "evicted": 0 if dry_run else len(r.evicted),
            "evicted_bytes": 0 if dry_run else r.evicted_bytes, "census_cpu_s": c.cpu_s, "room": room,
            "alloc_ratio": round(alloc_ratio(c), 4), "unreadable": c.unreadable}
     return c, r, rec
@@ -1148,6 +1180,7 @@ class RootCapacity:
         # the root's st_dev: writers of one host through one mount share its page cache (two
         # mounts of one GlusterFS or NFS volume do not: those re-read by name, as other nodes)
         self._peer_id = (self.ident[0], self.ident[1], os.stat(root).st_dev)
+        self.view = view_of(*self._peer_id)
         self._ledger_head = json.dumps({"host": self.ident[0], "boot": self.ident[1], "pidns": self.ident[2],
                                         "pid": self.pid, "dev": self._peer_id[2]})[:-1]  # without "}"
         self._lock = threading.Lock()
@@ -1186,6 +1219,7 @@ class RootCapacity:
         self._room: Optional[int] = None  # the evictor's: census bytes + free space (statvfs)
         self._usage: Optional[Dict[str, Any]] = None
         self._dirty = True
+        self._sync_due = False  # an admission asks the capacity thread to publish the ledger synced
         self._published_at = 0.0
         self._checked_at = 0.0
         self._listed_at = 0.0  # time.monotonic() of the last listing of the writers at an admission  # time.monotonic() of the last _check_state (ledger and lock file there)
@@ -1299,7 +1333,7 @@ class RootCapacity:
         (:func:`ledger_bytes`)."""
         u = self._usage
         since = float(u["scan_started"]) if u else None
-        by = str(u.get("evictor", "")).rsplit(":", 1)[0] if u else None
+        by = usage_view(u)
         return sum(ledger_bytes(d, since, by) for d in list(self._ledgers.values()))
 
     def _merge_ledgers(self, mtime: Optional[int], led: Dict[str, Dict[str, Any]]) -> None:
@@ -1423,13 +1457,15 @@ class RootCapacity:
             self._own += nbytes
             self._anchor_own += nbytes
             self._dirty = True
-            if self._peer_fds or self._views > 1:
+            if self._peer_fds:
                 # published before the job's I/O starts: this host's other writers read it at
                 # their next admission (two that admit at once see each other a job late at
-                # most), the other views at their next read.  Without any, the capacity thread
-                # publishes it (a writer that comes meanwhile reads it up to LEDGER_PUBLISH_S
-                # old at its first admissions)
+                # most).  Without one, the capacity thread publishes it (a writer that comes
+                # meanwhile reads it up to LEDGER_PUBLISH_S old at its first admissions)
                 self._write_ledger(self._ledger_record())
+            if self._views > 1:  # the other views: the capacity thread publishes it now, synced
+                self._sync_due = True
+                self._wake.set()
             if est + nbytes > self.marks(bound)[0]:
                 self._ask("capacity")
         return None
@@ -1457,11 +1493,11 @@ class RootCapacity:
                 self._own += written
             self._dirty = True
 
-    def _trim(self, since: float, same_host: bool) -> None:
+    def _trim(self, since: float, same: bool) -> None:
         """Drop ended jobs' bytes that a census started at ``since`` has counted: the job
-        ended before the scan began (less :data:`CLOCK_SKEW_S` when the evictor is on
-        another node).  Jobs still running are never dropped (lock held)."""
-        cut = since - (0.0 if same_host else CLOCK_SKEW_S)
+        ended before the scan began (less :data:`OTHER_VIEW_S` when the census was made
+        through another view).  Jobs still running are never dropped (lock held)."""
+        cut = since - (0.0 if same else OTHER_VIEW_S)
         while self._done and self._done[0][0] < cut:
             self._own -= self._done.popleft()[1]
             self._dirty = True
@@ -1534,9 +1570,15 @@ class RootCapacity:
              f'"since":{since!r},"gen":{gen},"t":{now!r}}}').encode()
         return b + b" " * max(0, LEDGER_RECORD - 1 - len(b)) + b"\n"
 
-    def _write_ledger(self, b: bytes) -> None:
+    def _write_ledger(self, b: bytes, sync: bool = False) -> None:
+        """``b`` written over this process's ledger; ``sync``: then fdatasync'd (other hosts
+        and mounts read it by name: a FUSE client (GlusterFS, MooseFS) or an NFS client shows
+        a rewrite in place to the others only once it is flushed, up to 0.1-0.5 s later
+        without, ~1 ms after an fdatasync)."""
         try:
             os.pwrite(self._ledger_fd, b, 0)
+            if sync:
+                os.fdatasync(self._ledger_fd)
         except OSError as e:
             if time.monotonic() - self._publish_warned >= 60.0:
                 self._publish_warned = time.monotonic()
@@ -1547,7 +1589,8 @@ class RootCapacity:
     def _publish_ledger(self) -> None:
         with self._lock:
             b = self._ledger_record()
-        self._write_ledger(b)
+            sync, self._sync_due = self._views > 1, False
+        self._write_ledger(b, sync)
 
     def _check_state(self) -> None:
         """Make ``.kvtier/``, this process's ledger and the lock file again when they were
@@ -1599,7 +1642,7 @@ class RootCapacity:
                 return False
         changed = cur is None or any(u.get(k) != cur.get(k) for k in ("scan_started", "evict_finished", "generation"))
         self._usage = u
-        self._trim(float(u["scan_started"]), str(u.get("evictor", "")).rsplit(":", 1)[0] == self.host)
+        self._trim(float(u["scan_started"]), same_view(dict(zip(("host", "boot", "dev"), self.view)), usage_view(u)))
         if changed:  # a census or a pass: room the other views see too
             self._re_anchor()
         return True
@@ -1643,7 +1686,7 @@ class RootCapacity:
         if mono - self._checked_at >= self.interval / 2:
             self._checked_at = mono
             self._check_state()
-        if self._dirty or mono - self._published_at >= self.interval / 2:
+        if self._dirty or self._sync_due or mono - self._published_at >= self.interval / 2:
             self._publish_ledger()
         while self._touch_q:
             batch = []
@@ -1796,7 +1839,7 @@ class RootCapacity:
         c.entries = []
         rec = {"bytes": c.bytes, "files": c.files, "blocks": c.blocks, "scan_started": c.scan_started,
                "scan_finished": c.scan_finished, "evict_finished": c.scan_finished, "generation": self.generation,
-               "evictor": f"{self.host}:{self.pid}", "max_bytes": self.max_bytes, "evicted": 0,
+               "evictor": f"{self.host}:{self.pid}", "view": self.view, "max_bytes": self.max_bytes, "evicted": 0,
                "evicted_bytes": 0, "census_cpu_s": c.cpu_s, "room": self._room, "inodes_free": inodes_free,
                "alloc_ratio": round(alloc_ratio(c), 4), "unreadable": c.unreadable}
         # published before this process counts from it: a writer that reads this process's

@@ -122,7 +122,8 @@ def cmd_evict(args: argparse.Namespace) -> int:
         gen = int(u.get("generation", 0)) + 1
         c, r, rec = _cap.one_pass(root, bound, cfg.evict_high, cfg.evict_low, dry_run=args.dry_run,  # type: ignore
                                   force="drop" if args.force else None, generation=gen,
-                                  evictor=f"{socket.gethostname()}:{os.getpid()}", lock=lock)
+                                  evictor=f"{socket.gethostname()}:{os.getpid()}", lock=lock,
+                                  view=_cap.view_of(*_cap._host_identity()[:2], os.stat(root).st_dev))
         if lock is not None and not lock.still_held():
             print(f"kvtier evict: the evictor lock of {root} was taken over during the pass (this process was "
                   f"stopped for more than the tiers' takeover_s?): census not published", file=sys.stderr)

@@ -59,7 +59,7 @@ def root_info(root: str, now: Optional[float] = None) -> Dict[str, Any]:
     if c is not None:
         u = _cap.read_usage(root)  # what the ledgers add to the census published last
         ledgers, live = _cap.read_ledgers(root, now=now, since=float(u["scan_started"]) if u else None,
-                                          census_host=str(u.get("evictor", "")).rsplit(":", 1)[0] if u else None)
+                                          census_view=_cap.usage_view(u))
         hb = _cap.read_heartbeat(root)
         beat = None if hb is None else {"by": hb["by"], "seq": hb["seq"],
                                         "age_s": (time.time() if now is None else now) - hb["t"]}
