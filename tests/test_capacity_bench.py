@@ -252,3 +252,26 @@ def test_capacity_peak_runs_two_writers_and_reports_each(tmp_path):
     stored = [int(c.split("/")[0]) for c in (rows[0][4], rows[0][6])]
     assert 0.3 < peak < 2.0 and all(n > 0 for n in stored), r.stdout  # 4 MiB bound, 1.5 s of stores
     assert not root.exists()
+
+
+@pytest.mark.mount
+def test_capacity_peak_runs_two_writers_through_two_glusterfs_clients():
+    """--dfs glusterfs: the two writers through the two client mounts of tests/dfs.py, usage
+    by the bricks' tmpfs; one row; nothing left mounted."""
+    from dfs import missing
+
+    why = missing("glusterfs")
+    if why:
+        unavailable(why)
+    script = os.path.join(HERE, os.pardir, "benchmarks", "capacity_peak.py")
+    r = subprocess.run([sys.executable, script, "--dfs", "glusterfs", "--threads", "2", "--max-bytes", "4M",
+                        "--block", "64K", "--batch", "2", "--seconds", "1.5", "--runs", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "statvfs of the bricks' tmpfs" in r.stdout and "mnt-a/root" in r.stdout and "mnt-b/root" in r.stdout
+    rows = [ln.split("|")[1:-1] for ln in r.stdout.splitlines() if ln.startswith("| 1 |")]
+    assert len(rows) == 1 and len(rows[0]) == 4 + 2 * 2
+    stored = [int(c.split("/")[0]) for c in (rows[0][4], rows[0][6])]
+    assert 0.1 < float(rows[0][1]) < 2.0 and all(n > 0 for n in stored), r.stdout
+    with open("/proc/self/mounts") as f:
+        assert "kvtier-peak-" not in f.read()  # the benchmark's tmpfs and client mounts are gone
