@@ -33,6 +33,18 @@ def io_backend(request):
 
 
 @pytest.fixture
+def backend(io_backend, monkeypatch):
+    """``io_backend`` bound into kvtier.io, which the tier engine calls (kvtier.io.batch_*):
+    a tier's jobs run on the backend under test."""
+    from kvtier import io as kio
+
+    monkeypatch.setattr(kio, "batch_load_block", io_backend.batch_load_block)
+    monkeypatch.setattr(kio, "batch_store_block", io_backend.batch_store_block)
+    monkeypatch.setattr(kio, "batch_lookup", io_backend.batch_lookup)
+    return io_backend
+
+
+@pytest.fixture
 def tmpfs_dir():
     """A fresh, unlimited tmpfs mount point (skips where mounting is refused)."""
     with mount_tmpfs() as d:

@@ -34,15 +34,6 @@ T = 0.3  # io_timeout_s in these tests
 SLACK = 3.0  # generous bound on scheduling noise of a shared, loaded machine
 
 
-@pytest.fixture
-def backend(io_backend, monkeypatch):
-    """The engine calls kvtier.io.batch_*: bind them to the backend under test."""
-    monkeypatch.setattr(kio, "batch_load_block", io_backend.batch_load_block)
-    monkeypatch.setattr(kio, "batch_store_block", io_backend.batch_store_block)
-    monkeypatch.setattr(kio, "batch_lookup", io_backend.batch_lookup)
-    return io_backend
-
-
 def key(i):
     # a different first-level directory per block: a stalled rename (which holds
     # its directory) does not hold the healthy blocks

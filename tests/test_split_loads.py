@@ -230,14 +230,6 @@ def test_shutdown_ends_a_started_split_job_short_and_reports_it_once(tmp_path, m
     t.shutdown()
 
 
-@pytest.fixture
-def backend(io_backend, monkeypatch):
-    monkeypatch.setattr(kio, "batch_load_block", io_backend.batch_load_block)
-    monkeypatch.setattr(kio, "batch_store_block", io_backend.batch_store_block)
-    monkeypatch.setattr(kio, "batch_lookup", io_backend.batch_lookup)
-    return io_backend
-
-
 @pytest.mark.mount
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stalls", [(3,), (3, 5)])
