@@ -27,13 +27,16 @@ def test_quick_start_is_two_commands_and_ci_runs_the_test_one():
 
 
 def test_quick_start_says_how_long_the_suite_and_all_of_ci_take():
-    """The test command's comment gives the time of the suite (CI's main stage, ~12 min on 2
-    cores) and of all of .ci/run's stages (~31 min); it said "about 15 minutes", neither."""
+    """The test command's comment gives the time of the suite (CI's main stage: 10 min on 2
+    cores at 099978b) and of all of .ci/run's stages (24.5 min there); it once said "about
+    15 minutes", neither."""
     block = re.search(r"## Quick start\n\n```sh\n(.*?)```", README, re.S).group(1)
     comment = block.split("# install test dependencies", 1)[1].split("\nscripts/bootstrap --test", 1)[0]
     comment = " ".join(line.lstrip("# ") for line in comment.splitlines())
-    assert re.search(r"the whole test suite \(about 12 minutes on 2 cores\b", comment), comment
-    assert re.search(r"all of CI, \.ci/run: .* about 31 minutes\)", comment), comment
+    suite = re.search(r"the whole test suite \(about (\d+) minutes on 2 cores\b", comment)
+    all_ci = re.search(r"all of CI, \.ci/run: .* about (\d+) minutes once installed\)", comment)
+    assert suite and all_ci, comment
+    assert 5 <= int(suite.group(1)) < int(all_ci.group(1)) <= 45, comment  # CI's budget: 45 min on 2 cores
     stages = [ln for ln in (ROOT / ".ci" / "run").read_text().splitlines() if "pytest" in ln or ln.startswith("scripts/")]
     assert any("scripts/sanitize" in ln for ln in stages) and any("scripts/test-no-isal" in ln for ln in stages)
 
