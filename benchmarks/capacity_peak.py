@@ -68,7 +68,10 @@ def worker(a: argparse.Namespace) -> None:
 
     def sample() -> None:
         while not stop.is_set():
-            log.append((time.time(), rc.estimate()))
+            with rc._lock:  # the estimate and its parts (--why)
+                u = rc._usage
+                log.append((time.time(), rc.estimate(), u["bytes"] if u else -1,
+                            f"{u['scan_started']:.3f}" if u else "-", rc._others(), rc._own, rc._views))
             time.sleep(0.02)
 
     th = threading.Thread(target=sample)
@@ -95,8 +98,8 @@ def worker(a: argparse.Namespace) -> None:
     th.join()
     t.shutdown()
     print("counts", ok, dropped)
-    for ts, est in log:
-        print("est", f"{ts:.4f}", est)
+    for ts, *rest in log:
+        print("est", f"{ts:.4f}", *rest)
 
 
 def admission_cost(a: argparse.Namespace, base: str) -> None:
@@ -201,6 +204,16 @@ def one_run(a: argparse.Namespace, roots: list, exact: "str | None", sample=None
                     ratios.append(int(x[2]) / real[i][1])
         writers.append({"ok": ok, "dropped": dropped, "est_real": quantiles(ratios)})
     peak = max(b for _, b in real)
+    if a.why:  # each writer's estimate and its parts around the peak sample
+        tp = next(t for t, b in real if b == peak)
+        print(f"# peak {peak} bytes at {tp:.3f}; per writer: time - peak, estimate, census bytes, census "
+              f"scan_started - peak, others' ledgers, own, views")
+        for k, out in enumerate(outs):
+            for x in (ln.split() for ln in out.splitlines()):
+                if x[0] == "est" and -0.4 <= float(x[1]) - tp <= 0.1:
+                    st = f"{float(x[4]) - tp:+.3f}" if x[4] != "-" else "-"
+                    print(f"#   w{k + 1} {float(x[1]) - tp:+.3f} est {x[2]} census {x[3]} at {st} others {x[5]} "
+                          f"own {x[6]} views {x[7]}")
     return {"peak": peak / mx, "over_batches": (peak - mx) / batch_bytes,
             "over_share": sum(b > mx for _, b in real) / len(real), "samples": len(real), "writers": writers}
 
@@ -221,6 +234,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--admission-cost", action="store_true",
                     help="only time an admission (admit + finish) with 0, 1 and 3 other writers on the root")
+    ap.add_argument("--why", action="store_true",
+                    help="print each writer's estimate and its parts around each run's peak sample")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tag", type=int, default=1, help=argparse.SUPPRESS)
     a = ap.parse_args()
