@@ -1642,7 +1642,8 @@ class RootCapacity:
                 return False
         changed = cur is None or any(u.get(k) != cur.get(k) for k in ("scan_started", "evict_finished", "generation"))
         self._usage = u
-        self._trim(float(u["scan_started"]), same_view(dict(zip(("host", "boot", "dev"), self.view)), usage_view(u)))
+        mine = {"host": self.view[0], "boot": self.view[1], "dev": self.view[2]}  # as a ledger of this view
+        self._trim(float(u["scan_started"]), same_view(mine, usage_view(u)))
         if changed:  # a census or a pass: room the other views see too
             self._re_anchor()
         return True

@@ -259,16 +259,11 @@ class _Split:
         the failed one may have run meanwhile: what they did happened, a provably bad block
         they met is removed and counted, as a later job's would be)."""
         job, ran = self.job, [r for r in self.results if r is not None]
-        n_ok, err, ck = 0, None, False
-        for r in self.results:
-            if r is None:  # skipped: only ever after a failed part
-                break
-            n_ok += r.n_ok
-            if r.error is not None:
-                err, ck = r.error, r.checksum_failed
-                if isinstance(err, OSError):
-                    err.num_succeeded = n_ok  # the whole job's count, as an unsplit job's error
-                break
+        i = self.chosen()  # -1: none failed, so none skipped
+        n_ok = sum(r.n_ok for r in (self.results[:i + 1] if i >= 0 else self.results))
+        err, ck = (self.results[i].error, self.results[i].checksum_failed) if i >= 0 else (None, False)
+        if isinstance(err, OSError):
+            err.num_succeeded = n_ok  # the whole job's count, as an unsplit job's error
         counts: Dict[str, int] = {}
         for r in ran:
             for k, v in r.policy_counts.items():
