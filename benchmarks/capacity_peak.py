@@ -71,7 +71,7 @@ def worker(a: argparse.Namespace) -> None:
             with rc._lock:  # the estimate and its parts (--why)
                 u = rc._usage
                 log.append((time.time(), rc.estimate(), u["bytes"] if u else -1,
-                            f"{u['scan_started']:.3f}" if u else "-", rc._others(), rc._own, rc._views))
+                            f"{u['scan_started']:.3f}" if u else "-", rc._others(), rc._own, f"{rc._views}+{rc._unseen}"))
             time.sleep(0.02)
 
     th = threading.Thread(target=sample)
@@ -207,7 +207,7 @@ def one_run(a: argparse.Namespace, roots: list, exact: "str | None", sample=None
     if a.why:  # each writer's estimate and its parts around the peak sample
         tp = next(t for t, b in real if b == peak)
         print(f"# peak {peak} bytes at {tp:.3f}; per writer: time - peak, estimate, census bytes, census "
-              f"scan_started - peak, others' ledgers, own, views")
+              f"scan_started - peak, others' ledgers, own, views (seen + unseen)")
         for k, out in enumerate(outs):
             for x in (ln.split() for ln in out.splitlines()):
                 if x[0] == "est" and -0.4 <= float(x[1]) - tp <= 0.1:

@@ -56,6 +56,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from kvtier._tier.landing import BOUNDED
 from kvtier._tier.mountinfo import mount_of
 
 logger = logging.getLogger(__name__)
@@ -1155,6 +1156,13 @@ class Handle:
             self.rc._detach(self)
 
 
+def _local_fs(root: str) -> bool:
+    """Whether ``root`` is on a local filesystem (:data:`kvtier._tier.landing.BOUNDED`: one
+    host mounts it); an unknown mount is taken as one other hosts may mount."""
+    m = mount_of(root)
+    return m is not None and m.kind in BOUNDED
+
+
 def _alloc(n: int) -> int:
     return -(-n // ALLOC_UNIT) * ALLOC_UNIT
 
@@ -1211,6 +1219,11 @@ class RootCapacity:
         # view takes 1/views of the room it saw then (after its first job): two nodes that see
         # the same freed room never both fill it (docs/capacity.md, "Admission")
         self._views = 1  # distinct (host, boot id, root st_dev) of the live writers, this one's included
+        # on a filesystem other hosts may mount (not a local one, landing.BOUNDED), one view
+        # more than seen: a writer that joined may be unlisted here for ~1 s (a FUSE client's
+        # directory cache) while it reads this ledger as unsynced (0 bytes), and both would
+        # fill the same room (MooseFS: 1.25-1.97x the bound, docs/capacity.md)
+        self._unseen = 0 if _local_fs(root) else 1
         self._anchor: Optional[int] = None  # the estimate at the last read of the other views' ledgers
         self._anchor_own = 0  # bytes this process admitted since
         self._usage_read = 0.0  # time.monotonic() when usage.json was last read
@@ -1431,9 +1444,10 @@ class RootCapacity:
             if nbytes <= bound and nbytes > self._job_max:  # a pass leaves room for it
                 self._job_max = nbytes
             share = None
-            if self._views > 1 and self._anchor is not None and self._anchor_own:
+            views = self._views + self._unseen
+            if views > 1 and self._anchor is not None and self._anchor_own:
                 # this view's share of the room seen at the anchor (its first job since: always)
-                share = self._anchor + max(0, bound - self._anchor) // self._views
+                share = self._anchor + max(0, bound - self._anchor) // views
             if est + nbytes > bound or (share is not None and est + nbytes > share):
                 self._ask("drop")
                 u = self._usage
@@ -1447,7 +1461,8 @@ class RootCapacity:
                 room = "" if bound == self.max_bytes else f" (the filesystem has room for {bound})"
                 if est + nbytes <= bound:  # the share rule
                     room += (f", or this writer's share {share} of the room it saw with {self._views} hosts or "
-                             f"mounts writing the root")
+                             f"mounts writing the root" + (" and one that may have joined unseen" if self._unseen
+                                                           else ""))
                 return OSError(errno.ENOSPC, f"store dropped by kvtier capacity: the root's usage estimate "
                                              f"{est} bytes + this job's {nbytes} would pass max_bytes "
                                              f"{self.max_bytes}{room} (census {age}, evictor "
@@ -1463,7 +1478,7 @@ class RootCapacity:
                 # most).  Without one, the capacity thread publishes it (a writer that comes
                 # meanwhile reads it up to LEDGER_PUBLISH_S old at its first admissions)
                 self._write_ledger(self._ledger_record())
-            if self._views > 1:  # the other views: the capacity thread publishes it now, synced
+            if views > 1:  # the other views: the capacity thread publishes it now, synced
                 self._sync_due = True
                 self._wake.set()
             if est + nbytes > self.marks(bound)[0]:
@@ -1589,7 +1604,7 @@ class RootCapacity:
     def _publish_ledger(self) -> None:
         with self._lock:
             b = self._ledger_record()
-            sync, self._sync_due = self._views > 1, False
+            sync, self._sync_due = self._views + self._unseen > 1, False
         self._write_ledger(b, sync)
 
     def _check_state(self) -> None:
