@@ -1788,13 +1788,15 @@ def test_kvtier_evict_refuses_a_bound_below_the_block_size_the_root_records(tmp_
 
 def test_kvtier_evict_refuses_a_directory_that_is_no_cache_root(tmp_path):
     """A real run on a directory with no .kvtier/ and no rank directory (a typo, $HOME)
-    is exit 1 and leaves it as it was (before: .kvtier/ made there, usage.json written);
-    --dry-run censuses it (0 blocks); a missing root is exit 1."""
+    is exit 2, as ``kvtier scrub`` says of it (a mistyped path: bad arguments; was 1), and
+    leaves it as it was (before: .kvtier/ made there, usage.json written); --dry-run
+    censuses it (0 blocks); a missing root or a file is exit 2."""
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "a.txt").write_bytes(b"x" * 5000)
     cmd = [sys.executable, "-m", "kvtier", "evict", "--max-bytes", "64K"]
     r = subprocess.run(cmd + [str(tmp_path)], capture_output=True, text=True, cwd=REPO)
-    assert r.returncode == 1 and "no cache root" in r.stderr, (r.returncode, r.stderr)
+    assert r.returncode == 2 and "no cache root" in r.stderr, (r.returncode, r.stderr)
+    assert r.stdout == ""
     assert sorted(os.listdir(tmp_path)) == ["notes"] and os.listdir(tmp_path / "notes") == ["a.txt"]
     r = subprocess.run(cmd + ["--dry-run", "--json", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
     out = json.loads(r.stdout)
@@ -2189,8 +2191,9 @@ def test_a_symlinked_rank_directory_is_counted_and_evicted_through_its_link(tmp_
 def test_a_census_that_cannot_read_part_of_the_root_says_so_and_evict_exits_1(tmp_path):
     """An unreadable directory under the root: its bytes cannot be counted, and the census
     says how many entries it could not read and the first with its errno, the tier logs
-    it, and ``kvtier evict`` exits 1 (as du does); an unreadable root is EACCES, not
-    "no cache root" or 0 bytes.  Root runs the CLI without capabilities (setpriv)."""
+    it, and ``kvtier evict`` exits 1 (as du does); an unreadable root is EACCES with exit 2
+    (as ``kvtier scrub``; was 1), not "no cache root" or 0 bytes.  Root runs the CLI without
+    capabilities (setpriv)."""
     t, _ = _tier(tmp_path)
     try:
         assert _run(t, TransferJob(1, _keys(1, 4), list(range(4))))[0].success
@@ -2211,9 +2214,10 @@ def test_a_census_that_cannot_read_part_of_the_root_says_so_and_evict_exits_1(tm
                f"errno 13)" in r.stderr
         assert out["census"]["bytes"] < 1 << 20  # the unreadable MiB is not in it
         os.chmod(tmp_path, 0)
-        r = subprocess.run(cmd + ["--dry-run", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
-        assert r.returncode == 1 and "[Errno 13] Permission denied" in r.stderr and str(tmp_path) in r.stderr
-        assert r.stdout == ""
+        for dry in (["--dry-run"], []):
+            r = subprocess.run(cmd + dry + [str(tmp_path)], capture_output=True, text=True, cwd=REPO)
+            assert r.returncode == 2 and r.stdout == "", (dry, r.returncode, r.stderr)
+            assert r.stderr == f"kvtier evict: [Errno 13] Permission denied: '{tmp_path}'\n", (dry, r.stderr)
     finally:
         os.chmod(tmp_path, 0o755)
         os.chmod(other, 0o755)

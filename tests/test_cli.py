@@ -224,6 +224,43 @@ def test_every_subcommand_says_the_same_of_a_root_that_is_no_directory(tmp_path,
     assert f.read_bytes() == b"not a directory"
 
 
+@pytest.mark.parametrize("cmd", sorted(DIR_ARGS))
+def test_every_subcommand_shows_an_empty_root_as_quotes(tmp_path, monkeypatch, capsys, cmd):
+    """``kvtier scrub ""`` (an unset $VAR): exit 2 and ``'': No such file or directory`` on
+    stderr (before: ``: No such file or directory``, no path to see), nothing made in the
+    working directory (an empty path is not taken as ".")."""
+    ok = tmp_path / "ok"
+    ok.mkdir()
+    monkeypatch.chdir(ok)
+    name = cmd.split()[0]
+    before, opt, after = DIR_ARGS[cmd]
+    argv = [name] + [a.replace("{ok}", str(ok)) for a in before] + ([opt] if opt else []) + [""] + after
+    assert main(argv) == 2, argv
+    out, err = capsys.readouterr()
+    assert err == f"kvtier {name}: {opt + ' ' if opt else ''}'': No such file or directory\n", (argv, err)
+    assert out == "" and os.listdir(ok) == []
+
+
+def test_info_of_a_root_it_cannot_read_is_exit_2_with_the_errno_and_path(tmp_path):
+    """``kvtier info ROOT`` on a directory this process may not list (EACCES): exit 2 with
+    the errno and the path on stderr, nothing on stdout, as ``kvtier scrub`` and ``kvtier
+    evict`` say of it (was 1). Root runs the CLI without capabilities (setpriv)."""
+    root = tmp_path / "root"
+    root.mkdir()
+    nocaps = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"] if os.geteuid() == 0 else []
+    cmd = nocaps + [sys.executable, "-m", "kvtier", "info", str(root)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and str(root) in r.stdout, (r.returncode, r.stderr)
+    os.chmod(root, 0)
+    try:
+        for extra in ([], ["--json"]):
+            r = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=120)
+            assert r.returncode == 2 and r.stdout == "", (extra, r.returncode, r.stdout, r.stderr)
+            assert r.stderr.endswith(f"kvtier info: [Errno 13] Permission denied: '{root}'\n"), (extra, r.stderr)
+    finally:
+        os.chmod(root, 0o755)
+
+
 def test_scrub_bad_root(tmp_path, capsys):
     assert main(["scrub", str(tmp_path / "missing")]) == 2
     assert "No such file" in capsys.readouterr().err

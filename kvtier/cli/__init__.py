@@ -170,12 +170,13 @@ def _print_info(d: dict) -> None:
 def cmd_info(args: argparse.Namespace) -> int:
     """``kvtier info [ROOT]``: print :func:`info_dict` (and with ``args.root`` the root's
     section, :func:`kvtier.cli.root_info.root_info`) as text, or as JSON with ``args.json``.
-    Returns 0, 1 when a KVTIER_* setting is refused (shown as an error) or ROOT cannot be
-    read, 2 when ROOT does not exist or is no directory (as every subcommand:
-    :func:`kvtier.cli._text.dir_error`); a missing C core or DSA is reported, not an error."""
-    if getattr(args, "root", None) is not None:
-        from kvtier.cli._text import EXIT_USAGE, dir_error
+    Returns 0, 1 when a KVTIER_* setting is refused (shown as an error), 2 when ROOT does not
+    exist or is no directory (as every subcommand: :func:`kvtier.cli._text.dir_error`) or
+    cannot be read (EACCES: the OSError's errno and path, as ``kvtier scrub`` and ``kvtier
+    evict``); a missing C core or DSA is reported, not an error."""
+    from kvtier.cli._text import EXIT_USAGE, dir_error
 
+    if getattr(args, "root", None) is not None:
         err = dir_error(args.root)
         if err is not None:
             print(f"kvtier info: {err}", file=sys.stderr)
@@ -188,7 +189,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             d["root"] = root_info(args.root)
         except OSError as e:
             print(f"kvtier info: {e}", file=sys.stderr)
-            return 1
+            return EXIT_USAGE
     if args.json:
         print(json.dumps(d, indent=2))
     else:

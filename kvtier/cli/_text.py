@@ -17,13 +17,15 @@ def dir_error(path: str) -> Optional[str]:
     """Why ``path`` cannot be a subcommand's ROOT (or ``--root``, ``--peer``), as
     ``"<path>: <errno text>"``: stat's own errno (ENOENT, ENOTDIR for a path through a file,
     EACCES, ELOOP), ENOTDIR for something that is not a directory; None for a directory.
+    An empty path is shown as ``''`` (not as nothing before the colon).
     Every subcommand that takes a ROOT says this and exits :data:`EXIT_USAGE`."""
+    shown = path if path else "''"
     try:
         st = os.stat(path)
     except OSError as e:
-        return f"{path}: {e.strerror}"
+        return f"{shown}: {e.strerror}"
     if not stat.S_ISDIR(st.st_mode):
-        return f"{path}: {os.strerror(errno.ENOTDIR)}"
+        return f"{shown}: {os.strerror(errno.ENOTDIR)}"
     return None
 
 

@@ -565,7 +565,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     directory, a ``--root`` that does not exist or is not a directory) or an OSError setting up
     the cache (message names the errno text and path).
     """
-    if args.node_b:
+    if args.node_b is not None:  # "" too: refused below as a path, not a one-node run
         from kvtier.cli.bench_nodes import cmd_two_clients
 
         return cmd_two_clients(args)

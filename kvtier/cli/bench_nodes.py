@@ -265,7 +265,7 @@ def cmd_two_clients(args) -> int:
     """``kvtier bench --root A --node-b B``: exit 0 ok, 1 failed blocks or wrong bytes, 2 bad setup."""
     import json
 
-    if not args.root:
+    if args.root is None:  # "" is refused as a path below
         print("kvtier bench: --node-b needs --root (node A's mount of the same directory)", file=sys.stderr)
         return 2
     from kvtier.cli._text import EXIT_USAGE, dir_error

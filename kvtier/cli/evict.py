@@ -8,13 +8,14 @@ newest) down to ``--evict-low``: the policy and the evictor lock of the tiers
 ``--dry-run`` deletes nothing, takes no lock and lists what would go. A real run publishes
 its census to ``ROOT/.kvtier/usage.json`` as a tier's evictor does.
 
-Exit status: 0 done; 1 the root holds no cache (no ``.kvtier/``, no
-``<model>_<digest>_r<rank>/``: a real run refuses it, ``--dry-run`` censuses it), another process holds the evictor lock (it
-enforces its own bound), an eviction failed, part of the root could not be read (EACCES,
-EIO: the census is low by it; the pass still ran), ``.kvtier/`` cannot be used (the lock
-opened, the census published), or the lock was taken over during the pass (this process
-was stopped longer than the tiers' ``takeover_s``); 2 bad arguments, among them a ROOT
-that does not exist or is no directory and a ``--max-bytes`` that holds no block: less than one block plus the root's own files, the
+Exit status: 0 done; 1 another process holds the evictor lock (it enforces its own bound),
+an eviction failed, part of the root could not be read (EACCES, EIO: the census is low by
+it; the pass still ran), ``.kvtier/`` cannot be used (the lock opened, the census
+published), or the lock was taken over during the pass (this process was stopped longer
+than the tiers' ``takeover_s``); 2 bad arguments, among them a ROOT that does not exist,
+is no directory or cannot be read, a ROOT that holds no cache (no ``.kvtier/``, no
+``<model>_<digest>_r<rank>/``: a mistyped path; a real run refuses it, ``--dry-run``
+censuses it; ``kvtier scrub`` says 2 of it too) and a ``--max-bytes`` that holds no block: less than one block plus the root's own files, the
 block of the largest size a ``<model>_<digest>/kvtier.json`` of the root records (a tier of
 that size refuses such a bound too), 36 KiB where none records one (vLLM's ``"fs"`` tier).
 """
@@ -45,8 +46,9 @@ def cmd_evict(args: argparse.Namespace) -> int:
     """``kvtier evict ROOT --max-bytes SIZE [--dry-run] [--json]``: one census and eviction
     pass by hand, with the tiers' policy and lock.  Without ``--dry-run`` it takes the
     evictor lock (exit 1 when a live process holds it: that one enforces its bound);
-    ``--dry-run`` deletes nothing and needs no lock.  Exit 0, 1 (lock held, no cache root),
-    2 (bad arguments, ROOT missing or no directory)."""
+    ``--dry-run`` deletes nothing and needs no lock.  Exit 0, 1 (lock held, part of the root
+    unreadable), 2 (bad arguments; ROOT missing, no directory, unreadable or no cache root:
+    as ``kvtier scrub``)."""
     root = os.path.abspath(args.root)
     try:  # the arguments first: a bad one is exit 2 whatever the root (a percentage needs the root: below)
         cfg = _cap.check_config(args.max_bytes, args.evict_high, args.evict_low)
@@ -88,11 +90,11 @@ def cmd_evict(args: argparse.Namespace) -> int:
         is_root = _looks_like_a_root(root)
     except OSError as e:  # unreadable (EACCES): say so, not "no cache" or "0 bytes"
         print(f"kvtier evict: {e}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE
     if not args.dry_run and not is_root:
         print(f"kvtier evict: {root} is no cache root (no .kvtier/ and no <model>_<digest>_r<rank>/ directory in it): "
               f"nothing done (a typo would make .kvtier/ there and scan the whole tree)", file=sys.stderr)
-        return 1
+        return EXIT_USAGE
     if not args.dry_run:
         try:
             os.makedirs(os.path.join(_cap.state_dir(root), _cap.WRITERS_DIR), exist_ok=True)
