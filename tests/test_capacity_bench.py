@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -232,7 +233,29 @@ def test_capacity_overhead_runs_both_modes_and_checks_every_byte(tmp_path):
     rows = [ln for ln in out.splitlines() if ln.startswith(("| off |", "| on |"))]
     assert len(rows) == 2 and all(float(ln.split("|")[2].split()[0]) > 0 for ln in rows)
     assert "evictor (bounded runs): " in out and "mismatched bytes: 0" in out
+    ev = re.search(r"(\d+) blocks evicted for (\d+) stored", out)
+    assert ev and int(ev.group(1)) > 0  # the filler puts the bounded root at its high watermark
+    share = re.search(r"evictor at 1 GB/s of stores of these blocks: (\d+) evictions/s x ([\d.]+) us = ([\d.]+)% "
+                      r"of one core \(target < 2%\)", out)
+    assert share and int(share.group(1)) == round(1e9 / 65536)
+    assert abs(float(share.group(3)) - int(share.group(1)) * float(share.group(2)) / 1e4) < 0.1
+    assert re.search(r"\(\w+; \S+ on \S+, options \S+ \+ \S+\)", out.splitlines()[0])  # the mount in the header
     assert os.listdir(tmp_path) == []
+
+
+def test_capacity_census_censuses_evicts_and_splits_the_evictors_cpu(tmp_path):
+    """benchmarks/capacity_census.py on 300 files: the census counts them, the eviction
+    removes the 100 asked for (files gone from the root) and prints user and system CPU."""
+    script = os.path.join(HERE, os.pardir, "benchmarks", "capacity_census.py")
+    r = subprocess.run([sys.executable, script, str(tmp_path), "300", "100"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(r"^census: 300 files, \d+ dirs", r.stdout, re.M)
+    m = re.search(r"^evict: (\d+) blocks, .* user \(Python\) ([\d.]+) s, system \(kernel: lstat \+ unlink \+ "
+                  r"rmdir\) ([\d.]+) s$", r.stdout, re.M)
+    assert m and int(m.group(1)) == 100
+    left = [f for _, _, fs in os.walk(tmp_path / "root") for f in fs if f.endswith(".bin")]
+    assert len(left) == 200
 
 
 def test_capacity_peak_runs_two_writers_and_reports_each(tmp_path):
