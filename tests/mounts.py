@@ -76,9 +76,11 @@ def mount_ramfs() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def mount_loop(fstype: str = "ext4", size_mb: int = 64, mkfs_args: Sequence[str] = ()) -> Iterator[str]:
+def mount_loop(fstype: str = "ext4", size_mb: int = 64, mkfs_args: Sequence[str] = (),
+               options: str = "") -> Iterator[str]:
     """A fresh ``fstype`` ("ext4" or "xfs") on a sparse image file through a
-    loop device. XFS needs size_mb >= 300 (mkfs.xfs minimum)."""
+    loop device, mounted with ``options`` (e.g. "discard") besides loop. XFS needs
+    size_mb >= 300 (mkfs.xfs minimum)."""
     mkfs = shutil.which(f"mkfs.{fstype}")
     if mkfs is None:
         unavailable(f"mkfs.{fstype} not installed")
@@ -93,7 +95,8 @@ def mount_loop(fstype: str = "ext4", size_mb: int = 64, mkfs_args: Sequence[str]
         proc = _run([mkfs, *quiet, *mkfs_args, img])
         if proc.returncode != 0:
             _skip_or_fail(f"mkfs.{fstype}", proc)
-        with _mounted(["-t", fstype, "-o", "loop", img], f"{fstype} loop image") as d:
+        with _mounted(["-t", fstype, "-o", ",".join(["loop"] + ([options] if options else [])), img],
+                      f"{fstype} loop image") as d:
             yield d
     finally:
         shutil.rmtree(imgdir, ignore_errors=True)

@@ -66,6 +66,26 @@ def test_local_filesystems_pass(fs):
         assert sorted(os.listdir(root)) == ["cache"] + (["lost+found"] if fs == "ext4" else [])
 
 
+@pytest.mark.parametrize("fs", ["ext4", "xfs"])
+def test_a_discard_mount_passes_with_the_advice_for_a_bounded_cache(fs):
+    """ext4/XFS mounted `discard` trim at every unlink (an eviction cost ~2x the CPU,
+    docs/capacity.md): the filesystem check passes (an unbounded cache never unlinks in
+    bulk), says so in its detail and data, and the recommended options say what to do;
+    the same filesystem without `discard` carries no such note."""
+    with mount_loop(fs, size_mb=1300, options="discard") as root:
+        code, d, err = doctor(root)
+        assert code == 0, (err, d and [c for c in d["checks"] if c["status"] != "pass"])
+        f = check(d, "filesystem")
+        assert f["status"] == "pass" and f["fix"] == "" and f["data"]["discard"] is True
+        assert "discard" in f["data"]["super_options"].split(",") + f["data"]["options"].split(",")
+        assert "; mounted discard: an evicted block costs ~2x the CPU" in f["detail"]
+        assert "mount without `discard` and trim periodically (fstrim" in d["recommended"]["options"]
+        assert os.listdir(root) in (["lost+found"], [])
+    with mount_loop(fs, size_mb=1300) as root:
+        f = check(doctor(root)[1], "filesystem")
+        assert f["status"] == "pass" and "discard" not in f["data"] and "mounted discard" not in f["detail"]
+
+
 def test_ramfs_fails_no_xattrs(ramfs_dir):
     code, d, _ = doctor(ramfs_dir)
     assert code == 2 and d["status"] == "fail"
