@@ -183,6 +183,9 @@ def test_census_counts_every_file_as_find_and_lists_only_blocks(tmp_path, io_bac
         os.makedirs(os.path.join(str(tmp_path), "other_r0", "abc", "de_g0"))  # another layout: counted and evictable
         with open(os.path.join(str(tmp_path), "other_r0", "abc", "de_g0", "abcde0.bin"), "wb") as f:
             f.write(b"y" * 8192)
+        for name in ("ffff.bin", "abcdf0.bin", "abd.bin"):  # hex .bin files whose names are not of their shard: counted, never evicted
+            with open(os.path.join(str(tmp_path), "other_r0", "abc", "de_g0", name), "wb") as f:
+                f.write(b"w" * 4096)
         with open(os.path.join(rank, "abc", "notes.txt"), "wb") if os.path.isdir(os.path.join(rank, "abc")) \
                 else open(os.path.join(str(tmp_path), "notes.txt"), "wb") as f:
             f.write(b"z" * 100)
@@ -193,7 +196,8 @@ def test_census_counts_every_file_as_find_and_lists_only_blocks(tmp_path, io_bac
         paths = sorted(e[4] for e in c.entries)
         want = sorted(t.file_mapper.get_file_names(_keys(1, 10)) +
                       [os.path.join(str(tmp_path), "other_r0", "abc", "de_g0", "abcde0.bin")])
-        assert paths == want and c.blocks == 11  # no temp, no config, nothing of .kvtier
+        assert paths == want and c.blocks == 11  # no temp, no config, nothing of .kvtier, no misplaced .bin
+        assert all(cap.is_block_path(str(tmp_path), p) for p in paths)
         assert c.block_bytes == sum(os.lstat(p).st_blocks * 512 for p in want)
     finally:
         t.shutdown()
@@ -1413,8 +1417,8 @@ def test_an_eviction_pass_asks_to_keep_going_before_each_batch(tmp_path, monkeyp
 def test_a_load_racing_eviction_is_whole_and_verified_or_a_miss(tmp_path, io_backend):
     root = str(tmp_path)
     n = 64
-    paths = [os.path.join(root, "m_r0", f"{i:03x}"[:3], f"{i:05x}"[3:5] + "_g0", f"{i:05x}" + "ab.bin")
-             for i in range(n)]
+    names = [f"{i:05x}ab" for i in range(n)]
+    paths = [os.path.join(root, "m_r0", h[:3], h[3:5] + "_g0", h + ".bin") for h in names]
     rng = np.random.default_rng(7)
     src = np.frombuffer(rng.bytes(n * BS), dtype=np.uint8).copy()
     offs = [i * BS for i in range(n)]

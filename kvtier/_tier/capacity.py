@@ -383,15 +383,16 @@ def census(root: str, keep_entries: bool = True, progress: Optional[Callable[[],
     c = Census(root=root, scan_started=time.time())
     cpu0 = time.thread_time()
     entries = c.entries
-    # (directory, its place: 0 the root, 1 a rank dir, 2 <h[:3]>, 3 <h[3:5]>_g<group>, -1 none)
-    stack: List[Tuple[str, int]] = [(root, 0)]
+    # (directory, its place: 0 the root, 1 a rank dir, 2 <h[:3]>, 3 <h[3:5]>_g<group>, -1 none;
+    # from 2 on the hash digits its shard directories name: h[:3], h[3:5])
+    stack: List[Tuple[str, int, str, str]] = [(root, 0, "", "")]
     followed = set()  # (st_dev, st_ino) of the rank directories scanned: a symlink to one is not counted twice
     rank_re, s1_re, s2_re, block_re = _RANK_RE.match, _SHARD1_RE.match, _SHARD2_RE.match, _BLOCK_RE.match
     S_ISDIR, S_ISREG = _stat.S_ISDIR, _stat.S_ISREG
     total = files = blocks = block_bytes = dirs = size_sum = 0
     seen, every = 0, CENSUS_PROGRESS_EVERY
     while stack:
-        d, layout = stack.pop()
+        d, layout, h3, h5 = stack.pop()
         try:
             it = os.scandir(d)
         except OSError as err:
@@ -415,6 +416,7 @@ def census(root: str, keep_entries: bool = True, progress: Optional[Callable[[],
                 mode = st.st_mode
                 if S_ISDIR(mode):
                     name = e.name
+                    s3, s5 = h3, h5
                     if layout == 0:  # the root
                         sub = 1 if name != STATE_DIR and rank_re(name) else -1
                         if sub == 1:
@@ -422,19 +424,20 @@ def census(root: str, keep_entries: bool = True, progress: Optional[Callable[[],
                                 continue
                             followed.add((st.st_dev, st.st_ino))
                     elif layout == 1:
-                        sub = 2 if s1_re(name) else -1
+                        sub, s3 = 2 if s1_re(name) else -1, name
                     elif layout == 2:
-                        sub = 3 if s2_re(name) else -1
+                        m = s2_re(name)
+                        sub, s5 = (3, m.group(1)) if m else (-1, "")
                     else:
                         sub = -1
-                    stack.append((e.path, sub))
+                    stack.append((e.path, sub, s3, s5))
                     continue
                 if not S_ISREG(mode):
                     continue
                 nb = st.st_blocks * 512
                 files += 1
                 total += nb
-                if layout == 3 and block_re(e.name):
+                if layout == 3 and block_re(e.name) and e.name[:3] == h3 and e.name[3:5] == h5:  # is_block_path
                     blocks += 1
                     block_bytes += nb
                     size_sum += st.st_size
