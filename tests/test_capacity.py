@@ -67,7 +67,8 @@ def _find_bytes(root) -> int:
     (4096, 4096), ("4096", 4096), ("64M", 64 << 20), ("64m", 64 << 20), ("500G", 500 << 30),
     ("1.5T", int(1.5 * (1 << 40))), ("2GiB", 2 << 30), ("1K", 1024), (" 3 G ", 3 << 30), (None, None),
     ("9007199254740993", 2**53 + 1), ("3.999999999999999999999G", (4 << 30) - 1), ("3.", 3), (".5K", 512),
-    ("0.1K", 102)])
+    ("0.1K", 102), ("1.0000000000000000000000000000001P", 1 << 50),
+    ("8191.9999999999999999999999999999P", (8192 << 50) - 1)])  # 8 EiB less a byte: the most there is
 def test_parse_max_bytes(value, want):
     assert cap.parse_max_bytes(value) == want
 
@@ -77,7 +78,8 @@ def test_parse_max_bytes(value, want):
     (0, ValueError, ">= 1"), ("0", ValueError, ">= 1"), (1.5, TypeError, "size string"),
     (True, TypeError, "size string"), ("150%", ValueError, "(0, 100]"), ("0%", ValueError, "(0, 100]"),
     ([1], TypeError, "size string"), ("1.5", ValueError, "no whole number of bytes"),
-    ("0.5B", ValueError, "no whole number of bytes")])
+    ("0.5B", ValueError, "no whole number of bytes"), (2**63, ValueError, "8 EiB"), (2**1100, ValueError, "8 EiB"),
+    ("99999999999999999999999P", ValueError, "8 EiB"), ("8192P", ValueError, "8 EiB")])
 def test_parse_max_bytes_bad_inputs(value, exc, text):
     with pytest.raises(exc) as ei:
         cap.parse_max_bytes(value)
@@ -1499,6 +1501,141 @@ def test_shard_directories_removed_under_a_racing_store(tmp_path, io_backend):
         stop.set()
         th.join()
     assert removed[0] > 0
+
+
+def test_a_rank_directory_linked_to_a_smaller_disk_bounds_the_room_by_that_disk(tmp_path, io_backend, monkeypatch):
+    """A rank directory moved to another (smaller) filesystem and linked back: the room is
+    the tightest filesystem's, so eviction keeps stores working there instead of each
+    store meeting ENOSPC after every census resets the room from the root's large disk."""
+    from mounts import mount_tmpfs
+
+    _use_backend(monkeypatch, io_backend)
+    root = str(tmp_path / "root")
+    t, _ = _tier(root, rows=8)  # makes the rank directory
+    rank = os.path.dirname(os.path.dirname(os.path.dirname(t.file_mapper.get_file_names(_keys(0, 1))[0])))
+    t.shutdown()
+    with mount_tmpfs(size="4m") as d:
+        moved = os.path.join(d, os.path.basename(rank))
+        os.rename(rank, moved) if os.stat(d).st_dev == os.stat(root).st_dev else (
+            subprocess.run(["cp", "-a", rank, moved], check=True), subprocess.run(["rm", "-rf", rank], check=True))
+        os.symlink(moved, rank)
+        t, _ = _tier(root, rows=8, max_bytes="1G", census_interval_s=0.2)
+        try:
+            rc = cap.root_capacity(root)
+            assert rc.wait_pass(5, after=0)
+            assert rc.bound() <= (4 << 20) + (64 << 10)  # the tmpfs's room (+ the root's own files), not the root disk's
+            enospc = stored = 0
+            for j in range(120):  # 120 jobs x 2 x 16 KiB = 3.75 MiB x ~1.0: more than the tmpfs holds
+                r = _run(t, TransferJob(j, _keys(j % 250, 2), list(range(2))))[0]
+                if r.success:
+                    stored += 1
+                elif "dropped by kvtier capacity" not in str(r.error):
+                    assert r.error.errno == errno.ENOSPC, r.error
+                    enospc += 1
+            st = os.statvfs(d)
+            assert enospc <= 1 and stored >= 60, (enospc, stored)
+            assert st.f_bavail > 0  # the tmpfs never filled up again
+            newest = t.file_mapper.get_file_names(_keys(119 % 250, 2))
+            assert all(os.path.realpath(p).startswith(d) for p in newest) or not stored
+        finally:
+            t.shutdown()
+
+
+def test_a_root_held_above_the_low_mark_by_other_files_is_not_censused_at_every_tick(tmp_path, caplog):
+    """Files that are not blocks (never evicted) above the low watermark: every pass runs out
+    of candidates; the early census that asks for still runs at most CENSUS_CPU_SHARE of the
+    time (it ran at every 50 ms tick), and a warning says why stores are dropped."""
+    root = tmp_path / "root"
+    t, _ = _tier(root, rows=8, max_bytes="1M", census_interval_s=3600)
+    try:
+        rc = cap.root_capacity(str(root))
+        assert rc.wait_pass(5, after=0)
+        with open(os.path.join(str(root), "notes.bin.bak"), "wb") as f:  # not a block: kept, counted
+            f.write(b"n" * (960 << 10))
+        os.makedirs(os.path.join(str(root), "other"))
+        for i in range(3000):  # a census that takes a while
+            open(os.path.join(str(root), "other", f"f{i}"), "wb").close()
+        caplog.set_level("WARNING", logger="kvtier")
+        with rc._lock:
+            rc._request = "capacity"
+        rc._next_census = 0.0
+        rc._wake.set()
+        n0 = rc.censuses
+        deadline = time.monotonic() + 5
+        while rc.censuses == n0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rc.censuses > n0
+        scan = rc.last_census.scan_finished - rc.last_census.scan_started
+        n1, cpu1 = rc.censuses, rc.evictor_cpu_s
+        stored = 0
+        end = time.monotonic() + 2.0
+        j = 0
+        while time.monotonic() < end:  # stores keep asking for passes
+            j += 1
+            r = _run(t, TransferJob(j, _keys(j % 250, 1), [0]))[0]
+            stored += r.success
+            time.sleep(0.02)
+        # at most one census per scan / CENSUS_CPU_SHARE (was one per tick: ~40 in 2 s)
+        assert rc.censuses - n1 <= 2.0 / (scan / cap.CENSUS_CPU_SHARE) + 2, (rc.censuses - n1, scan)
+        assert rc.evictor_cpu_s - cpu1 < 0.5  # not a core's worth
+        assert os.path.exists(os.path.join(str(root), "notes.bin.bak"))
+        assert any("not block files" in m and "never evicted" in m for m in caplog.messages), caplog.messages
+    finally:
+        t.shutdown()
+
+
+def test_a_store_job_larger_than_the_bound_is_dropped_saying_it_never_fits(tmp_path):
+    root = tmp_path / "root"
+    t, _ = _tier(root, rows=16, max_bytes=cap.least_bound(BS) + 2 * BS)  # holds ~3 blocks, not 16
+    try:
+        r = _run(t, TransferJob(1, _keys(1, 16), list(range(16))))[0]
+        assert not r.success and r.error.errno == errno.ENOSPC
+        assert "no job of this size is ever stored at this bound" in str(r.error)
+        assert t.metrics.counters.snapshot()["stores_dropped"] == 1
+        assert not any(os.path.exists(p) for p in t.file_mapper.get_file_names(_keys(1, 16)))
+        r = _run(t, TransferJob(2, _keys(2, 1), [0]))[0]  # a job that fits is stored
+        assert r.success and os.path.exists(t.file_mapper.get_file_names(_keys(2, 1))[0])
+    finally:
+        t.shutdown()
+
+
+def test_a_tier_made_in_a_forked_child_has_its_own_capacity(tmp_path):
+    """The parent bounds the root, then forks: the child's tier attaches a RootCapacity of
+    its own (its thread runs, its ledger names the child), and closing the parent's
+    inherited one in the child touches nothing of the parent's."""
+    root = str(tmp_path / "root")
+    t, _ = _tier(root, rows=8, max_bytes="64M")
+    try:
+        parent_rc = cap.root_capacity(root)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child
+            code = 1
+            try:
+                os.close(r)
+                assert cap.root_capacity(root) is None
+                parent_rc.close()  # inherited: a no-op in the child
+                assert os.path.exists(parent_rc.ledger_path)
+                t2, _ = _tier(root, rows=8, max_bytes="64M")
+                rc = cap.root_capacity(root)
+                res = _run(t2, TransferJob(7, _keys(7, 2), [0, 1]))[0]
+                os.write(w, json.dumps({"same": rc is parent_rc, "alive": rc._thread.is_alive(),
+                                        "pid_in_ledger": str(os.getpid()) in os.path.basename(rc.ledger_path),
+                                        "stored": res.success}).encode())
+                t2.shutdown()
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        got = json.loads(os.read(r, 4096).decode())
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        assert got == {"same": False, "alive": True, "pid_in_ledger": True, "stored": True}
+        assert os.path.exists(parent_rc.ledger_path) and parent_rc._thread.is_alive()
+        assert _run(t, TransferJob(8, _keys(8, 1), [0]))[0].success  # the parent's tier goes on
+    finally:
+        t.shutdown()
 
 
 def test_a_full_tmpfs_with_the_bound_set_recovers_by_itself(io_backend, monkeypatch):

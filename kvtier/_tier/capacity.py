@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import bisect
 import collections
-import decimal
+import fractions
 import errno
 import fcntl
 import json
@@ -161,6 +161,7 @@ _SHARD2_RE = re.compile(r"^([0-9a-f]{0,2})_g(\d+)\Z")
 _RANK_RE = re.compile(r"^.+_r\d+\Z")
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
+MAX_SIZE = (1 << 63) - 1  # the largest size a filesystem (off_t, statvfs) and a metric can count
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([KMGTP]?)(?:I?B)?\s*\Z", re.IGNORECASE)
 _PCT_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*%\s*\Z")
 
@@ -209,13 +210,17 @@ def parse_size(value: Any, name: str = "max_bytes") -> int:
         if not m:
             raise ValueError(f"{name}: cannot parse {value!r}: give bytes (int), a size like '500G', '1.5T', '64M' "
                              f"(K, M, G, T = powers of 1024) or a percentage of the filesystem like '90%'")
-        d = decimal.Decimal(m.group(1))
-        if not m.group(2) and d != d.to_integral_value():  # "1.5": bytes, not 1.5 of a unit
+        d = fractions.Fraction(m.group(1))  # the decimal digits exactly, however many
+        if not m.group(2) and d.denominator != 1:  # "1.5": bytes, not 1.5 of a unit
             raise ValueError(f"{name}: {value!r} is no whole number of bytes: give an integer, or a unit "
                              f"('1.5G', K/M/G/T = powers of 1024)")
         n = int(d * _UNITS[m.group(2).upper()])  # exact: no float rounding; a unit's fraction rounds down
     if n < 1:
         raise ValueError(f"{name} must be >= 1 byte, got {value!r}")
+    if n > MAX_SIZE:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise ValueError(f"{name}: {shown} is more than {MAX_SIZE} bytes (8 EiB, what a filesystem's "
+                         f"sizes can count): no bound that large can be reached")
     return n
 
 
@@ -320,6 +325,9 @@ class Census:
     #: meanwhile): their bytes are not counted.  ``first_error``: ``(path, OSError)``
     unreadable: int = 0
     first_error: Optional[Tuple[str, OSError]] = None
+    #: one rank directory per filesystem (st_dev) the rank directories are on: a rank
+    #: directory moved to another disk and linked back, or a mount point (:func:`root_room`)
+    rank_fs: Dict[int, str] = field(default_factory=dict, repr=False)
 
     def _unreadable(self, path: str, e: OSError) -> None:
         if e.errno != errno.ENOENT:
@@ -366,6 +374,25 @@ def fs_room(used: int, st: Any, per_inode: Optional[float]) -> int:
     elif st.f_files and not inodes:
         free = 0
     return used + free
+
+
+def root_room(c: Census) -> Optional[int]:
+    """The room of census ``c``'s root (:func:`fs_room`): its usage plus what the
+    tightest of its filesystems can still take, the root's and each one a rank directory
+    is on (a rank directory moved to a smaller disk and linked back fills that disk while
+    the root's has room); None when the root's statvfs fails.  One statvfs per
+    filesystem."""
+    per_inode = bytes_per_inode(c)
+    try:
+        room = fs_room(c.bytes, os.statvfs(c.root), per_inode)
+    except OSError:
+        return None
+    for d in c.rank_fs.values():
+        try:
+            room = min(room, fs_room(c.bytes, os.statvfs(d), per_inode))
+        except OSError:
+            pass  # gone meanwhile: the next census
+    return room
 
 
 def census(root: str, keep_entries: bool = True, progress: Optional[Callable[[], Any]] = None) -> Census:
@@ -423,6 +450,7 @@ def census(root: str, keep_entries: bool = True, progress: Optional[Callable[[],
                             if (st.st_dev, st.st_ino) in followed:
                                 continue
                             followed.add((st.st_dev, st.st_ino))
+                            c.rank_fs.setdefault(st.st_dev, e.path)
                     elif layout == 1:
                         sub, s3 = 2 if s1_re(name) else -1, name
                     elif layout == 2:
@@ -1026,10 +1054,7 @@ def one_pass(root: str, max_bytes: int, high: float = DEFAULT_HIGH, low: float =
         read_ledgers(root, remove_dead=True, before=float(u["scan_started"]) if u else None)
     c = census(root, progress=None if lock is None else lock.beat)
     usage = c.bytes
-    try:
-        room: Optional[int] = fs_room(c.bytes, os.statvfs(root), bytes_per_inode(c))
-    except OSError:
-        room = None
+    room = root_room(c)
     mx = max_bytes if room is None else min(max_bytes, room)
     if force == "enospc":
         target = int(low * min(mx, usage))
@@ -1051,6 +1076,19 @@ def one_pass(root: str, max_bytes: int, high: float = DEFAULT_HIGH, low: float =
 
 _roots: Dict[str, "RootCapacity"] = {}
 _roots_lock = threading.Lock()
+
+
+def _forget_roots_in_child() -> None:
+    """In a forked child the parent's :class:`RootCapacity` objects are the parent's: their
+    thread did not come along, the evictor lock is the parent's (fcntl locks are not
+    inherited) and their ledger names the parent.  A tier made in the child attaches a
+    new one; closing an inherited one touches nothing of the parent's (:meth:`RootCapacity.close`)."""
+    global _roots, _roots_lock
+    _roots, _roots_lock = {}, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_roots_in_child)
 
 
 def attach(root: str, config: CapacityConfig, counters: Any = None,
@@ -1204,6 +1242,7 @@ class RootCapacity:
         self._warned_drop = -1e9
         self._publish_warned = -1e9
         self._census_warned = -1e9
+        self._unevictable_warned = -1e9
         self._tick_warned = -1e9
         self.tick_failures = 0  # ticks of the capacity thread that raised
         self.publish_failures = 0  # usage.json publications that failed
@@ -1289,7 +1328,10 @@ class RootCapacity:
         """Stop the thread, drop the lock; remove this process's ledger when the latest
         census it read counts all it stored, else leave it, final, to count that until a
         census does (the evictor removes it then: :func:`scan_ledgers`; gone at once, the
-        other writers would admit those bytes again)."""
+        other writers would admit those bytes again).  In a forked child (another pid)
+        nothing: the thread, the lock and the ledger are the parent's."""
+        if os.getpid() != self.pid:
+            return
         self._stop = True
         self._wake.set()
         if self._thread is not threading.current_thread():
@@ -1452,6 +1494,12 @@ class RootCapacity:
                 # this view's share of the room seen at the anchor (its first job since: always)
                 share = self._anchor + max(0, bound - self._anchor) // views
             if est + nbytes > bound or (share is not None and est + nbytes > share):
+                if nbytes > self.max_bytes - STATE_BYTES:  # no pass makes room for it
+                    return OSError(errno.ENOSPC, f"store dropped by kvtier capacity: this job's {nbytes} bytes "
+                                                 f"are more than max_bytes {self.max_bytes} holds beside the "
+                                                 f"root's own files ({STATE_BYTES} bytes): no job of this size "
+                                                 f"is ever stored at this bound; raise max_bytes or store fewer "
+                                                 f"blocks per job", self.root)
                 self._ask("drop")
                 u = self._usage
                 age = f"{time.time() - u['scan_started']:.1f} s old" if u else "none yet"
@@ -1739,18 +1787,15 @@ class RootCapacity:
         cands = self._cands
         due = mono >= self._next_census or cands is None
         if not due and req and not len(cands):  # type: ignore[arg-type]
-            # asked to evict with no candidate left: a census, at most CENSUS_CPU_SHARE of the time
-            last = self.last_census
-            gap = (last.scan_finished - last.scan_started) / CENSUS_CPU_SHARE if last else 0.0
-            due = last is None or time.time() - last.scan_finished >= min(gap, self.interval)
+            due = mono >= self._early_census_at()  # asked to evict with no candidate left
         with self._lock:
             self._request = None
         if due:
             self._census_pass(req)
         else:
             self._evict_more(req)
-            if self._next_census == 0.0:  # the candidates ran out short of the target: census now
-                self._census_pass(req)
+            if not len(self._cands) and time.monotonic() >= self._next_census:
+                self._census_pass(req)  # the candidates ran out short of the target, and a census may run
 
     def _watch_holder(self) -> None:
         """Not the evictor: note when the holder's heartbeat last changed, by this clock; when
@@ -1843,17 +1888,25 @@ class RootCapacity:
             logger.warning("kvtier capacity: %s (this warning at most once a minute)", c.error_text())
         if not self._still_evictor():
             return  # taken over during the census: the new evictor counts and publishes
-        try:  # the room on the filesystem: what the root holds + what is still free, bytes or inodes
+        # the room on the filesystems: what the root holds + what is still free, bytes or inodes
+        self._room = root_room(c)
+        try:
             st = os.statvfs(self.root)
-            self._room = fs_room(c.bytes, st, bytes_per_inode(c))
             inodes_free = st.f_favail if st.f_files else None
         except OSError:
-            self._room = inodes_free = None
+            inodes_free = None
         # keep the oldest blocks that hold what must go now plus half a bound (or four of
         # the largest job): what the evictor may remove before the next census (it
         # censuses early when they run out)
         bound = self.bound()
         need = max(0, c.bytes - self.marks(bound)[1])
+        kept = c.bytes - c.block_bytes  # what no pass removes: temps, config files, other files
+        if kept > self.marks(bound)[1] and time.monotonic() - self._unevictable_warned >= 60.0:
+            self._unevictable_warned = time.monotonic()
+            logger.warning("kvtier capacity: %d bytes under %s are not block files (temps, config files, other "
+                           "files: never evicted), above the low watermark %d of the bound %d: stores are dropped "
+                           "until they are removed or the bound is raised (this warning at most once a minute)",
+                           kept, self.root, self.marks(bound)[1], bound)
         self._cands = Candidates(c.entries, keep_bytes=need + max(bound // 2, 4 * self._job_max))
         c.entries = []
         rec = {"bytes": c.bytes, "files": c.files, "blocks": c.blocks, "scan_started": c.scan_started,
@@ -1931,11 +1984,23 @@ class RootCapacity:
                     except Exception:
                         logger.exception("an eviction listener failed")
         if r.usage_after > target and not len(self._cands):
-            self._next_census = 0.0  # no candidate left: a census next
+            self._next_census = self._early_census_at()  # no candidate left: a census soon
             self._request = self._request or "capacity"
         if r.errors:
             logger.warning("kvtier capacity: %d blocks could not be evicted from %s (first: %s: %s)",
                            len(r.errors), self.root, r.errors[0][0], r.errors[0][1])
+
+    def _early_census_at(self) -> float:
+        """When a census wanted before its interval (the candidates ran out short of the
+        target) may run, by the monotonic clock: :data:`CENSUS_CPU_SHARE` of the time at
+        most, as for a writer's request with no candidate left.  (A root held above the low
+        mark by files that are not blocks runs out of candidates at every pass: censused at
+        every 50 ms tick, its evictor took ~65% of a core.)"""
+        last = self.last_census
+        if last is None:
+            return 0.0
+        gap = min((last.scan_finished - last.scan_started) / CENSUS_CPU_SHARE, self.interval)
+        return time.monotonic() + max(0.0, gap - (time.time() - last.scan_finished))
 
     def _publish(self, rec: Dict[str, Any]) -> None:
         """Publish the usage; a failure is a warning at most once a minute (a read-only or
