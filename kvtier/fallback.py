@@ -745,7 +745,8 @@ def batch_lookup(paths, block_size=0, /):
     """For each path (str, bytes or os.PathLike) whether it is a regular file
     (lstat: a symlink, directory or FIFO is not) of ``block_size`` bytes (any
     size when 0). Returns list[bool]. TypeError for a non-list or a bad path
-    type, ValueError for a negative block_size."""
+    type, ValueError for a negative block_size or a path with a NUL or ending in
+    '/', '.' or '..'."""
     _args.check_list(paths, "paths")
     if isinstance(block_size, bool) or not isinstance(block_size, int):
         raise TypeError(f"block_size must be int, not {type(block_size).__name__}")

@@ -17,7 +17,8 @@ bytes. Each block becomes one file (on-disk contract: design.md):
   is accepted, counted unverified ("strict": a miss).
 
 Errors. Bad arguments raise TypeError / ValueError / BufferError before any
-I/O. A batch stops at its first failing block and raises OSError (the errno's
+I/O (:mod:`kvtier._blockio.args`: a block path ending in ``/``, ``.`` or ``..``, which
+names a directory, is a ValueError for stores, loads and lookups alike). A batch stops at its first failing block and raises OSError (the errno's
 subclass, e.g. FileNotFoundError) with ``errno``, ``filename`` (that block's
 path), ``num_succeeded`` (its index: blocks before it are done),
 ``checksum_failed`` and ``num_retried`` (int: blocks of this batch re-read
@@ -61,7 +62,7 @@ from typing import Sequence, Union
 
 from kvtier._blockio import policy as _policy
 from kvtier._blockio.args import as_int as _as_int, check_blocks as _check_blocks, check_bool as _check_bool
-from kvtier._blockio.args import check_paths as _check_paths
+from kvtier._blockio.args import check_counts as _check_counts, check_paths as _check_paths
 from kvtier._blockio.jobstate import COMMITTING, DONE, EXPIRED, LIVE, PHASE, JobState, lock_cas as _lock_cas
 from kvtier._blockio.probes import probe_o_direct, probe_xattr
 from kvtier._blockio.records import XATTR_NAME
@@ -204,7 +205,8 @@ class BlockIO:
         record ``user.kvtier.id`` is set too (identity + CRC32C,
         :func:`kvtier._blockio.records.identity_record`).
         ``counts``: a dict the call's policy counters are added to
-        (:data:`kvtier._blockio.policy.COUNT_NAMES`). With ``job_state`` (a
+        (:data:`kvtier._blockio.policy.COUNT_NAMES`; its values ints, not bool,
+        in 0..2**64-1, checked before any I/O: TypeError / ValueError). With ``job_state`` (a
         :class:`JobState`, or a bare state word: a writable buffer of >= 4
         bytes, 4-byte aligned) each rename runs in a commit section; an expired
         job stops with OSError ETIMEDOUT and unlinks the temp it did not rename
@@ -214,6 +216,7 @@ class BlockIO:
         _check_bool(use_o_direct, "use_o_direct")
         _check_bool(durable, "durable")
         paths, mv, offsets, block_size = _check_blocks(paths, view, offsets, block_size, writable=False)
+        _check_counts(counts)
         tag = _store_tag()  # one per call: the destinations of a batch differ already
         tmps = [_tmp_with(p, tag) for p in paths]
         kw = _job_state_arg(job_state, self.backend)
@@ -264,7 +267,8 @@ class BlockIO:
         a block without CRC record is ENODATA (a miss, kept) instead of an
         unverified load. ``counts``: a dict the call's policy counters are
         added to (:data:`kvtier._blockio.policy.COUNT_NAMES`: unverified loads,
-        re-reads, condemned blocks by cause, retries by errno). With
+        re-reads, condemned blocks by cause, retries by errno; checked as a
+        store's). With
         ``job_state`` (see batch_store_block) bytes are read into private
         memory and enter ``view`` only in commit sections; an expired job
         stops with OSError ETIMEDOUT (``num_succeeded`` = blocks fully loaded)
@@ -278,6 +282,7 @@ class BlockIO:
         checksum = _policy.check_mode(checksum)
         _check_bool(use_o_direct, "use_o_direct")
         paths, mv, offsets, block_size = _check_blocks(paths, view, offsets, block_size, writable=True)
+        _check_counts(counts)
         kw = _job_state_arg(job_state, self.backend)
         if counts is not None:
             kw["counts"] = counts
@@ -290,7 +295,9 @@ class BlockIO:
 
     def batch_lookup(self, paths: Sequence[PathT], block_size: int = 0) -> list:
         """list[bool]: whether each path is a regular file (not a symlink,
-        directory or FIFO) of ``block_size`` bytes (any size when 0)."""
+        directory or FIFO) of ``block_size`` bytes (any size when 0). The paths are
+        checked as a store's (TypeError / ValueError: a NUL, an empty path, one ending in
+        ``/``, ``.`` or ``..``)."""
         return self.impl.batch_lookup(_check_paths(paths), _as_int(block_size, "block_size"))
 
     def policy_info(self) -> dict:

@@ -692,8 +692,13 @@ def test_batch_of_many_blocks_in_one_directory(io_backend, tmp_path, case):
         os.mkdir(paths[bad])
         want = (errno.EISDIR, bad)
     elif case == "dir_itself":
-        paths[bad] = str(real / "m_0123456789ab_r0" / f"{bad % 4:03x}") + "/"
+        paths[bad] = str(real / "m_0123456789ab_r0" / f"{bad % 4:03x}")
         want = (errno.EISDIR, bad)
+        # with a trailing '/' (the name of the directory opened for the batch, then an empty one)
+        # it is refused before any I/O, as every block path ending in a separator
+        with pytest.raises(ValueError, match=r"^paths\[23\]: a block path may not end in '/'"):
+            io_backend.batch_load_block(paths[:bad] + [paths[bad] + "/"] + paths[bad + 1:], np.zeros(n * bs, np.uint8),
+                                        offsets_of(n, bs), bs)
     elif case == "dotdot":
         os.mkdir(real / "x")
         paths = [p.replace(str(real), str(real / "x" / "..")) for p in paths]
@@ -714,7 +719,7 @@ def test_batch_of_many_blocks_in_one_directory(io_backend, tmp_path, case):
         assert os.fsdecode(err.filename) == paths[bad]
         assert np.array_equal(out[:bad * bs], view[:bad * bs]) and not out[(bad + 1) * bs:].any()
     if want is not None and case != "missing":
-        assert os.path.lexists(paths[bad].rstrip("/"))  # kept
+        assert os.path.lexists(paths[bad])  # kept
 
 
 def test_symlink_loop_eloop_kept(io_backend, tmp_path):
@@ -1057,6 +1062,86 @@ def test_bad_arguments_raw_layer(io_backend, tmp_path):
     out = bytearray(16)
     impl.batch_load_block(p, [out], use_o_direct=False, checksum=True)
     assert out == b"0123456789abcdef"
+
+
+@pytest.mark.parametrize("tail", ["/", "/.", "/.."])
+def test_a_block_path_naming_a_directory_is_refused_before_any_io(io_backend, tmp_path, tail):
+    """A block path ending in a separator, '.' or '..' names a directory: ValueError before
+    any I/O, for stores, loads and lookups, at kvtier.io and at the raw layer, the same
+    message from both backends. (A store of ``.../blk.bin/`` made the directory ``blk.bin``
+    as the temp's parent, then failed at the rename with ENOTDIR, leaving it at the key:
+    every later store of ``blk.bin`` was EISDIR.)"""
+    bs = 4096
+    view = rand_blocks(1, bs, seed=43)
+    good = block_paths(tmp_path, 1)[0]
+    bad = good + tail
+    # str, bytes, and os.PathLike (pathlib keeps a '..' but drops a trailing '/' or '.')
+    for b in [bad, os.fsencode(bad)] + ([pathlib.Path(bad)] if tail == "/.." else []):
+        msg = rf"^paths\[1\]: a block path may not end in '{tail[1:] or '/'}' \(it would name a directory\)$"
+        for call in (lambda: io_backend.batch_store_block([good, b], np.tile(view, 2), [0, bs], bs, True, True),
+                     lambda: io_backend.batch_load_block([good, b], np.zeros(2 * bs, np.uint8), [0, bs], bs),
+                     lambda: io_backend.batch_lookup([good, b])):
+            with pytest.raises(ValueError, match=msg):
+                call()
+    impl = io_backend.impl
+    raw = rf"dest_paths\[0\]: a block path may not end in '{tail[1:] or '/'}'"
+    with pytest.raises(ValueError, match=raw):
+        impl.batch_store_block([good + "_t.tmp"], [bad], [view.tobytes()], False, True)
+    with pytest.raises(ValueError, match=raw.replace("dest_paths", "source_paths")):
+        impl.batch_load_block([bad], [bytearray(bs)])
+    with pytest.raises(ValueError, match=raw.replace("dest_paths", "paths")):
+        impl.batch_lookup([bad])
+    assert os.listdir(tmp_path) == []  # no directory made at (or above) the key
+    # the name stays usable: a store of the file itself, then a load
+    io_backend.batch_store_block([good], view, [0], bs, True, True)
+    out = np.zeros(bs, np.uint8)
+    io_backend.batch_load_block([good], out, [0], bs, True, True)
+    assert out.tobytes() == view.tobytes() and io_backend.batch_lookup([good]) == [True]
+    # a name that merely ends in a dot is a file name
+    io_backend.batch_store_block([good + "."], view, [0], bs, True, True)
+    assert os.path.isfile(good + ".")
+
+
+@pytest.mark.parametrize("bad, exc, msg", [
+    ({"buffered_unaligned": None}, TypeError, r"counts\['buffered_unaligned'\] must be int, not NoneType$"),
+    ({"unverified": 1.0}, TypeError, r"counts\['unverified'\] must be int, not float$"),
+    ({"unverified": True}, TypeError, r"counts\['unverified'\] must be int, not bool$"),
+    ({"unverified": np.int64(1)}, TypeError, r"counts\['unverified'\] must be int, not int64$"),
+    ({"unverified": -1}, ValueError, r"counts\['unverified'\] = -1: a counter is an int in 0\.\.2\*\*64-1$"),
+    ({"unverified": 2**64}, ValueError, r"counts\['unverified'\] = 18446744073709551616: a counter is an int"),
+    ([], TypeError, r"counts must be a dict or None, not list$"),
+])
+def test_counts_checked_before_any_io(io_backend, tmp_path, bad, exc, msg):
+    """``counts=`` is checked before any I/O, by both backends alike, at kvtier.io and at the
+    raw layer: a dict of policy counters, each value an int (not bool) in 0..2**64-1. (A bad
+    value raised TypeError only after the I/O: a store had published its block, a load of a
+    corrupt block had condemned it and raised TypeError instead of EBADMSG; the fallback
+    took a float.)"""
+    bs = 4096
+    view = rand_blocks(2, bs, seed=44)
+    paths = block_paths(tmp_path, 2)
+    counts = bad.copy()
+    with pytest.raises(exc, match=msg):
+        io_backend.batch_store_block(paths, view, [0, bs], bs, True, True, counts=counts)
+    assert counts == bad and not os.path.exists(os.path.dirname(paths[0]))  # nothing published, nothing made
+    with pytest.raises(exc, match=msg):
+        io_backend.impl.batch_store_block([p + "_t.tmp" for p in paths], paths, view, False, True,
+                                          offsets=[0, bs], block_size=bs, counts=counts)
+    assert not os.path.exists(os.path.dirname(paths[0]))
+    io_backend.batch_store_block(paths, view, [0, bs], bs, True, True)
+    flip_bit(paths[1], 5)
+    out = np.zeros(2 * bs, np.uint8)
+    with pytest.raises(exc, match=msg):
+        io_backend.batch_load_block(paths, out, [0, bs], bs, True, True, counts=counts)
+    with pytest.raises(exc, match=msg):
+        io_backend.impl.batch_load_block(paths, out, True, True, offsets=[0, bs], block_size=bs, counts=counts)
+    assert os.path.exists(paths[1]) and not out.any()  # not read, not condemned
+    good = {"unverified": 2}
+    with pytest.raises(OSError) as ei:
+        io_backend.batch_load_block(paths, out, [0, bs], bs, True, True, counts=good)
+    assert ei.value.errno == errno.EBADMSG and ei.value.checksum_failed is True and ei.value.num_succeeded == 1
+    assert good == {"unverified": 2, "reread_checksum": 1, "condemned_checksum": 1}
+    assert not os.path.exists(paths[1])
 
 
 def test_c_signatures():

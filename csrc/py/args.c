@@ -142,8 +142,38 @@ int kvt_py_check_list(PyObject *obj, const char *what)
     return 0;
 }
 
+/* How the path c (len bytes) names a directory rather than a file: "/" when
+ * it ends in a separator, "." or ".." when that is its last component; else
+ * NULL (kvtier/_blockio/args.py dir_tail: a store would make that directory,
+ * the temp's parent, and fail at the rename, leaving it at the key). */
+static const char *dir_tail(const char *c, Py_ssize_t len)
+{
+    if (len > 0 && c[len - 1] == '/')
+        return "/";
+    Py_ssize_t start = len;
+    while (start > 0 && c[start - 1] != '/')
+        start--;
+    const char *last = c + start;
+    Py_ssize_t n = len - start;
+    if (n == 1 && last[0] == '.')
+        return ".";
+    if (n == 2 && last[0] == '.' && last[1] == '.')
+        return "..";
+    return NULL;
+}
+
+static int check_dir_tail(const char *c, Py_ssize_t len, const char *what, Py_ssize_t i)
+{
+    const char *tail = dir_tail(c, len);
+    if (!tail)
+        return 0;
+    PyErr_Format(PyExc_ValueError, "%s[%zd]: a block path may not end in '%s' (it would name a directory)", what, i,
+                 tail);
+    return -1;
+}
+
 /* str / bytes / os.PathLike -> owned bytes (os.fsencode); TypeError, or
- * ValueError for an embedded NUL. */
+ * ValueError for an embedded NUL or a path ending in '/', '.' or '..'. */
 int kvt_py_paths(PyObject *seq, Py_ssize_t n, PyObject **out, const char **cout, const char *what)
 {
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -158,6 +188,8 @@ int kvt_py_paths(PyObject *seq, Py_ssize_t n, PyObject **out, const char **cout,
                 PyErr_SetString(PyExc_ValueError, "embedded null byte");
                 return -1;
             }
+            if (check_dir_tail(c, len, what, i) < 0)
+                return -1;
             out[i] = Py_NewRef(item);
             cout[i] = c;
             continue;
@@ -170,6 +202,8 @@ int kvt_py_paths(PyObject *seq, Py_ssize_t n, PyObject **out, const char **cout,
         if (!PyUnicode_FSConverter(item, &out[i]))
             return -1;
         cout[i] = PyBytes_AS_STRING(out[i]);
+        if (check_dir_tail(cout[i], PyBytes_GET_SIZE(out[i]), what, i) < 0)
+            return -1;
     }
     return 0;
 }

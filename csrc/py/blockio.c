@@ -244,7 +244,8 @@ PyDoc_STRVAR(batch_lookup_doc,
 "(lstat(2): a symlink, directory or FIFO is not) of block_size bytes (any\n"
 "size when 0). Returns a list of bool of the same length. The GIL is\n"
 "released for the whole batch. Raises TypeError for a non-list or a bad\n"
-"path type, ValueError for a negative block_size.");
+"path type, ValueError for a negative block_size or a path with a NUL or\n"
+"ending in '/', '.' or '..'.");
 
 static PyObject *kvt_py_batch_lookup(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -313,9 +314,12 @@ PyDoc_STRVAR(batch_store_block_doc,
 "With offsets (a list of int) and block_size (int > 0), buffers is one\n"
 "buffer and block i is buffers[offsets[i] : offsets[i] + block_size] (no\n"
 "per-block buffer object; ValueError for a block outside it).\n\n"
-"Raises TypeError (non-list, bad path or buffer type), ValueError (unequal\n"
-"lengths, NUL in a path), BufferError (non-contiguous buffer) before any\n"
-"I/O. The batch stops at the first failing block: OSError with its errno,\n"
+"counts: None, or a dict of policy counters (policy_info()['counts']: each\n"
+"value an int in 0..2**64-1) that the batch's counters are added to.\n\n"
+"Raises TypeError (non-list, bad path, buffer or counts value type),\n"
+"ValueError (unequal lengths, NUL in a path, a path ending in '/', '.' or\n"
+"'..', a counts value out of range), BufferError (non-contiguous buffer)\n"
+"before any I/O. The batch stops at the first failing block: OSError with its errno,\n"
 "filename = its dest path, num_succeeded = its index, checksum_failed =\n"
 "False, num_retried = 0; its temp is removed, earlier blocks stay stored.\n\n"
 "job_state: None, or the job's state word (see job_state_cas): a block\n"
@@ -340,8 +344,9 @@ PyDoc_STRVAR(batch_load_block_doc,
 "A first checksum mismatch is retried once (page cache dropped, record and\n"
 "data re-read); returns the number of blocks so retried that then\n"
 "verified (int). A second mismatch condemns the block.\n\n"
+"counts: as batch_store_block's.\n\n"
 "Raises TypeError / ValueError / BufferError (read-only or non-contiguous\n"
-"buffer) before any I/O. The batch stops at the first failing block:\n"
+"buffer) before any I/O, for the arguments batch_store_block refuses too. The batch stops at the first failing block:\n"
 "OSError with filename = its path, num_succeeded = its index,\n"
 "num_retried = blocks of this batch re-read after a first mismatch (int;\n"
 "the failing block included, e.g. 1 for a block condemned on its re-read),\n"
@@ -606,6 +611,32 @@ static int add_counts(PyObject *counts, const kvt_counts *c)
     return 0;
 }
 
+/* counts= before any I/O (kvtier/_blockio/args.py check_counts, the same
+ * rules): a dict whose values are ints (not bool) in 0..2**64-1, which
+ * add_counts adds to; TypeError / ValueError. */
+static int check_counts(const char *fname, PyObject *c)
+{
+    if (!PyDict_Check(c)) {
+        PyErr_Format(PyExc_TypeError, "%s(): counts must be a dict or None, not %.100s", fname, Py_TYPE(c)->tp_name);
+        return -1;
+    }
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(c, &pos, &k, &v)) {
+        if (!PyLong_Check(v) || PyBool_Check(v)) {
+            const char *tn = Py_TYPE(v)->tp_name, *dot = strrchr(tn, '.');  /* its __name__, as Python's */
+            PyErr_Format(PyExc_TypeError, "%s(): counts[%R] must be int, not %.100s", fname, k, dot ? dot + 1 : tn);
+            return -1;
+        }
+        if (PyLong_AsUnsignedLongLong(v) == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "%s(): counts[%R] = %R: a counter is an int in 0..2**64-1", fname, k, v);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* The flags after the `npos` positional arguments of a batch call, by
  * position or keyword; durable == NULL: the call has no `durable` flag
  * (loads). */
@@ -664,11 +695,8 @@ static int parse_io_flags(PyObject *kwnames, PyObject *const *args, Py_ssize_t n
             continue;
         } else if (PyUnicode_CompareWithASCIIString(name, "counts") == 0) {
             PyObject *c = args[nargs + k];
-            if (c != Py_None && !PyDict_Check(c)) {
-                PyErr_Format(PyExc_TypeError, "%s(): counts must be a dict or None, not %.100s", fname,
-                             Py_TYPE(c)->tp_name);
+            if (c != Py_None && check_counts(fname, c) < 0)
                 return -1;
-            }
             *counts = c;
             continue;
         } else {

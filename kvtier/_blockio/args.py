@@ -21,25 +21,47 @@ _STR, _INT = {str}, {int}
 
 def check_path(i: int, p, what: str):
     """``p`` as str or bytes (``what[i]`` in messages): TypeError for another type,
-    ValueError for an embedded NUL."""
+    ValueError for an embedded NUL or a path naming a directory (:func:`dir_tail`; the
+    same message as kvtier._C's)."""
     if not isinstance(p, (str, bytes)) and not hasattr(p, "__fspath__"):
         raise TypeError(f"{what}[{i}] must be str, bytes or os.PathLike, not {type(p).__name__}")
     f = os.fspath(p)
     if ("\0" if isinstance(f, str) else b"\0") in f:
         raise ValueError(f"{what}[{i}]: embedded null byte")
+    tail = dir_tail(f)
+    if tail is not None:
+        raise ValueError(f"{what}[{i}]: a block path may not end in {tail!r} (it would name a directory)")
     return f
+
+
+def dir_tail(f) -> "str | None":
+    """How the path ``f`` (str or bytes) names a directory rather than a file: ``"/"`` when
+    it ends in a path separator, ``"."`` or ``".."`` when that is its last component; else
+    None. A block path may end in none of them: a store would make that directory (the
+    parent of its temp) and then fail at the rename, leaving a directory at the key (EISDIR
+    for every later store); a load or lookup of it can never find a block."""
+    if isinstance(f, bytes):
+        f = f.decode("latin-1")  # only the bytes '/' and '.' matter
+    if f.endswith("/"):
+        return "/"
+    last = f.rpartition("/")[2]
+    return last if last in (".", "..") else None
 
 
 def check_paths(paths, what="paths") -> list:
     """``paths`` as a list (TypeError for a str, bytes or non-sequence); each a path
-    (:func:`check_path`) and not empty (ValueError)."""
+    (:func:`check_path`: no NUL, not ending in ``/``, ``.`` or ``..``) and not empty
+    (ValueError)."""
     # a list first: isinstance() against an ABC costs more than the rest of a one-block check
     if type(paths) is not list and (isinstance(paths, (str, bytes)) or not isinstance(paths, _abc.Sequence)):
         raise TypeError(f"{what} must be a sequence of paths, not {type(paths).__name__}")
     paths = list(paths)
-    # fast path (the engine's str paths): one scan for NUL and empties, per-path checks only on a hit
-    if set(map(type, paths)) == _STR and "\0" not in "".join(paths) and all(paths):
-        return paths
+    # fast path (the engine's str paths): the paths joined, each between NULs, scanned for a
+    # NUL of their own, an empty path or a directory tail; per-path checks only on a hit
+    if set(map(type, paths)) == _STR:
+        j = "\0" + "\0".join(paths) + "\0"
+        if (j.count("\0") == len(paths) + 1 and "\0\0" not in j and "/\0" not in j and ".\0" not in j) or not paths:
+            return paths
     for i, p in enumerate(paths):
         if not check_path(i, p, what):
             raise ValueError(f"{what}[{i}]: empty path")
@@ -166,7 +188,22 @@ def c_mode(checksum):
     return bool(checksum)
 
 
+COUNT_MAX = 2**64 - 1
+"""The largest counter a ``counts=`` dict may hold (kvtier._C adds into an unsigned 64-bit)."""
+
+
 def check_counts(counts):
-    """TypeError unless ``counts`` is a dict or None."""
-    if counts is not None and not isinstance(counts, dict):
+    """``counts=`` of a batch call, before any I/O: None, or a dict of policy counters that
+    the call adds to, so every value is an int (not bool) in 0..:data:`COUNT_MAX`:
+    TypeError for another type (of ``counts`` or of a value), ValueError for a value out of
+    range. (Checked after the I/O, a bad value lost the call's own result: a store had
+    published its blocks, a load's EBADMSG became a TypeError.)"""
+    if counts is None:
+        return
+    if not isinstance(counts, dict):
         raise TypeError(f"counts must be a dict or None, not {type(counts).__name__}")
+    for k, v in counts.items():
+        if type(v) is not int and (isinstance(v, bool) or not isinstance(v, int)):
+            raise TypeError(f"counts[{k!r}] must be int, not {type(v).__name__}")
+        if not 0 <= v <= COUNT_MAX:
+            raise ValueError(f"counts[{k!r}] = {v}: a counter is an int in 0..2**64-1")
