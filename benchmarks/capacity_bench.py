@@ -58,8 +58,9 @@ unique blocks) and unbounded:
   k-sync     k's order (mtime, rate-limited touches, head-newest) evicting one block at each store
              into a full tier: no census, no watermarks (what k's order is worth by itself)
   k*         k, also told of the blocks the CPU tier served (touches their disk copies, rate-
-             limited): vLLM 0.33 never asks the disk tier about those (a tier would need the
-             request's keys, e.g. from vLLM's request context, to do it)
+             limited): vLLM 0.33 never asks the disk tier about those; kvtier's vLLM tier
+             learns them from vLLM's request context (every key of a finished request,
+             touched in prefix order), so k* is kvtier inside vLLM, k the standalone tier
   k+evict    k, touching a block's disk copy when a node's CPU tier evicts it
   k+leaf     k evicting only leaves, with parent links known within a store job only (block
              i+1 of a job is block i's child: what a tier can record by itself)

@@ -154,6 +154,17 @@ def _checksum_on(tier_config: Dict[str, Any]) -> bool:
     return bool(tier_config.get("checksum_blocks", KVTIER_KEYS["checksum_blocks"]))
 
 
+def request_keys(req_context) -> List[Any]:
+    """The offload keys of a request in prefix order: vLLM's scheduler records each key's
+    end-token position in the request context (``ReqContext._offload_key_positions``,
+    vLLM 0.32 and 0.33, every key of the request whichever tier holds it); [] where it
+    records none (another vLLM)."""
+    pos = getattr(req_context, "_offload_key_positions", None)
+    if not isinstance(pos, dict) or not pos:
+        return []
+    return sorted(pos, key=pos.__getitem__)
+
+
 class _Lookup(AsyncLookupManager):
     """vLLM's async lookup state machine; the existence checks are one C call per batch
     (``kvtier.io.batch_lookup``: a stat per path, GIL released) through the engine.
@@ -408,6 +419,12 @@ class KvtierTier(SecondaryTierManager):
 
     def on_request_finished(self, req_context) -> None:
         self._lookup.cleanup(req_context.req_id)
+        if self.capacity is not None:
+            # a bounded root: every block of the request is refreshed on disk (rate-limited,
+            # on the capacity thread), the prefix the CPU tier served too: vLLM asks this
+            # tier only about the CPU tier's misses, so the disk copies of the blocks it keeps
+            # serving would age as if unused (docs/capacity.md "Recency")
+            self.capacity.touch_keys_later(self.file_mapper.get_file_name, request_keys(req_context))
 
     def on_schedule_end(self, context) -> None:
         self._lookup.flush()

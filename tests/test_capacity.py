@@ -2092,6 +2092,82 @@ def test_vllm_tier_with_a_bound_emits_removed_events_and_misses(tmp_path):
         h.close()
 
 
+def test_vllm_tier_refreshes_a_finished_requests_blocks_the_cpu_tier_served(tmp_path):
+    """vLLM asks a secondary tier only about the CPU tier's misses: a bounded kvtier tier
+    refreshes on disk every block of a finished request (its keys in prefix order, from
+    vLLM's request context), so the disk copies of a prefix the CPU tier keeps serving do
+    not age as unused and are not evicted first; rate-limited (one touch per window per
+    process); a key with no file costs nothing more."""
+    from ci import unavailable
+
+    try:
+        from vllm.plugins import load_general_plugins
+        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    except ImportError as e:
+        unavailable(f"vLLM 0.33 is not importable ({e})")
+    load_general_plugins()
+    if "kvtier" not in SecondaryTierFactory._registry:
+        unavailable("kvtier's vllm.general_plugins entry point is not installed (pip install -e .)")
+    from vllm_harness import Harness, key
+
+    bs = 8192
+    root = str(tmp_path / "kv")
+    conf = {"type": "kvtier", "root_dir": root, "n_read_threads": 2, "n_write_threads": 2,
+            "max_bytes": "1G", "census_interval_s": 3600, "touch_window_s": 30, "use_o_direct": False}
+    h = Harness([conf], block_bytes=bs)
+    try:
+        tier = h.tiers[0]
+        rng = np.random.default_rng(9)
+        a = [key(i, salt=3) for i in range(4)]  # the prefix the CPU tier keeps serving
+        b = [key(i, salt=4) for i in range(4)]  # another request's blocks, stored later
+        h.store(a, [rng.integers(0, 256, bs, dtype=np.uint8).tobytes() for _ in a])
+        h.wait_tiers()
+        h.store(b, [rng.integers(0, 256, bs, dtype=np.uint8).tobytes() for _ in b])
+        h.wait_tiers()
+        pa = [tier.file_mapper.get_file_name(k) for k in a]
+        pb = [tier.file_mapper.get_file_name(k) for k in b]
+        old = time.time_ns() - 3600 * 10**9
+        for p in pa:
+            os.utime(p, ns=(old, old))  # a's disk copies look an hour unused
+        rc = cap.root_capacity(root)
+        rc._touched.clear()  # (the stores' stamps: outside any window now)
+        r = h.ctx()
+        missing = key(99, salt=3)  # a key of the request with no file (never cascaded)
+        for pos, k in enumerate(a + [missing], 1):
+            r.set_offload_key_position(k, pos * 16)
+        t0 = time.time_ns()
+        h.finish(r)  # the CPU tier served the request: the disk tier was asked nothing
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(os.stat(p).st_mtime_ns < t0 for p in pa):
+            time.sleep(0.01)
+        m = [os.stat(p).st_mtime_ns for p in pa]
+        assert all(x >= t0 for x in m), (m, t0)
+        assert m == sorted(m, reverse=True)  # the head newest
+        assert min(m) > max(os.stat(p).st_mtime_ns for p in pb)  # a is now newer than b: b goes first
+        assert not os.path.exists(tier.file_mapper.get_file_name(missing))
+        # rate-limited: a second finish within the window writes no mtime
+        for p in pa:
+            os.utime(p, ns=(old, old))
+        r2 = h.ctx()
+        for pos, k in enumerate(a, 1):
+            r2.set_offload_key_position(k, pos * 16)
+        h.finish(r2)
+        time.sleep(0.3)
+        assert all(os.stat(p).st_mtime_ns == old for p in pa)
+        # an eviction now takes b (older) and keeps a
+        base = cap.census(root).bytes
+        for p in pa:
+            os.utime(p, ns=(t0, t0))
+        rc.max_bytes = int((base - 4 * bs) / 0.85) + 1
+        rc._job_max = 0
+        n = rc.passes
+        rc.request_evict("capacity")
+        assert rc.wait_pass(10, after=n)
+        assert all(os.path.exists(p) for p in pa) and not any(os.path.exists(p) for p in pb)
+    finally:
+        h.close()
+
+
 # ---------------------------------------------------------------------- two DFS clients
 
 LOCK_HOLDER = r"""

@@ -1188,6 +1188,11 @@ class Handle:
         """Lookup hits: refreshed on the capacity thread (rate-limited)."""
         self.rc.touch_later(paths)
 
+    def touch_keys_later(self, path_of: Callable[[Any], str], keys: Sequence[Any]) -> None:
+        """A finished request's blocks (keys in prefix order), refreshed on the capacity
+        thread (rate-limited): :meth:`RootCapacity.touch_keys_later`."""
+        self.rc.touch_keys_later(path_of, keys)
+
     def gauges(self) -> Dict[str, float]:
         return self.rc.gauges()
 
@@ -1279,7 +1284,8 @@ class RootCapacity:
         self._checked_at = 0.0
         self._listed_at = 0.0  # time.monotonic() of the last listing of the writers at an admission  # time.monotonic() of the last _check_state (ledger and lock file there)
         self._touched: "collections.OrderedDict[str, float]" = collections.OrderedDict()
-        self._touch_q: "collections.deque[str]" = collections.deque(maxlen=TOUCH_LRU)
+        # paths, or (path_of, keys) mapped on the capacity thread (a request's keys: touch_keys_later)
+        self._touch_q: "collections.deque[Any]" = collections.deque(maxlen=TOUCH_LRU)
         self._request: Optional[str] = None
         self._request_seen = 0.0
         self._job_max = 0  # bytes of the largest store job (<= the bound) seen: room a pass leaves
@@ -1586,13 +1592,21 @@ class RootCapacity:
             ns = now_ns - i * 1000
             try:
                 os.utime(p, ns=(ns, ns))
-            except OSError:  # evicted or condemned meanwhile: nothing to refresh
-                continue
+            except OSError:  # not on disk (evicted, condemned, never stored): nothing to refresh,
+                pass  # and not tried again within the window (a request's keys: touch_keys_later)
             with self._lock:
                 touched[p] = mono
                 touched.move_to_end(p)
                 while len(touched) > TOUCH_LRU:
                     touched.popitem(last=False)
+
+    def touch_keys_later(self, path_of: Callable[[Any], str], keys: Sequence[Any]) -> None:
+        """A finished request's blocks, ``keys`` in prefix order, refreshed on the capacity
+        thread (``path_of`` maps a key there, off the caller's thread; rate-limited as
+        :meth:`touch_later`)."""
+        if keys:
+            self._touch_q.append((path_of, list(keys)))
+            self._wake.set()
 
     def touch_later(self, paths: Iterable[str]) -> None:
         mono, window = time.monotonic(), self.config.touch_window_s
@@ -1758,7 +1772,12 @@ class RootCapacity:
         while self._touch_q:
             batch = []
             while self._touch_q and len(batch) < 256:
-                batch.append(self._touch_q.popleft())
+                item = self._touch_q.popleft()
+                if isinstance(item, str):
+                    batch.append(item)
+                else:  # a request's keys, in prefix order: the head stamped newest
+                    path_of, keys = item
+                    batch.extend(path_of(k) for k in keys)
             self.stamp(batch, force=False)
             self.lock.beat()
         req = self._request
