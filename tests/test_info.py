@@ -12,7 +12,7 @@ import kvtier
 
 
 def run_info(*args, env=None, rc=0):
-    """`kvtier info ARGS` with env added; asserts its exit status is rc (1 when a
+    """`kvtier info ARGS` with env added; asserts its exit status is rc (2 when a
     KVTIER_* setting is refused)."""
     e = dict(os.environ)
     e.update(env or {})
@@ -89,8 +89,9 @@ def test_info_names_the_block_io_backend_and_a_bad_choice():
     assert "Block I/O:      c (kvtier._C)" in run_info().stdout
     assert json.loads(run_info("--json", env={"KVTIER_IO_BACKEND": "python"}).stdout)["io_backend"] == \
         "python (pure-Python fallback)"
-    out = run_info(env={"KVTIER_IO_BACKEND": "bogus"}, rc=1).stdout
-    assert "Block I/O:      error: KVTIER_IO_BACKEND='bogus' is not valid; valid values: c, python" in out
+    r = run_info(env={"KVTIER_IO_BACKEND": "bogus"}, rc=2)
+    assert "Block I/O:      error: KVTIER_IO_BACKEND='bogus' is not valid; valid values: c, python" in r.stdout
+    assert r.stderr == "kvtier info: KVTIER_IO_BACKEND='bogus' is not valid; valid values: c, python\n"
 
 
 def test_info_reports_the_io_engine():
@@ -130,9 +131,9 @@ def test_info_reports_the_io_engine():
     py = run_info(env={"KVTIER_IO_BACKEND": "python"}).stdout
     line = next(ln for ln in py.splitlines() if ln.startswith("I/O engine:"))
     assert line.endswith("[not used: the block I/O backend is the pure-Python fallback]")
-    bad = run_info(env={"KVTIER_IO_URING": "maybe"}, rc=1).stdout
+    bad = run_info(env={"KVTIER_IO_URING": "maybe"}, rc=2).stdout
     assert "I/O engine:     error: KVTIER_IO_URING='maybe' is not valid; valid values: 1, true" in bad
-    bad_json = json.loads(run_info("--json", env={"KVTIER_IO_URING": "2"}, rc=1).stdout)
+    bad_json = json.loads(run_info("--json", env={"KVTIER_IO_URING": "2"}, rc=2).stdout)
     assert bad_json["io_engine"] is None and bad_json["io_engine_error"].startswith("KVTIER_IO_URING='2'")
 
 
@@ -175,13 +176,35 @@ def test_info_reports_the_crc_copy():
     forced = run_info(env={"KVTIER_CRC32C_BACKEND": "table", "KVTIER_CRC_COPY": ""}).stdout
     if kernel != "generic":
         assert "CRC copy:       off (the CRC32C backend is forced to table); kernel " + kernel in forced
-    bad = run_info(env={"KVTIER_CRC_COPY": "maybe"}, rc=1).stdout
+    bad = run_info(env={"KVTIER_CRC_COPY": "maybe"}, rc=2).stdout
     assert "CRC copy:       error: KVTIER_CRC_COPY='maybe' is not valid; valid values: 1, true" in bad
     assert "[not used" not in bad
-    bad_json = json.loads(run_info("--json", env={"KVTIER_CRC_COPY": "2"}, rc=1).stdout)
+    bad_json = json.loads(run_info("--json", env={"KVTIER_CRC_COPY": "2"}, rc=2).stdout)
     assert bad_json["crc_copy"] is None
     assert bad_json["crc_copy_error"].startswith(
         "KVTIER_CRC_COPY='2' is not valid")
+
+
+def test_info_says_a_refused_load_landing_and_exits_2(tmp_path):
+    """KVTIER_LOAD_LANDING with a word no tier takes: ``kvtier info`` says it is invalid where
+    the landing is described and on stderr, naming the variable and the valid words, and exits
+    2 (bad arguments), with ROOT and --json too; never a traceback. (Was: ``info`` printed the
+    junk as a setting with exit 0, ``info ROOT`` died with a traceback, exit 1.) A valid word
+    in any case is no error."""
+    msg = "KVTIER_LOAD_LANDING must be one of auto, direct, bounce, not 'junk'"
+    for args in ((), (str(tmp_path),)):
+        r = run_info(*args, env={"KVTIER_LOAD_LANDING": "junk"}, rc=2)
+        assert r.stderr == f"kvtier info: {msg}\n", r.stderr
+        assert f"Load landing:   error: {msg} (every tier of this process refuses it); tier key load_landing" in r.stdout
+        assert "KVTIER_LOAD_LANDING=junk" not in r.stdout
+        d = json.loads(run_info(*args, "--json", env={"KVTIER_LOAD_LANDING": "junk"}, rc=2).stdout)
+        assert d["setting_errors"] == [msg] and d["load_landing_error"] == msg
+    assert f"  load landing: error: {msg}" in r.stdout.splitlines()
+    assert d["root"]["load_landing"] == {"auto": None, "why": None, "error": msg}
+    ok = run_info(str(tmp_path), env={"KVTIER_LOAD_LANDING": "Bounce"})
+    assert ok.stderr == "" and "  load landing: auto -> bounce (KVTIER_LOAD_LANDING=bounce)" in ok.stdout.splitlines()
+    assert json.loads(run_info("--json").stdout)["setting_errors"] == []
+    assert os.listdir(tmp_path) == []
 
 
 # ---------------------------------------------------------------- kvtier info ROOT: can a block be stored there
@@ -279,3 +302,25 @@ def test_info_root_on_a_real_read_only_bind_mount(tmp_path, monkeypatch, capsys)
         if mounted:
             subprocess.run(["umount", str(mnt)], capture_output=True)
     assert os.listdir(src) == []
+
+
+@pytest.mark.mount
+def test_info_root_says_when_the_filesystem_has_no_user_xattrs(ramfs_dir, tmp_path, capsys):
+    """``kvtier info ROOT`` on a ramfs (no user xattrs) says so, in the text and the JSON, by
+    one getxattr on ROOT (nothing created), and that a checksummed tier cannot start there,
+    which is true: the default tier refuses to start. (Was: ``writable: yes`` and the landing,
+    nothing about xattrs.) A root with user xattrs says yes."""
+    rc, d, text = _info_root_here(capsys, ramfs_dir)
+    why = f"the filesystem (ramfs at {ramfs_dir}) has no user xattrs (getxattr: Operation not supported)"
+    assert rc == 0 and d["user_xattrs"] is False and d["user_xattrs_why"] == why and d["writable"] is True
+    assert (f"  user xattrs:  NO: {why}: a checksummed tier (checksum_blocks=True, the default) cannot start "
+            "here, only checksum_blocks=False (blocks unverified)") in text.splitlines()
+    assert os.listdir(ramfs_dir) == []
+    import numpy as np
+    from kvtier.manager import FileSystemTierManager
+
+    with pytest.raises(ValueError, match="ramfs"):
+        FileSystemTierManager(np.zeros((2, 4096), np.uint8), ramfs_dir, "m", use_o_direct=False)
+    rc, d, text = _info_root_here(capsys, str(tmp_path))
+    assert rc == 0 and d["user_xattrs"] is True and d["user_xattrs_why"] is None
+    assert "  user xattrs:  yes" in text.splitlines()

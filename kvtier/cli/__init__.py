@@ -44,6 +44,21 @@ def _cpu_flags() -> list:
     return []
 
 
+def _landing_env_error() -> "str | None":
+    """Why ``KVTIER_LOAD_LANDING`` is refused (as every tier of this process would refuse it:
+    :func:`kvtier._tier.landing.resolve`), or None when it is unset or one of its words."""
+    from kvtier._tier import landing
+
+    env = os.environ.get(landing.ENV, "")
+    if not env:
+        return None
+    try:
+        landing.check_mode(env.strip().lower(), landing.ENV)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def info_dict() -> dict:
     """Everything ``kvtier info`` prints, as a dict (for ``--json`` and tests)."""
     c = kvtier._C
@@ -79,6 +94,10 @@ def info_dict() -> dict:
     if d["io_engine"] is not None:
         d["io_engine"]["thp"] = _thp_mode()
     d["crc_copy"] = c.crc_copy_status() if c is not None and "crc_copy_error" not in d else None
+    d["load_landing_error"] = _landing_env_error()
+    # every refused KVTIER_* setting, in the order printed (kvtier info exits 2 with them)
+    d["setting_errors"] = ([d["io_backend"][len("error: "):]] if str(d["io_backend"]).startswith("error: ") else []) + \
+        ([d["load_landing_error"]] if d["load_landing_error"] else [])
     if c is not None:
         from kvtier import dsa
 
@@ -137,8 +156,10 @@ def _print_info(d: dict) -> None:
         else:
             print(f"                O_DIRECT slots (loads, checksummed stores): 2 x 2 MiB per I/O thread on 4 KiB pages (THP "
                   f"{thp or 'not in this kernel'}): loads lose the speed of one segment per piece")
-    env_landing = os.environ.get("KVTIER_LOAD_LANDING", "")
-    print(f"Load landing:   tier key load_landing (auto, direct, bounce){f'; KVTIER_LOAD_LANDING={env_landing}' if env_landing else ''}; "
+    env_landing, bad_landing = os.environ.get("KVTIER_LOAD_LANDING", ""), d.get("load_landing_error")
+    head = f"error: {bad_landing} (every tier of this process refuses it); " if bad_landing else ""
+    env_part = f"; KVTIER_LOAD_LANDING={env_landing}" if env_landing and not bad_landing else ""
+    print(f"Load landing:   {head}tier key load_landing (auto, direct, bounce){env_part}; "
           "auto: direct on ext4/xfs/btrfs/f2fs/tmpfs/ramfs, else bounce")
     print("                bounce: read into private memory, copied into the row (one more copy of every byte); "
           "a hung read never writes the row")
@@ -170,10 +191,14 @@ def _print_info(d: dict) -> None:
 def cmd_info(args: argparse.Namespace) -> int:
     """``kvtier info [ROOT]``: print :func:`info_dict` (and with ``args.root`` the root's
     section, :func:`kvtier.cli.root_info.root_info`) as text, or as JSON with ``args.json``.
-    Returns 0, 1 when a KVTIER_* setting is refused (shown as an error), 2 when ROOT does not
-    exist or is no directory (as every subcommand: :func:`kvtier.cli._text.dir_error`) or
-    cannot be read (EACCES: the OSError's errno and path, as ``kvtier scrub`` and ``kvtier
-    evict``); a missing C core or DSA is reported, not an error."""
+    Returns 0; 2 when a KVTIER_* setting is refused (``KVTIER_IO_BACKEND``, ``KVTIER_IO_URING``,
+    ``KVTIER_CRC_COPY``, ``KVTIER_LOAD_LANDING``: shown as an error where it acts, and on
+    stderr naming the variable and its valid values, everything else still printed), when
+    ROOT does not exist or is no directory (as every subcommand:
+    :func:`kvtier.cli._text.dir_error`) or cannot be read (EACCES: the OSError's errno and
+    path, as ``kvtier scrub`` and ``kvtier evict``); a missing C core or DSA is reported, not
+    an error. (A refused ``KVTIER_CRC32C_BACKEND`` or ``KVTIER_DSA*`` fails ``import kvtier``
+    itself, before this command runs.)"""
     from kvtier.cli._text import EXIT_USAGE, dir_error
 
     if getattr(args, "root", None) is not None:
@@ -196,7 +221,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         _print_info(d)
         if "root" in d:
             print_root_info(d["root"])
-    return 1 if str(d["io_backend"]).startswith("error: ") else 0
+    for msg in d["setting_errors"]:
+        print(f"kvtier info: {msg}", file=sys.stderr)
+    return EXIT_USAGE if d["setting_errors"] else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

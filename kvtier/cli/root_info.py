@@ -1,7 +1,8 @@
 """``kvtier info ROOT``: what a cache root holds and how it is bounded, without a scan.
 
 Everything here is read from what the root already has: its mount (mountinfo, statvfs;
-whether a block can be stored there at all: a read-only mount, or ``access(W_OK)`` refused),
+whether a block can be stored there at all: a read-only mount, or ``access(W_OK)`` refused;
+whether it has user xattrs: one getxattr on ROOT),
 its rank directories (one listing of ROOT), the latest census its evictor published
 (``ROOT/.kvtier/usage.json``), the writers' ledgers (``ROOT/.kvtier/writers/``), the evictor
 lock's holder (F_GETLK) and its heartbeat (the lock file's record).  Nothing is created,
@@ -22,8 +23,10 @@ def root_info(root: str, now: Optional[float] = None) -> Dict[str, Any]:
     ``filesystem`` (mount point, fstype, kind, size, free bytes and inodes, ``read_only``:
     statvfs ``ST_RDONLY``), ``writable`` (False on a read-only mount or when ``access(W_OK)``
     refuses this process: no block can be stored there, no tier starts there) and
-    ``not_writable`` (why, else None), ``load_landing``
-    (what ``auto`` picks here, and why), ``rank_dirs`` (the ``<model>_<digest>_r<rank>``
+    ``not_writable`` (why, else None), ``user_xattrs`` (True, False: no checksummed tier
+    starts here, or None: not known; :func:`user_xattrs`, one getxattr) and
+    ``user_xattrs_why``, ``load_landing`` (what ``auto`` picks here, and why; ``error``:
+    a refused ``KVTIER_LOAD_LANDING``, else None), ``rank_dirs`` (the ``<model>_<digest>_r<rank>``
     directories), ``capacity`` (None for a root no evictor has censused, else the latest
     census: used and max bytes, its age, its evictor, the live writers' ledgers, the
     lock's holder and its heartbeat: ``by``, ``seq``, ``age_s`` by the holder's clock).
@@ -52,7 +55,12 @@ def root_info(root: str, now: Optional[float] = None) -> Dict[str, Any]:
         not_writable = f"this process (uid {os.geteuid()}) may not write to it (access W_OK refused)"
     else:
         not_writable = None
-    mode, why = landing.resolve("auto", root)
+    try:
+        mode, why = landing.resolve("auto", root)
+        load_landing: Dict[str, Any] = {"auto": mode, "why": why, "error": None}
+    except ValueError as e:  # a refused KVTIER_LOAD_LANDING: said (kvtier info exits 2), no traceback
+        load_landing = {"auto": None, "why": None, "error": str(e)}
+    xattrs, xattrs_why = user_xattrs(root, m.fstype if m else None)
     with os.scandir(root) as it:
         ranks = sorted(e.name for e in it if _cap._RANK_RE.match(e.name) and e.is_dir() and e.name != _cap.STATE_DIR)
     c = capacity_summary(root, now)
@@ -65,7 +73,32 @@ def root_info(root: str, now: Optional[float] = None) -> Dict[str, Any]:
                                         "age_s": (time.time() if now is None else now) - hb["t"]}
         c.update(writers_live=live, writers_bytes=ledgers, lock_holder=_cap.lock_holder(root), heartbeat=beat)
     return {"root": root, "filesystem": fs, "writable": not_writable is None, "not_writable": not_writable,
-            "load_landing": {"auto": mode, "why": why}, "rank_dirs": ranks, "capacity": c}
+            "user_xattrs": xattrs, "user_xattrs_why": xattrs_why,
+            "load_landing": load_landing, "rank_dirs": ranks, "capacity": c}
+
+
+def user_xattrs(root: str, fstype: Optional[str] = None) -> "tuple[Optional[bool], Optional[str]]":
+    """Whether the filesystem of ``root`` has user xattrs, by one read-only probe: getxattr
+    of ``user.vllm.kv_crc32c`` on the root directory itself (nothing created). ENODATA (or
+    the value): ``(True, None)``; EOPNOTSUPP (ramfs, tmpfs before Linux 6.6, an NFS server
+    without xattrs, a FUSE daemon without them): ``(False, why)``, and a checksummed tier
+    (``checksum_blocks=True``, the default) refuses to start there; another errno:
+    ``(None, why)``, not known. A filesystem that reads the namespace but refuses to set it
+    is found by ``kvtier doctor ROOT`` and by a tier's startup, which set one on a probe file."""
+    import errno
+
+    from kvtier._blockio.records import XATTR_NAME
+
+    try:
+        os.getxattr(root, XATTR_NAME)
+    except OSError as e:
+        if e.errno == errno.ENODATA:
+            return True, None
+        fs = f"{fstype} at " if fstype else ""
+        if e.errno in (errno.EOPNOTSUPP, errno.ENOTSUP):
+            return False, f"the filesystem ({fs}{root}) has no user xattrs (getxattr: {e.strerror})"
+        return None, f"getxattr of {XATTR_NAME} on {root}: {e.strerror}"
+    return True, None
 
 
 def print_root_info(d: Dict[str, Any]) -> None:
@@ -83,7 +116,19 @@ def print_root_info(d: Dict[str, Any]) -> None:
     else:
         print(f"  writable:     NO: {d['not_writable']}: no block can be stored here and no tier starts here "
               f"(its startup writes a probe file)")
-    print(f"  load landing: auto -> {d['load_landing']['auto']} ({d['load_landing']['why']})")
+    x = d["user_xattrs"]
+    if x is True:
+        print("  user xattrs:  yes")
+    elif x is False:
+        print(f"  user xattrs:  NO: {d['user_xattrs_why']}: a checksummed tier (checksum_blocks=True, the default) "
+              f"cannot start here, only checksum_blocks=False (blocks unverified)")
+    else:
+        print(f"  user xattrs:  unknown ({d['user_xattrs_why']}); `kvtier doctor ROOT` sets one to see")
+    ll = d["load_landing"]
+    if ll.get("error"):
+        print(f"  load landing: error: {ll['error']}")
+    else:
+        print(f"  load landing: auto -> {ll['auto']} ({ll['why']})")
     r = d["rank_dirs"]
     print(f"  rank dirs:    {len(r)}" + (f" ({', '.join(r[:4])}{', ...' if len(r) > 4 else ''})" if r else
                                          " (no <model>_<digest>_r<rank> directory: no cache here yet)"))
