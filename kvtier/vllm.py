@@ -424,7 +424,7 @@ class KvtierTier(SecondaryTierManager):
             # on the capacity thread), the prefix the CPU tier served too: vLLM asks this
             # tier only about the CPU tier's misses, so the disk copies of the blocks it keeps
             # serving would age as if unused (docs/capacity.md "Recency")
-            self.capacity.touch_keys_later(self.file_mapper.get_file_name, request_keys(req_context))
+            self.capacity.touch_keys_later(self.file_mapper.get_file_name, lambda: request_keys(req_context))
 
     def on_schedule_end(self, context) -> None:
         self._lookup.flush()

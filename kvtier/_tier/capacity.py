@@ -1188,8 +1188,8 @@ class Handle:
         """Lookup hits: refreshed on the capacity thread (rate-limited)."""
         self.rc.touch_later(paths)
 
-    def touch_keys_later(self, path_of: Callable[[Any], str], keys: Sequence[Any]) -> None:
-        """A finished request's blocks (keys in prefix order), refreshed on the capacity
+    def touch_keys_later(self, path_of: Callable[[Any], str], keys: Callable[[], Sequence[Any]]) -> None:
+        """A finished request's blocks (``keys()`` in prefix order), refreshed on the capacity
         thread (rate-limited): :meth:`RootCapacity.touch_keys_later`."""
         self.rc.touch_keys_later(path_of, keys)
 
@@ -1600,13 +1600,12 @@ class RootCapacity:
                 while len(touched) > TOUCH_LRU:
                     touched.popitem(last=False)
 
-    def touch_keys_later(self, path_of: Callable[[Any], str], keys: Sequence[Any]) -> None:
-        """A finished request's blocks, ``keys`` in prefix order, refreshed on the capacity
-        thread (``path_of`` maps a key there, off the caller's thread; rate-limited as
-        :meth:`touch_later`)."""
-        if keys:
-            self._touch_q.append((path_of, list(keys)))
-            self._wake.set()
+    def touch_keys_later(self, path_of: Callable[[Any], str], keys: Callable[[], Sequence[Any]]) -> None:
+        """A finished request's blocks refreshed on the capacity thread: ``keys()`` gives them
+        in prefix order and ``path_of`` maps each, both called there, off the caller's (vLLM's
+        scheduler) thread; rate-limited as :meth:`touch_later`."""
+        self._touch_q.append((path_of, keys))
+        self._wake.set()
 
     def touch_later(self, paths: Iterable[str]) -> None:
         mono, window = time.monotonic(), self.config.touch_window_s
@@ -1777,7 +1776,7 @@ class RootCapacity:
                     batch.append(item)
                 else:  # a request's keys, in prefix order: the head stamped newest
                     path_of, keys = item
-                    batch.extend(path_of(k) for k in keys)
+                    batch.extend(path_of(k) for k in keys())
             self.stamp(batch, force=False)
             self.lock.beat()
         req = self._request
