@@ -97,7 +97,7 @@ def test_scrub_clean_cache(tmp_path, capsys):
     assert main(["scrub", str(tmp_path), "--json", "--no-progress"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["blocks"] == 7 and d["bytes"] == 7 * 8192
-    assert d["counts"] == {"ok": 6, "corrupt": 0, "no_checksum": 1, "wrong_size": 0, "error": 0, "stray_temp": 0}
+    assert d["counts"] == {"ok": 6, "corrupt": 0, "no_checksum": 1, "wrong_size": 0, "error": 0, "stray_temp": 0, "gone": 0}
     assert [f["path"] for f in d["findings"]] == [paths[6]]
     assert d["retried"] == 0
     assert list(d["expected_block_bytes"].values()) == [{"bytes": 8192, "source": "kvtier.json"}]
@@ -112,7 +112,7 @@ def test_scrub_finds_corruption_and_remove_deletes_only_bad(tmp_path, capsys):
     open(stray, "wb").close()
     assert main(["scrub", str(tmp_path), "--json", "--no-progress"]) == 1
     d = json.loads(capsys.readouterr().out)
-    assert d["counts"] == {"ok": 4, "corrupt": 1, "no_checksum": 1, "wrong_size": 1, "error": 0, "stray_temp": 1}
+    assert d["counts"] == {"ok": 4, "corrupt": 1, "no_checksum": 1, "wrong_size": 1, "error": 0, "stray_temp": 1, "gone": 0}
     by = {f["path"]: f for f in d["findings"]}
     assert by[paths[2]]["status"] == "corrupt" and "recorded" in by[paths[2]]["detail"]
     assert by[paths[4]]["status"] == "wrong_size" and by[paths[4]]["expected_size"] == 8192

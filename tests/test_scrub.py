@@ -62,7 +62,7 @@ def test_hybrid_groups_guess_size_per_group_and_remove_keeps_good_blocks(tmp_pat
     for extra in ((), ("--remove",)):
         rc, d = run(tmp_path, *extra)
         assert rc == 0
-        assert d["counts"] == {"ok": 4, "corrupt": 0, "no_checksum": 0, "wrong_size": 0, "error": 0, "stray_temp": 0}
+        assert d["counts"] == {"ok": 4, "corrupt": 0, "no_checksum": 0, "wrong_size": 0, "error": 0, "stray_temp": 0, "gone": 0}
         assert d["expected_block_bytes"] == {
             "m_0123456789ab_r0/g0": {"bytes": 8192, "source": "guess"},
             "m_0123456789ab_r0/g1": {"bytes": 4096, "source": "guess"},
@@ -231,7 +231,7 @@ def test_text_report_names_sources_and_retried(tmp_path, capsys):
     assert main(["scrub", str(tmp_path), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "m_0123456789ab_r0/g1: expected block size 4096 (guess: most common size; judged by CRC32C only)" in out
-    assert "ok 4  corrupt 0  no_checksum 0  wrong_size 0  error 0  stray_temp 0  retried 0" in out
+    assert "ok 4  corrupt 0  no_checksum 0  wrong_size 0  error 0  stray_temp 0  gone 0  retried 0" in out
 
 
 def test_scrub_checks_both_crc_records(tmp_path):
@@ -321,3 +321,94 @@ def test_scrub_of_a_directory_without_a_cache_says_so_and_fails(tmp_path, capsys
     (root / "m_0123456789ab" / "config.json").write_text("{}")
     assert main(["scrub", str(root), "--json", *progress]) == 0
     assert json.loads(capsys.readouterr().out)["blocks"] == 0
+
+
+def test_scrub_counts_a_block_removed_during_the_scrub_as_gone(tmp_path, monkeypatch, capsys):
+    """A live bounded root: a block evicted (or condemned by a load) between scrub's listing
+    and its verify, a symlink at a block path removed likewise, and a shard directory removed
+    between its listing and its walk (the evictor removes emptied ones) are not errors: the
+    files are counted ``gone`` (listed, with why), the directory skipped, and the report is
+    clean, exit 0. (Was: ``error`` with "open: No such file or directory" while the summary
+    said clean, and an unreadable directory that made it unclean.) A file that cannot be
+    read for another reason is still an error."""
+    root = str(tmp_path)
+    paths = [block_path(root, bytes([i]) * 16, 0) for i in range(1, 4)]
+    store(paths, 8192, 11)
+    link = os.path.join(os.path.dirname(paths[0]), "05" * 16 + ".bin")
+    os.symlink(paths[0], link)
+    shard = os.path.dirname(block_path(root, b"\x07" * 16, 0))
+    store([block_path(root, b"\x07" * 16, 0)], 8192, 12)
+    real_verify, real_walk = sc._verify, os.walk
+
+    def verify(path, *a, **kw):  # evicted after the listing, before its verify
+        if path in (paths[1], link):
+            os.unlink(path)
+        return real_verify(path, *a, **kw)
+
+    def walk(top, *a, **kw):
+        for t in real_walk(top, *a, **kw):
+            yield t
+            if os.path.isdir(shard) and os.path.dirname(shard) == t[0]:
+                import shutil
+
+                shutil.rmtree(shard)  # listed in its parent, removed before the walk reaches it
+
+    monkeypatch.setattr(sc, "_verify", verify)
+    monkeypatch.setattr(os, "walk", walk)
+    rc, d = run(tmp_path)
+    assert rc == 0 and d["clean"] is True, d
+    assert d["counts"] == {"ok": 2, "corrupt": 0, "no_checksum": 0, "wrong_size": 0, "error": 0, "stray_temp": 0,
+                           "gone": 2}
+    by = {f["path"]: f for f in d["findings"]}
+    assert sorted(by) == sorted([paths[1], link])
+    assert by[paths[1]]["status"] == "gone" and by[paths[1]]["detail"].startswith(
+        "gone while the scrub ran (ENOENT at open: evicted by a bounded root's evictor, condemned by a load")
+    assert by[link]["status"] == "gone" and "ENOENT at lstat" in by[link]["detail"]
+    monkeypatch.setattr(os, "walk", real_walk)
+    store([block_path(root, b"\x07" * 16, 0)], 8192, 12)
+    main(["scrub", root, "--no-progress"])
+    text = capsys.readouterr().out
+    assert "  ok 3  corrupt 0  no_checksum 0  wrong_size 0  error 0  stray_temp 0  gone 0  retried 0" in text
+    monkeypatch.setattr(os, "open", lambda *a, **kw: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+    rc, d = run(tmp_path)
+    assert rc == 0 and d["counts"]["error"] == 3 and d["counts"]["gone"] == 0  # EACCES: still an error
+
+
+def test_scrub_words_a_damaged_identity_record_truly(tmp_path):
+    """The note on a damaged ``user.kvtier.id`` says what it is: a 0-byte record is "0 bytes,
+    not 12" (was "longer than any record"), a 12-byte one with a few identity bits flipped
+    says so; a block whose only record is such a damaged identity record is ``no_checksum``
+    saying there is no user.vllm.kv_crc32c and no usable identity record, and that a load
+    takes it unverified (was "no xattr: unverified", and "judged by user.vllm.kv_crc32c",
+    which it does not have), which is what a load does."""
+    root = str(tmp_path)
+    paths = [block_path(root, bytes([i]) * 16, 0) for i in range(1, 5)]
+    data = store(paths, 8192, 13)
+    os.setxattr(paths[0], "user.kvtier.id", b"")  # vLLM's record intact: ok, noted
+    own = records.identity_record(paths[1], 8192, kvtier.crc32c(data[1]))
+    os.setxattr(paths[1], "user.kvtier.id", bytes([own[0] ^ 0x01]) + own[1:])  # one identity bit
+    for p, rec in ((paths[2], b""), (paths[3], b"\x01\x02\x03\x04\x05")):  # the only record: damaged
+        os.removexattr(p, XATTR)
+        os.setxattr(p, "user.kvtier.id", rec)
+    rc, d = run(tmp_path)
+    by = {f["path"]: f for f in d["findings"]}
+    assert rc == 0 and [by[p]["status"] for p in paths] == ["ok", "ok", "no_checksum", "no_checksum"]
+    assert by[paths[0]]["detail"].startswith("identity record user.kvtier.id is damaged (0 bytes, not 12): no proof")
+    assert by[paths[0]]["detail"].endswith("judged by user.vllm.kv_crc32c, as a load judges it")
+    assert by[paths[1]]["detail"].startswith(
+        "identity record user.kvtier.id is damaged (12 bytes, its identity within 4 bits of this block's)")
+    for p, n in ((paths[2], 0), (paths[3], 5)):
+        det = by[p]["detail"]
+        assert det == ("no user.vllm.kv_crc32c and no usable identity record: unverified; identity record "
+                       f"user.kvtier.id is damaged ({n} bytes, not 12): no proof against the bytes (a well-formed "
+                       "record of another block would differ in about 32 bits of its identity); with no "
+                       "user.vllm.kv_crc32c either, nothing verifies the bytes: a load takes it unverified "
+                       "(a miss with checksum_blocks='strict')"), det
+    assert all("longer than any record" not in f["detail"] for f in d["findings"])
+    for p, i in ((paths[2], 2), (paths[3], 3)):  # what the note says a load does
+        out, counts = np.zeros(8192, np.uint8), {}
+        kio.batch_load_block([p], out, [0], 8192, use_o_direct=False, checksum=True, counts=counts)
+        assert out.tobytes() == data[i] and counts == {"unverified": 1}
+        with pytest.raises(OSError) as ei:
+            kio.batch_load_block([p], out, [0], 8192, use_o_direct=False, checksum="strict")
+        assert ei.value.errno == __import__("errno").ENODATA

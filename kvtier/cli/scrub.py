@@ -23,11 +23,17 @@ corrupt       judged as a load judges it (docs/design.md P10, P11, P22): CRC32C 
               checksum PR's would, rejects it; vLLM 0.33 checks no CRC; kvtier's load does
               not read it)
 no_checksum   no CRC recorded (stored with checksums off, by vLLM, or copied without
-              xattrs): loads unverified (checksum_blocks=True) or is a miss ("strict")
+              xattrs), or none usable (no ``user.vllm.kv_crc32c`` and a damaged identity
+              record: said so): loads unverified (checksum_blocks=True) or is a miss
+              ("strict")
 wrong_size    size differs from a known block size (a load would fail with EIO)
 error         could not be read (EACCES, ELOOP for a symlink, EIO...), or a directory at a
               block path (every load and store of that key fails EISDIR; not walked):
               kept, reported, never removed
+gone          listed, then removed before its check (ENOENT at its open or lstat: on a
+              live root, evicted by a bounded root's evictor, condemned by a load, removed
+              by another tool): not checked, not an error (a directory removed between its
+              listing and its walk, as the evictor removes emptied ones, is skipped)
 ============  ==========================================================================
 
 Stray temp files (``<dest>_<hex>.tmp`` left by a crashed store, ``.kvtier_probe_*``) are
@@ -93,7 +99,9 @@ _CHUNK = 1 << 20
 _TMP_RE = re.compile(r"(\.bin_[0-9a-fA-F]+\.tmp|\.tmp)$")
 _RANK_RE = re.compile(r"^(?P<base>.+)_r(?P<rank>\d+)$")
 _GROUP_RE = re.compile(r"_g(?P<group>\d+)$")
-STATUSES = ("ok", "corrupt", "no_checksum", "wrong_size", "error", "stray_temp")
+STATUSES = ("ok", "corrupt", "no_checksum", "wrong_size", "error", "stray_temp", "gone")
+_GONE = ("gone while the scrub ran (ENOENT at {op}: evicted by a bounded root's evictor, condemned by a "
+         "load or removed by another tool after the listing): not checked")
 
 
 @dataclass
@@ -202,14 +210,27 @@ def _matches(verdict, wants: dict, crc: int, ident, rec, own: bytes) -> bool:
     return records.judge(ident, rec, own, crc).cause is None
 
 
-def _damaged_note(ident: bytes, crc_differs: bool) -> str:
+def _damaged_note(ident: bytes, crc_differs: bool, too_long: bool = False, no_crc_record: bool = False) -> str:
     """The note on a block whose identity record is damaged (records.identity_kind, or its
-    CRC bytes alone differing: ``crc_differs``), judged by user.vllm.kv_crc32c."""
-    what = f"{len(ident)} bytes" if ident else "longer than any record"
+    CRC bytes alone differing: ``crc_differs``): ``too_long`` when getxattr said ERANGE (the
+    value is longer than the kernel returns), else its length (0 bytes included); judged by
+    user.vllm.kv_crc32c, or, with ``no_crc_record`` (that xattr absent too), by nothing: a
+    load takes the block unverified, as one without records."""
+    if too_long:
+        what = "longer than any record"
+    elif len(ident) != records.ID_REC_LEN:
+        what = f"{len(ident)} bytes, not {records.ID_REC_LEN}"
+    elif crc_differs:
+        what = f"{records.ID_REC_LEN} bytes"
+    else:
+        what = f"{records.ID_REC_LEN} bytes, its identity within {records.ID_DAMAGED_BITS} bits of this block's"
     return (f"identity record user.kvtier.id is damaged ({what}"
             + (", its CRC differs from the bytes" if crc_differs else "")
             + "): no proof against the bytes (a well-formed record of another block would differ in "
-              "about 32 bits of its identity); judged by user.vllm.kv_crc32c, as a load judges it")
+              "about 32 bits of its identity); "
+            + ("with no user.vllm.kv_crc32c either, nothing verifies the bytes: a load takes it unverified "
+               "(a miss with checksum_blocks='strict')" if no_crc_record
+               else "judged by user.vllm.kv_crc32c, as a load judges it"))
 
 
 def _adopt(fd: int, path: str, size: int, buf: bytearray) -> str:
@@ -240,6 +261,9 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
         try:
             mode = os.lstat(path).st_mode
         except OSError as e:
+            if e.errno == errno.ENOENT:
+                f.status, f.detail = "gone", _GONE.format(op="lstat")
+                return f
             f.detail = f"lstat: {e.strerror} (errno {e.errno})"
             return f
         if stat.S_ISDIR(mode):  # never removed by scrub, not even an empty one
@@ -251,6 +275,9 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
+        if e.errno == errno.ENOENT:  # listed, then removed: not an error of the cache
+            f.status, f.detail = "gone", _GONE.format(op="open")
+            return f
         f.detail = f"open: {e.strerror} (errno {e.errno})"
         return f
     try:
@@ -272,6 +299,7 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
         # vLLM checksum PR's reader would check; vLLM 0.33 checks none) is then noted when it
         # disagrees, never condemning.
         rec = ident = None
+        too_long = False  # user.kvtier.id longer than getxattr returns (ERANGE): ident b"", damaged
         no_rec_errno = errno.ENODATA
         try:
             rec = os.getxattr(fd, XATTR_NAME)
@@ -284,6 +312,7 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
             ident = os.getxattr(fd, ID_XATTR_NAME)
         except OSError as e:
             ident = b"" if e.errno == errno.ERANGE else None  # none (written by vLLM), or unreadable
+            too_long = e.errno == errno.ERANGE
         own = records.block_identity(path, size)
         verdict = records.judge(ident, rec, own)
         if verdict.cause == "identity":
@@ -306,8 +335,10 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
                           "checks no CRC) would reject it; kept")
         if verdict.cause is None and verdict.want is None:
             f.status = "no_checksum"
-            f.detail = "; ".join(filter(None, ["no xattr: unverified",
-                                               _damaged_note(ident, False) if verdict.id_damaged else "",
+            f.detail = "; ".join(filter(None, [
+                ("no user.vllm.kv_crc32c and no usable identity record: unverified" if verdict.id_damaged
+                 else "no xattr: unverified"),
+                _damaged_note(ident, False, too_long, no_crc_record=True) if verdict.id_damaged else "",
                                                guess_note]))
             if size_note:  # unverifiable and of the wrong size: a load would fail (EIO)
                 f.status, f.detail = "wrong_size", size_note + "; no xattr"
@@ -320,7 +351,7 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
         if verdict.cause == "checksum":  # a malformed user.vllm.kv_crc32c, no (good) identity record
             f.status = "corrupt"
             f.detail = "; ".join(filter(None, [f"xattr record is {len(rec)} bytes, not 4",
-                                               _damaged_note(ident, False) if verdict.id_damaged else ""]))
+                                               _damaged_note(ident, False, too_long) if verdict.id_damaged else ""]))
         else:
             for attempt in range(2):
                 try:
@@ -362,7 +393,7 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
                 if vllm_note and not crc_damaged:
                     notes.append(vllm_note)
                 if verdict.id_damaged or crc_damaged:
-                    notes.append(_damaged_note(ident, crc_damaged))
+                    notes.append(_damaged_note(ident, crc_damaged, too_long))
                 f.detail = "; ".join(notes)
                 return f
             if len(set(wants.values())) == 1:
@@ -373,7 +404,7 @@ def _verify(path: str, lsize: Optional[int], expected: Optional[int], source: Op
             f.detail = "; ".join(filter(None, [
                 f"CRC32C 0x{crc:08x}, recorded {recorded}"
                 + (" (twice: re-read after POSIX_FADV_DONTNEED)" if f.retried else ""),
-                _damaged_note(ident, False) if verdict.id_damaged else "", guess_note, size_note]))
+                _damaged_note(ident, False, too_long) if verdict.id_damaged else "", guess_note, size_note]))
         return _remove_if(remove, f, path, fd)
     finally:
         os.close(fd)
@@ -389,7 +420,8 @@ def scrub(root: str, block_size: Optional[int] = None, remove: bool = False, pro
 
     Returns a dict: ``root``; ``blocks`` (count) and ``bytes`` scanned; ``expected_block_bytes``
     ``{"<rank dir>/g<group>": {"bytes": int or None, "source": str or None}}``; ``counts``
-    (per status in :data:`STATUSES`); ``retried`` (blocks whose first read did not match and
+    (per status in :data:`STATUSES`; ``gone``: files removed between the listing and their
+    check, not errors); ``retried`` (blocks whose first read did not match and
     whose re-read did: status ok); ``findings`` (:class:`Finding` as dicts: every non-ok file
     and every ok block with a note; a directory the walk could not list is an ``error``
     finding); ``removed`` (paths); ``clean`` (no corrupt or wrong-size block, no unreadable
@@ -411,6 +443,8 @@ def scrub(root: str, block_size: Optional[int] = None, remove: bool = False, pro
     unreadable: List[Finding] = []  # directories the walk could not list: their blocks unseen
 
     def walk_error(e: OSError) -> None:
+        if e.errno == errno.ENOENT:  # listed, then removed (the evictor removes emptied shard directories)
+            return
         unreadable.append(Finding(e.filename, "error", 0, None, None,
                                   f"directory not readable ({e.strerror}, errno {e.errno}): its blocks not checked"))
 
