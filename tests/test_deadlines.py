@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import glob
+import mmap
 import os
 import threading
 import time
@@ -501,3 +502,44 @@ def test_concurrent_lookups_on_a_stalled_root_leave_one_thread_stuck(backend, ff
         ff.clear()
         wait_until(lambda: counters(tier)["stuck_threads"] == 0)
         assert tier.lookup([key(0)]) == [True]
+
+
+@pytest.mark.parametrize("landing_mode", ["bounce", "direct"])
+def test_a_stalled_read_is_named_and_only_the_blocks_before_it_are_kept(backend, ff, area, landing_mode):
+    """8 blocks into page-aligned rows, the read of block 3 stalls. Either landing, the
+    deadline error names block 3 (filename, "at block 3 of 8"), keeps blocks 0-2 and
+    carries that count (num_succeeded). With "direct" the read lands in the row inside its
+    commit section, so the report waits for it to return; the block it finishes after the
+    deadline does not count, nor do the blocks the late I/O goes on with before the expiry
+    wins (it named block 4, or 7 on the fallback, and kept as many)."""
+    n = 8
+    buf = np.frombuffer(mmap.mmap(-1, 2 * n * BS), dtype=np.uint8).reshape(2 * n, BS)
+    buf[:n] = filled(12)[:n]
+    data = buf[:n].copy()
+    with tier_on(area, buf, n_read_threads=1, n_write_threads=1, load_landing=landing_mode) as tier:
+        assert tier.use_o_direct and tier.load_landing == landing_mode
+        store_all(tier, range(n))
+        ff.stall("read", glob_of(tier, ff, key(3)))
+        buf[n:] = 0
+        tier.submit_load(TransferJob("L", [key(i) for i in range(n)], list(range(n, 2 * n))))
+        ff.wait_hits("stall_read", 1)
+        if landing_mode == "bounce":  # reported at its deadline, the read still stalled
+            assert tier.drain_jobs(T + SLACK)
+        else:  # held by the read in its commit section until it returns
+            time.sleep(T + 0.5)
+            assert tier.get_finished_jobs() == []
+        ff.clear()
+        assert tier.drain_jobs(30)
+        (r,) = tier.get_finished_jobs()
+        assert (r.success, r.successful_keys, r.transfer_bytes) == (False, tuple(key(i) for i in range(3)), 3 * BS)
+        assert isinstance(r.error, TimeoutError) and r.error.errno == errno.ETIMEDOUT
+        assert r.error.filename == tier.file_mapper._file_name(*key(3))
+        assert "at block 3 of 8, named here" in str(r.error)
+        assert r.error.num_succeeded == 3
+        assert np.array_equal(buf[n:n + 3], data[:3])
+        c = counters(tier)
+        assert (c["load_timeouts"], c["load_failures"], c["bytes_read"]) == (1, 1, 3 * BS)
+        snap = buf[n + 3:].copy()
+        wait_until(lambda: counters(tier)["stuck_threads"] == 0)
+        assert np.array_equal(buf[n + 3:], snap)  # nothing written after the report
+        assert tier.get_finished_jobs() == []

@@ -923,3 +923,23 @@ def test_a_tier_used_in_a_forked_child_fails_fast(tmp_path):
     r = run(m, TransferJob("l", keys, [2, 3]), load=True)
     assert r.success and np.array_equal(buf[2:4], buf[0:2])
     m.shutdown()
+
+
+def test_every_failed_jobs_error_carries_its_keep(tmp_path):
+    """error.num_succeeded is the kept prefix (len(successful_keys)) on every failed job, not
+    only on the batch call's OSError: a load missing its block 2 keeps 2; a job refused while
+    kvtier.json records another block size, and a store a bounded root drops at once, keep
+    0 (their errors had no num_succeeded; a deadline's: tests/test_deadlines.py)."""
+    buf = rand_buf()
+    ks = keys_for(4)
+    with mk(buf, tmp_path / "a", max_bytes=4 * BS) as m:
+        assert run(m, TransferJob("s", ks[:2] + ks[3:], [0, 1, 3]), load=False).success
+        r = run(m, TransferJob("l", ks, [8, 9, 10, 11]), load=True)  # block 2 was never stored
+        assert (r.success, len(r.successful_keys), r.error.errno, r.error.num_succeeded) == (False, 2, errno.ENOENT, 2)
+        r = run(m, TransferJob("big", keys_for(8, salt=1), list(range(8))), load=False)  # over the bound
+        assert (r.success, r.successful_keys, r.error.errno, r.error.num_succeeded) == (False, (), errno.ENOSPC, 0)
+        info = os.path.join(m.file_mapper.base_path, "kvtier.json")
+        with open(info, "w") as f:
+            json.dump({"block_bytes": 2 * BS}, f)
+        r = run(m, TransferJob("refused", ks[:2], [8, 9]), load=True)
+        assert (r.success, r.successful_keys, r.error.errno, r.error.num_succeeded) == (False, (), errno.EINVAL, 0)

@@ -33,11 +33,17 @@ Pieces, each in one place:
   standalone metrics tracker (:mod:`kvtier.metrics`) and the vLLM adapter read.
 
 Partial keep: a load that fails at block ``n`` (``OSError.num_succeeded == n``) keeps its
-first ``n`` keys (``Finished.n_ok``); block ``n`` and the rest are misses.  A load reported
-at its deadline (or cancelled by ``shutdown(wait=False)``) is a failed load like any other:
-it keeps the blocks its job state counted while it was live (``JobState.blocks_done``: each
-block whole in the caller's view and verified before ``expire()`` won; read once, after it),
-and its late I/O writes nothing more, so those rows stay exactly as reported.  Files are
+first ``n`` keys (``Finished.n_ok``); block ``n`` and the rest are misses.  Every failed job's
+error carries its ``num_succeeded`` (``Finished`` sets it: a deadline, a refusal, a dropped
+store too).  A load reported at its deadline (or cancelled by ``shutdown(wait=False)``) is a
+failed load like any other: it keeps the blocks its job state had counted when the deadline
+(the cancel) came (``JobState.blocks_done``, read before ``expire()``: each block whole in
+the caller's view and verified by then), and its late I/O writes nothing more once
+``expire()`` won, so those rows stay exactly as reported.  A block that ends while
+``expire()`` waits for its commit section (the direct landing's read, which may have hung
+for as long as the filesystem liked) does not count, nor does any block after it: the
+error names the block in flight at the deadline.  A job the watchdog took at its deadline
+is reported by it, failed, even when its I/O returns while ``expire()`` waits.  Files are
 removed only by the I/O layer and only when provably bad (docs/design.md, "On-disk
 contract"); a transient error keeps the file.
 """
@@ -148,6 +154,7 @@ class Job:
     returned: bool = False  # its I/O call returned (set under the engine's lock)
     view: Any = None  # the engine's view, taken with the job and dropped when its I/O call returns
     reserved: int = 0  # bytes a bounded root's capacity reserved for this store at admission
+    past_deadline: bool = False  # the watchdog took it at its deadline: reported by it, never by its worker
     split: Any = None  # the _Split this job is a part of (a large load run on several threads), or None
     part: int = 0  # its index among the split's parts
     first: int = 0  # the index of its first block in the job the caller submitted
@@ -165,6 +172,10 @@ class Finished:
     the job, None on success.  ``checksum_failed``: the job stopped at a block that
     failed CRC32C verification (file removed).  ``checksum_retries``: blocks re-read
     once after a first mismatch.
+
+    Made with an ``error``, it sets ``error.num_succeeded = n_ok``: every failed job's
+    error carries its keep, as a batch call's OSError does (a deadline's TimeoutError, a
+    refused or dropped job's error, a split job's merged one).
     """
 
     job_id: Hashable
@@ -177,6 +188,13 @@ class Finished:
     checksum_failed: bool = False
     checksum_retries: int = 0
     policy_counts: Dict[str, int] = field(default_factory=dict, compare=False)  # the call's counts=
+
+    def __post_init__(self) -> None:
+        if self.error is not None:
+            try:
+                self.error.num_succeeded = self.n_ok
+            except AttributeError:  # an exception type with __slots__: nothing to carry it
+                pass
 
     @property
     def success(self) -> bool:
@@ -262,8 +280,6 @@ class _Split:
         i = self.chosen()  # -1: none failed, so none skipped
         n_ok = sum(r.n_ok for r in (self.results[:i + 1] if i >= 0 else self.results))
         err, ck = (self.results[i].error, self.results[i].checksum_failed) if i >= 0 else (None, False)
-        if isinstance(err, OSError):
-            err.num_succeeded = n_ok  # the whole job's count, as an unsplit job's error
         counts: Dict[str, int] = {}
         for r in ran:
             for k, v in r.policy_counts.items():
@@ -602,7 +618,9 @@ class TierEngine:
                 if job.state is not None:
                     self._in_io -= 1
                 self._running.discard(job)
-                if job.state is None or job.state.finish():  # else the watchdog reported it
+                # else the watchdog reports it: it expired it, or took it at its deadline and
+                # its expire() wins now that the I/O returned
+                if job.state is None or (not job.past_deadline and job.state.finish()):
                     self._report(job, result)
                 if w.stuck:  # back from a call that outlived its deadline
                     w.stuck = False
@@ -630,6 +648,7 @@ class TierEngine:
                     continue
                 for j in due:
                     self._running.discard(j)
+                    j.past_deadline = True  # its worker no longer reports it (_worker)
                 lock.release()
                 try:
                     self._expire(due, errno.ETIMEDOUT, "past its deadline (io_timeout_s)")
@@ -646,13 +665,17 @@ class TierEngine:
             return
         expired, renaming = [], []
         for j in jobs:
+            # the count when the deadline (the cancel) came: the block in flight then is the
+            # one the error names, and no block that ends later counts (a load's expire()
+            # waits for its commit section, the direct landing's whole read)
+            seen = j.state.blocks_done
             if err_no != errno.ECANCELED or j.is_promotion:
                 if j.state.expire(wait_commit=j.is_promotion):
-                    expired.append(j)
+                    expired.append((j, seen))
                 continue
             while True:  # a cancelled store: expired unless it is renaming a block
                 if j.state.cancel():
-                    expired.append(j)
+                    expired.append((j, seen))
                 elif j.state.state == COMMITTING:
                     renaming.append(j)
                 elif j.state.state != LIVE:  # DONE: its worker reports it
@@ -661,22 +684,24 @@ class TierEngine:
                     continue  # the rename ended meanwhile: cancel again
                 break
         with self._cond:
-            for j in expired:
-                self._expired(j, err_no, why)
+            for j, seen in expired:
+                self._expired(j, err_no, why, seen)
             for j in renaming:  # runs on, watched by its deadline; its worker reports it
                 if not j.returned:
                     self._running.add(j)
             self._watch.notify()
             self._cond.notify_all()
 
-    def _expired(self, job: Job, err_no: int, why: str) -> None:
+    def _expired(self, job: Job, err_no: int, why: str, seen: int) -> None:
         """Report ``job`` failed (``err_no``: ETIMEDOUT at its deadline, ECANCELED by
-        shutdown); its thread, if still in the I/O call, is stuck (lock held)."""
+        shutdown; ``seen``: its job state's count read before expire()); its thread, if
+        still in the I/O call, is stuck (lock held)."""
         now = time.monotonic()
         op = "load" if job.is_promotion else "store"
-        # the block in flight: the job state counts the blocks a load loaded / a store stored
-        # (final now), and a batch goes block after block
-        at = max(0, min(job.state.blocks_done, len(job.keys) - 1))
+        # the block in flight when the deadline came: the job state counts the blocks a load
+        # loaded / a store stored, and a batch goes block after block
+        done = min(seen, job.state.blocks_done)
+        at = max(0, min(done, len(job.keys) - 1))
         total = len(job.split.job.keys) if job.split is not None else len(job.keys)
         what = f"{op} job {job.job_id!r} (at block {job.first + at} of {total}, named here) {why}"
         if err_no == errno.ETIMEDOUT:
@@ -689,9 +714,10 @@ class TierEngine:
             logger.warning("%s", err)
         elif err_no == errno.ETIMEDOUT:  # counted and logged once, if it is the job's error (_report)
             job.split.expired.add(job.part)
-        # the partial keep: the blocks whole and verified while the job was live (final
-        # now that expire() succeeded; a store keeps none: its count only names the block)
-        n_ok = min(job.state.blocks_done, len(job.keys)) if job.is_promotion else 0
+        # the partial keep: the blocks whole and verified when the deadline came (their rows
+        # stay as they are now that expire() won; a store keeps none: its count only names
+        # the block)
+        n_ok = min(done, len(job.keys)) if job.is_promotion else 0
         result = Finished(job.job_id, job.is_promotion, job.keys, n_ok, now - job.started_at,
                           now - job.submitted_at, err)
         self._report(job, result)
@@ -866,7 +892,7 @@ class TierEngine:
             if job.split is not None:  # a part: the job's failure is logged once, at its merge (_report)
                 logger.debug("%s job %r, part %d, failed at block %d of %d (%s): %s", op, job.job_id, job.part, at,
                              total, getattr(err, "operation", "") or "-", why)
-            elif job.state is not None and job.state.state == EXPIRED:  # already reported (deadline, shutdown)
+            elif job.state is not None and (job.past_deadline or job.state.state == EXPIRED):  # reported already
                 logger.debug("%s job %r (already reported failed) ended late at block %d of %d (%s): %s",
                              op, job.job_id, at, total, getattr(err, "operation", "") or "-", why)
             else:  # rate-limited per kind: a full or sick filesystem fails every job
