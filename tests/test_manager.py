@@ -943,3 +943,21 @@ def test_every_failed_jobs_error_carries_its_keep(tmp_path):
             json.dump({"block_bytes": 2 * BS}, f)
         r = run(m, TransferJob("refused", ks[:2], [8, 9]), load=True)
         assert (r.success, r.successful_keys, r.error.errno, r.error.num_succeeded) == (False, (), errno.EINVAL, 0)
+
+
+def test_a_bad_load_landing_environment_is_refused_before_any_io(tmp_path, monkeypatch):
+    """KVTIER_LOAD_LANDING (read when load_landing is "auto") is checked with the arguments:
+    a ValueError naming it, and nothing made (the root, config.json, kvtier.json and the
+    rank directory were made first). The tier key, when not "auto", decides alone."""
+    root = tmp_path / "never"
+    monkeypatch.setenv("KVTIER_LOAD_LANDING", "junk")
+    with pytest.raises(ValueError, match=r"^KVTIER_LOAD_LANDING must be one of auto, direct, bounce, not 'junk'$"):
+        mk(rand_buf(), root)
+    with pytest.raises(ValueError, match=r"^KVTIER_LOAD_LANDING must be one of"):
+        FileSystemTierManager.from_config(rand_buf(), {"root_dir": str(root), "model_name": "m"})
+    assert not root.exists()
+    with mk(rand_buf(), root, load_landing="bounce") as m:
+        assert m.load_landing == "bounce"
+    monkeypatch.setenv("KVTIER_LOAD_LANDING", " Bounce ")
+    with mk(rand_buf(), root) as m:
+        assert (m.load_landing, m.load_landing_why) == ("bounce", "KVTIER_LOAD_LANDING=bounce")

@@ -317,6 +317,18 @@ def test_an_empty_root_dir_is_a_value_error_naming_it(vllm, tmp_path, monkeypatc
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("kind", ["kvtier", "KvtierTier"])
+def test_a_bad_load_landing_environment_is_a_value_error_before_any_io(vllm, tmp_path, monkeypatch, kind):
+    """KVTIER_LOAD_LANDING is checked with the tier's keys (load_landing "auto"): a ValueError
+    naming it before the root is made (it came after the root and its files were made)."""
+    from vllm_harness import Harness
+
+    monkeypatch.setenv("KVTIER_LOAD_LANDING", "junk")
+    with pytest.raises(ValueError, match=r"^KVTIER_LOAD_LANDING must be one of auto, direct, bounce, not 'junk'$"):
+        Harness([tier_config(kind, str(tmp_path / "c"))], block_bytes=BS)
+    assert not (tmp_path / "c").exists()
+
+
 @pytest.mark.parametrize("max_bytes", [8192, 40959, "36K"])
 def test_a_bound_below_one_block_is_a_value_error_before_any_io(vllm, tmp_path, max_bytes):
     """max_bytes below one block plus the root's own files (8192 + 32768 bytes here): a

@@ -71,9 +71,11 @@ class TierConfig:
         if self.lookup_timeout_s is not None:
             check_timeout(self.lookup_timeout_s, "lookup_timeout_s")
         check_mode(self.checksum_blocks, "checksum_blocks")
-        from kvtier._tier.landing import check_mode as check_landing
+        from kvtier._tier import landing
 
-        check_landing(self.load_landing)
+        landing.check_mode(self.load_landing)
+        if self.load_landing == "auto":  # KVTIER_LOAD_LANDING decides then: checked now, before any I/O
+            landing.env_mode()
         if isinstance(self.load_split_blocks, bool) or not isinstance(self.load_split_blocks, int):
             raise TypeError(f"load_split_blocks must be an int (0: never split), got "
                             f"{type(self.load_split_blocks).__name__}")

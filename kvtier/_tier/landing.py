@@ -42,6 +42,14 @@ def check_mode(value, what: str = "load_landing") -> str:
     return value
 
 
+def env_mode() -> str:
+    """``KVTIER_LOAD_LANDING`` as a mode (case and spaces ignored; ``""`` when unset or
+    empty). ValueError naming it for a value not in :data:`MODES`: a shell checks it with
+    its keys, before any filesystem access (:class:`kvtier._tier.config.TierConfig`)."""
+    env = os.environ.get(ENV, "").strip().lower()
+    return check_mode(env, ENV) if env else ""
+
+
 def resolve(setting: str, root: "str | os.PathLike") -> Tuple[str, str]:
     """``(mode, why)``: ``"direct"`` or ``"bounce"`` for loads of the tier at ``root``,
     from the tier key ``setting`` (``auto``, ``direct``, ``bounce``), then
@@ -50,12 +58,9 @@ def resolve(setting: str, root: "str | os.PathLike") -> Tuple[str, str]:
     check_mode(setting)
     if setting != "auto":
         return setting, f"load_landing={setting}"
-    env = os.environ.get(ENV, "")
-    if env:
-        check_mode(env.strip().lower(), ENV)
-        env = env.strip().lower()
-        if env != "auto":
-            return env, f"{ENV}={env}"
+    env = env_mode()
+    if env and env != "auto":
+        return env, f"{ENV}={env}"
     from kvtier._tier.mountinfo import mount_of
 
     m = mount_of(root)
