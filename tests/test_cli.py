@@ -358,3 +358,41 @@ def test_a_reader_leaving_the_pipe_ends_the_command_quietly(tmp_path):
         os.close(w_fd)
         assert p.returncode == 141, (args, p.returncode, p.stderr[-2000:])
         assert "Traceback" not in p.stderr and "BrokenPipeError" not in p.stderr, p.stderr[-2000:]
+
+
+def test_evict_json_says_a_failure_on_stdout_with_its_exit_status(tmp_path):
+    """``kvtier evict --json`` prints a JSON object on stdout whatever happens: on a failure
+    ``{"root", "error", "exit_status"}`` with the message that stderr shows and the same exit
+    status (1: another process holds the evictor lock; 2: a bound that is no size, or one
+    that holds no block); a pass that ran has ``"error": null, "exit_status": 0``. (Was:
+    nothing on stdout when it failed, so a JSON reader got no answer.)"""
+    from kvtier._tier import capacity as cap
+
+    root = tmp_path / "root"
+    (root / "m_0123456789ab_r0").mkdir(parents=True)
+    cmd = [sys.executable, "-m", "kvtier", "evict", str(root), "--json"]
+
+    def run(*argv, rc):
+        r = subprocess.run(cmd + list(argv), capture_output=True, text=True, timeout=120)
+        assert r.returncode == rc, (argv, r.returncode, r.stdout, r.stderr)
+        out = json.loads(r.stdout)
+        assert "Traceback" not in r.stderr
+        return out, r.stderr
+
+    for argv, want in ((["--max-bytes", "12X"], "powers of 1024"),
+                       (["--max-bytes", "1K"], "less than one block plus the root's own files")):
+        out, err = run(*argv, rc=2)
+        assert out == {"root": str(root), "error": out["error"], "exit_status": 2} and want in out["error"]
+        assert err == f"kvtier evict: {out['error']}\n"
+    lock = cap.EvictorLock(str(root))  # this process holds it: the command's process cannot take it
+    os.makedirs(os.path.join(cap.state_dir(str(root)), cap.WRITERS_DIR), exist_ok=True)
+    assert lock.try_acquire()
+    try:
+        out, err = run("--max-bytes", "1G", rc=1)
+        assert out["exit_status"] == 1 and out["error"].startswith(
+            f"another process holds the evictor lock of {root} (pid {os.getpid()} by F_GETLK")
+        assert out["error"].endswith("it enforces its own bound; nothing done") and err == f"kvtier evict: {out['error']}\n"
+    finally:
+        lock.release()
+    out, err = run("--max-bytes", "1G", rc=0)
+    assert out["error"] is None and out["exit_status"] == 0 and out["evicted"] == 0 and err == ""

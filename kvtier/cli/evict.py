@@ -18,6 +18,10 @@ is no directory or cannot be read, a ROOT that holds no cache (no ``.kvtier/``, 
 censuses it; ``kvtier scrub`` says 2 of it too) and a ``--max-bytes`` that holds no block: less than one block plus the root's own files, the
 block of the largest size a ``<model>_<digest>/kvtier.json`` of the root records (a tier of
 that size refuses such a bound too), 36 KiB where none records one (vLLM's ``"fs"`` tier).
+Every failure says why on stderr; with ``--json`` stdout has a JSON object whatever the exit
+status: the pass's report with ``"error"`` (None, or why it exits 1) and ``"exit_status"``,
+or, when no pass ran, ``{"root", "error", "exit_status"}`` (argparse's own usage errors
+excepted: exit 2 before the command runs).
 """
 from __future__ import annotations
 
@@ -50,20 +54,26 @@ def cmd_evict(args: argparse.Namespace) -> int:
     unreadable), 2 (bad arguments; ROOT missing, no directory, unreadable or no cache root:
     as ``kvtier scrub``)."""
     root = os.path.abspath(args.root)
+
+    def fail(msg: str, rc: int) -> int:
+        """The message on stderr; with --json also ``{"root", "error", "exit_status"}`` on
+        stdout (a reader of the JSON gets an object whatever happened). Returns ``rc``."""
+        print(f"kvtier evict: {msg}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"root": root, "error": msg, "exit_status": rc}, indent=2))
+        return rc
+
     try:  # the arguments first: a bad one is exit 2 whatever the root (a percentage needs the root: below)
         cfg = _cap.check_config(args.max_bytes, args.evict_high, args.evict_low)
     except (TypeError, ValueError) as e:
-        print(f"kvtier evict: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e), EXIT_USAGE)
     err = dir_error(args.root)
     if err is not None:
-        print(f"kvtier evict: {err}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(err, EXIT_USAGE)
     try:
         bound = cfg.bound(root)  # type: ignore[union-attr]
     except (TypeError, ValueError) as e:
-        print(f"kvtier evict: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e), EXIT_USAGE)
     try:  # the block size each layout's kvtier.json records (vLLM's "fs" tier records none)
         sizes = root_block_sizes(root)
     except OSError:
@@ -75,50 +85,42 @@ def cmd_evict(args: argparse.Namespace) -> int:
         least = _cap.least_bound(_cap.ALLOC_UNIT)  # what a tier of the smallest block accepts (capacity.attach)
     if bound < least:  # "--max-bytes 500" meant as 500G would evict every block
         if sizes:
-            print(f"kvtier evict: --max-bytes {args.max_bytes} is {bound} bytes: less than one block plus the root's "
-                  f"own files: the root's blocks are {bs} bytes ({human_bytes(bs)}, {layout}/kvtier.json), the "
-                  f"smallest bound that holds one is {least} bytes ({human_bytes(least)}; a tier of that block size "
-                  f"refuses less too): nothing done", file=sys.stderr)
-        else:
-            print(f"kvtier evict: --max-bytes {args.max_bytes} is {bound} bytes: less than one block plus the root's "
-                  f"own files ({least} bytes at least; a tier refuses such a bound too): nothing done",
-                  file=sys.stderr)
-        return 2
+            return fail(f"--max-bytes {args.max_bytes} is {bound} bytes: less than one block plus the root's "
+                        f"own files: the root's blocks are {bs} bytes ({human_bytes(bs)}, {layout}/kvtier.json), the "
+                        f"smallest bound that holds one is {least} bytes ({human_bytes(least)}; a tier of that block "
+                        f"size refuses less too): nothing done", EXIT_USAGE)
+        return fail(f"--max-bytes {args.max_bytes} is {bound} bytes: less than one block plus the root's "
+                    f"own files ({least} bytes at least; a tier refuses such a bound too): nothing done", EXIT_USAGE)
     lock = None
     published = True
+    problems = []  # what made a pass that ran exit 1: on stderr, and the JSON's "error"
     try:
         is_root = _looks_like_a_root(root)
     except OSError as e:  # unreadable (EACCES): say so, not "no cache" or "0 bytes"
-        print(f"kvtier evict: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(str(e), EXIT_USAGE)
     if not args.dry_run and not is_root:
-        print(f"kvtier evict: {root} is no cache root (no .kvtier/ and no <model>_<digest>_r<rank>/ directory in it): "
-              f"nothing done (a typo would make .kvtier/ there and scan the whole tree)", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(f"{root} is no cache root (no .kvtier/ and no <model>_<digest>_r<rank>/ directory in it): "
+                    f"nothing done (a typo would make .kvtier/ there and scan the whole tree)", EXIT_USAGE)
     if not args.dry_run:
         try:
             os.makedirs(os.path.join(_cap.state_dir(root), _cap.WRITERS_DIR), exist_ok=True)
         except OSError as e:
-            print(f"kvtier evict: {e}", file=sys.stderr)
-            return 1
+            return fail(str(e), 1)
         if _cap.root_capacity(root) is not None:
-            print("kvtier evict: a tier of this process bounds this root", file=sys.stderr)
-            return 1
+            return fail("a tier of this process bounds this root", 1)
         lock = _cap.EvictorLock(root)
         try:
             got = lock.try_acquire()
         except OSError as e:  # .kvtier read-only, evictor.lock not a file ...
-            print(f"kvtier evict: cannot take the evictor lock of {root}: {e}; nothing done", file=sys.stderr)
             lock.release()
-            return 1
+            return fail(f"cannot take the evictor lock of {root}: {e}; nothing done", 1)
         if not got:
             u, hb = _cap.read_usage(root) or {}, _cap.read_heartbeat(root)
             beat = "" if hb is None else f"; heartbeat {time.time() - hb['t']:.0f} s old by {hb['by']}, seq {hb['seq']}"
-            print(f"kvtier evict: another process holds the evictor lock of {root} (pid {_cap.lock_holder(root)} by "
-                  f"F_GETLK{beat}; latest census by {u.get('evictor', '?')}): it enforces its own bound; nothing done",
-                  file=sys.stderr)
+            holder = _cap.lock_holder(root)
             lock.release()
-            return 1
+            return fail(f"another process holds the evictor lock of {root} (pid {holder} by F_GETLK{beat}; latest "
+                        f"census by {u.get('evictor', '?')}): it enforces its own bound; nothing done", 1)
     try:
         u = _cap.read_usage(root) or {}
         gen = int(u.get("generation", 0)) + 1
@@ -127,14 +129,14 @@ def cmd_evict(args: argparse.Namespace) -> int:
                                   evictor=f"{socket.gethostname()}:{os.getpid()}", lock=lock,
                                   view=_cap.view_of(*_cap._host_identity()[:2], os.stat(root).st_dev))
         if lock is not None and not lock.still_held():
-            print(f"kvtier evict: the evictor lock of {root} was taken over during the pass (this process was "
-                  f"stopped for more than the tiers' takeover_s?): census not published", file=sys.stderr)
+            problems.append(f"the evictor lock of {root} was taken over during the pass (this process was "
+                            f"stopped for more than the tiers' takeover_s?): census not published")
             published = False
         elif not args.dry_run:
             try:
                 _cap.publish_usage(root, rec)
             except OSError as e:  # the eviction is done; the tiers census again themselves
-                print(f"kvtier evict: cannot publish the census: {e}", file=sys.stderr)
+                problems.append(f"cannot publish the census: {e}")
                 published = False
     finally:
         if lock is not None:
@@ -151,6 +153,13 @@ def cmd_evict(args: argparse.Namespace) -> int:
            "errors": [f"{p}: {e}" for p, e in r.errors], "dirs_removed": r.dirs_removed,
            "usage_after": r.usage_after, "unreadable": c.unreadable,
            "unreadable_first": f"{c.first_error[0]}: {c.first_error[1]}" if c.first_error else None}
+    if r.errors:
+        problems.append(f"{len(r.errors)} eviction(s) failed, the first: {out['errors'][0]}")
+    if c.unreadable:  # the count is low by what was not read: an error, as du says it
+        problems.append(c.error_text())
+    rc = 1 if r.errors or c.unreadable or not published else 0
+    out["error"] = "; ".join(problems) or None
+    out["exit_status"] = rc
     if args.json:
         out["paths"] = r.evicted
         print(json.dumps(out, indent=2))
@@ -161,9 +170,9 @@ def cmd_evict(args: argparse.Namespace) -> int:
               f"{mx}{less} (high {out['high_bytes']}, low {out['low_bytes']})")
         print(f"{verb} {len(r.evicted)} blocks, {r.evicted_bytes} bytes; usage after: {r.usage_after} bytes"
               f"{f'; {len(r.errors)} errors' if r.errors else ''}")
-    if c.unreadable:  # the count is low by what was not read: an error, as du says it
-        print(f"kvtier evict: {c.error_text()}", file=sys.stderr)
-    return 1 if r.errors or c.unreadable or not published else 0
+    for msg in problems:
+        print(f"kvtier evict: {msg}", file=sys.stderr)
+    return rc
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
