@@ -33,7 +33,7 @@ from kvtier._blockio.buffers import is_torch_tensor as _is_torch_tensor, torch_b
 from kvtier._tier import capacity as _capacity
 from kvtier._tier.config import TierConfig
 from kvtier._tier.engine import TierEngine
-from kvtier._tier.startup import GeometryGuard, RootGuard, filesystem_type, info_signature, start
+from kvtier._tier.startup import GeometryGuard, RootGuard, filesystem_type, info_signature, start, write_block_info
 from kvtier.file_mapper import FileMapper, Key, check_root_dir
 from kvtier.metrics import TieringMetricsTracker, tier_label
 
@@ -278,14 +278,16 @@ class FileSystemTierManager:
         # ---- startup checks that touch the filesystem, under the deadline ----
         rank_path = self.file_mapper.rank_path
 
-        from kvtier.file_mapper import BLOCK_INFO_FILENAME
+        from kvtier.file_mapper import BLOCK_INFO_FILENAME, write_json_if_absent
 
         info_path = os.path.join(self.file_mapper.base_path, BLOCK_INFO_FILENAME)
         info_checked: list = [()]  # its signature once written or checked (GeometryGuard)
 
         def write_files() -> None:  # config.json and kvtier.json, each only if absent
             self.file_mapper.write_run_config()
-            self.file_mapper.write_block_info(self.block_size)  # ValueError: another block size's
+            write_block_info(info_path, self.block_size,  # ValueError: another block size's, or no record of one
+                             lambda: write_json_if_absent(info_path, {"block_bytes": self.block_size}),
+                             self.file_mapper.read_block_info)
 
         def write_config() -> None:
             write_files()

@@ -250,8 +250,8 @@ class KvtierTier(SecondaryTierManager):
         # module import stays cheap for the API server, which only needs the metrics).
         from vllm.v1.kv_offload.file_mapper import FileMapper
 
-        from kvtier._tier.startup import GeometryGuard, RootGuard, info_signature, start
-        from kvtier.file_mapper import BLOCK_INFO_FILENAME, read_block_info, write_block_info, write_json_if_absent
+        from kvtier._tier.startup import GeometryGuard, RootGuard, info_signature, start, write_block_info
+        from kvtier.file_mapper import BLOCK_INFO_FILENAME, read_block_info, write_json_if_absent
 
         label_root, root_dir = root_dir, os.path.abspath(root_dir)  # resolved once: a later chdir moves nothing
         self.file_mapper = FileMapper.from_offloading_spec(
@@ -268,7 +268,9 @@ class KvtierTier(SecondaryTierManager):
             config_path = self.file_mapper.get_config_file_path()
             os.makedirs(os.path.dirname(config_path), exist_ok=True)
             write_json_if_absent(config_path, self.file_mapper.get_run_config())  # bytes as vLLM's
-            write_block_info(os.path.dirname(config_path), bs)  # kvtier.json, for `kvtier scrub`; ValueError
+            write_block_info(info_path, bs,  # kvtier.json, for `kvtier scrub`; ValueError
+                             lambda: write_json_if_absent(info_path, {"block_bytes": bs}),
+                             lambda: read_block_info(info_dir))
 
         def write_config() -> None:
             write_files()

@@ -961,3 +961,38 @@ def test_a_bad_load_landing_environment_is_refused_before_any_io(tmp_path, monke
     monkeypatch.setenv("KVTIER_LOAD_LANDING", " Bounce ")
     with mk(rand_buf(), root) as m:
         assert (m.load_landing, m.load_landing_why) == ("bounce", "KVTIER_LOAD_LANDING=bounce")
+
+
+@pytest.mark.parametrize("content, what", [
+    (b"[1, 2]", "holds a JSON array, not an object"),
+    (b'"16384"', "holds a JSON string, not an object"),
+    (b"{}", "has no block_bytes"),
+    (b'{"block_bytes": "16384"}', 'records block_bytes="16384" (a JSON string), not a positive integer'),
+    (b'{"block_bytes": 16384.0}', "records block_bytes=16384.0 (a JSON number), not a positive integer"),
+    (b'{"block_bytes": true}', "records block_bytes=true (a JSON boolean), not a positive integer"),
+    (b'{"block_bytes": -1}', "records block_bytes=-1 (a JSON number), not a positive integer"),
+], ids=["array", "string", "empty", "str", "float", "bool", "negative"])
+def test_a_kvtier_json_without_a_block_size_names_the_file_and_what_is_wrong(tmp_path, caplog, content, what):
+    """A kvtier.json that is JSON but no record of a block size: at startup a ValueError naming
+    the file and its fault (was: AttributeError "'list' object has no attribute 'get'", or
+    "records block_bytes=16384, but this tier uses 16384-byte blocks" for the string); written
+    while a tier runs, its jobs are refused (EINVAL) with that message and one error line, no
+    traceback (the list escaped the check: a traceback per job, and the job ran)."""
+    buf = rand_buf()
+    with mk(buf, tmp_path) as m:
+        info = os.path.join(m.file_mapper.base_path, "kvtier.json")
+        assert run(m, TransferJob("s", keys_for(1), [0]), load=False).success
+        with open(info, "wb") as f:
+            f.write(content)
+        with caplog.at_level(logging.ERROR):
+            for j in range(3):
+                r = run(m, TransferJob(j, keys_for(1), [1]), load=True)
+                assert (r.success, r.error.errno, r.error.filename) == (False, errno.EINVAL, info)
+                assert str(r.error).startswith(f"[Errno 22] job refused: {info} {what}: ")
+        errors = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+        assert len(errors) == 1 and errors[0].exc_info is None and what in errors[0].getMessage()
+        assert m.metrics.counters.snapshot()["geometry_refused"] == 3
+    with pytest.raises(ValueError) as ei:
+        mk(buf, tmp_path)
+    assert str(ei.value) == (f'{info} {what}: it records the tier\'s block size, {{"block_bytes": N}}; remove it '
+                             f"to have it written again")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -327,6 +328,22 @@ def test_a_bad_load_landing_environment_is_a_value_error_before_any_io(vllm, tmp
     with pytest.raises(ValueError, match=r"^KVTIER_LOAD_LANDING must be one of auto, direct, bounce, not 'junk'$"):
         Harness([tier_config(kind, str(tmp_path / "c"))], block_bytes=BS)
     assert not (tmp_path / "c").exists()
+
+
+def test_a_kvtier_json_without_a_block_size_is_a_value_error_naming_it(harness, tmp_path):
+    """A kvtier.json that is JSON but no record of a block size (an array; a string for
+    block_bytes): the vLLM tier's startup names the file and what is wrong with it (was an
+    AttributeError, and for the string "records block_bytes=8192, but this tier uses
+    8192-byte blocks")."""
+    h = harness("kvtier")
+    info = os.path.join(os.path.dirname(h.tiers[0].file_mapper.get_config_file_path()), "kvtier.json")
+    h.close()
+    for content, what in [("[1, 2]", "holds a JSON array, not an object"),
+                          ('{"block_bytes": "8192"}', 'records block_bytes="8192" (a JSON string), not a positive integer')]:
+        with open(info, "w") as f:
+            f.write(content)
+        with pytest.raises(ValueError, match=r"^" + re.escape(f"{info} {what}: ") + r".*remove it to have it written again$"):
+            harness("kvtier")
 
 
 @pytest.mark.parametrize("max_bytes", [8192, 40959, "36K"])

@@ -12,6 +12,7 @@ tier's block size (another: every job refused, ``geometry_refused``).
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import tempfile
@@ -168,6 +169,56 @@ class RootGuard:
             self.root_id = root_identity(self.root, self.rank_path)
 
 
+def _json_type(v: Any) -> str:
+    """The JSON name of a parsed JSON value's type."""
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    return {dict: "object", list: "array", str: "string"}.get(type(v), "null")
+
+
+def recorded_block_bytes(info: Any, info_path: str) -> Optional[int]:
+    """The block size a tier root's ``kvtier.json`` (``info_path``) records, from its parsed
+    content ``info`` (None: the file is absent, None returned).  ValueError naming the file
+    and what is wrong with it when it is not a record of one: not a JSON object, no
+    ``block_bytes``, or a ``block_bytes`` that is not a positive integer (a string, a
+    fraction, a boolean, 0 or less)."""
+    if info is None:
+        return None
+    fix = 'it records the tier\'s block size, {"block_bytes": N}; remove it to have it written again'
+    if not isinstance(info, dict):
+        raise ValueError(f"{info_path} holds a JSON {_json_type(info)}, not an object: {fix}")
+    if "block_bytes" not in info:
+        raise ValueError(f"{info_path} has no block_bytes: {fix}")
+    v = info["block_bytes"]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{info_path} records block_bytes={json.dumps(v)} (a JSON {_json_type(v)}), not a "
+                         f"positive integer: {fix}")
+    return v
+
+
+def check_block_info(info_path: str, info: Any, block_bytes: int) -> None:
+    """ValueError naming ``info_path`` unless its parsed content ``info`` records
+    ``block_bytes`` (or is None: absent): not a record of a block size
+    (:func:`recorded_block_bytes`), or another one."""
+    have = recorded_block_bytes(info, info_path)
+    if have is not None and have != block_bytes:
+        raise ValueError(f"{info_path} records block_bytes={have}, but this tier uses {block_bytes}-byte blocks; "
+                         f"the same FileMapper fields must give the same block size")
+
+
+def write_block_info(info_path: str, block_bytes: int, write_if_absent: Callable[[], bool],
+                     read_info: Callable[[], Any]) -> bool:
+    """A shell's ``kvtier.json`` at startup: written by ``write_if_absent()`` (the shell's:
+    atomic, only if absent; True if it wrote it), else its content (``read_info()``, the parsed
+    JSON; ValueError when not JSON) checked by :func:`check_block_info`.  True if written."""
+    if write_if_absent():
+        return True
+    check_block_info(info_path, read_info(), block_bytes)
+    return False
+
+
 def info_signature(path: str) -> Optional[Tuple[int, int, int, int]]:
     """(st_dev, st_ino, st_mtime_ns, st_size) of a tier's kvtier.json, None when absent."""
     try:
@@ -186,9 +237,9 @@ class GeometryGuard:
     or the tree removed and made again by an in-flight store under inode numbers the filesystem
     reused, which :class:`RootGuard`'s identity check cannot see): written again with the
     shell's ``config.json`` (``write_info()``, the shell's: atomic, only if absent, ValueError
-    when another's appeared meanwhile).  Recording another size (``read_info()`` gives its
-    ``block_bytes``, ValueError when it is not JSON): an error log line once per change,
-    and every job refused (:class:`kvtier._tier.engine.JobRefused`, EINVAL, nothing read or
+    when another's appeared meanwhile).  Recording another size, or nothing a block size can
+    be read from (``read_info()`` gives its parsed content, ValueError when it is not JSON;
+    :func:`recorded_block_bytes`): an error log line once per change, and every job refused (:class:`kvtier._tier.engine.JobRefused`, EINVAL, nothing read or
     written; counted ``geometry_refused``) until it records this size again.  An OSError
     while finding out (EIO, ESTALE ...) refuses nothing."""
 
@@ -222,20 +273,20 @@ class GeometryGuard:
                                        "block_bytes=%d", self.info_path, self.label, self.block_size)
                         self.write_info()
                     else:
-                        have = (self.read_info() or {}).get("block_bytes")
-                        if have != self.block_size:
+                        have = recorded_block_bytes(self.read_info(), self.info_path)  # ValueError: no record
+                        if have is not None and have != self.block_size:
                             raise ValueError(f"{self.info_path} records block_bytes={have}, but this tier uses "
-                                             f"{self.block_size}-byte blocks")
+                                             f"{self.block_size}-byte blocks: another block geometry on this "
+                                             f"tier root")
                     sig_now = self._signature()
-                except ValueError as e:  # another geometry's (or not JSON)
+                except ValueError as e:  # another geometry's, or no record of one (not JSON, ...)
                     refusal = str(e)
                     sig_now = self._signature()
                 except OSError:
                     return
                 if refusal and refusal != self._refusal:
-                    logger.error("%s: another block geometry on this tier root; the %s tier refuses its jobs "
-                                 "(nothing read or written) until kvtier.json records %d again", refusal,
-                                 self.label, self.block_size)
+                    logger.error("%s; the %s tier refuses its jobs (nothing read or written) until kvtier.json "
+                                 "records block_bytes=%d again", refusal, self.label, self.block_size)
                 elif not refusal and self._refusal:
                     logger.warning("%s records block_bytes=%d again: the %s tier serves its jobs",
                                    self.info_path, self.block_size, self.label)
@@ -244,5 +295,4 @@ class GeometryGuard:
         refusal = self._refusal
         if refusal:
             self.counters.add("geometry_refused")
-            raise JobRefused(errno.EINVAL, f"job refused: {refusal} (another block geometry on this tier root)",
-                             self.info_path)
+            raise JobRefused(errno.EINVAL, f"job refused: {refusal}", self.info_path)
