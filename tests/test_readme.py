@@ -99,3 +99,81 @@ def test_use_with_vllm_command_is_a_config_vllm_accepts():
     assert extra["cpu_bytes_to_use"] == 8 * 2**30
     assert int(extra["cpu_bytes_to_use"]) == 8 * 2**30
     assert extra["secondary_tiers"] == [{"type": "kvtier", "root_dir": "/mnt/nvme/kv"}]
+
+
+def _readme_prose() -> str:
+    """The README's text with its line breaks as spaces (claims span lines)."""
+    return " ".join(README.split())
+
+
+@pytest.mark.parametrize("backend", ["c", "python"])
+def test_what_strict_covers_is_what_the_readme_says(tmp_path, backend):
+    """The README's claim is exact (it said that with "strict" kvtier never hands back a wrong
+    byte "of any block"): the identity record alone binds a block to its name, so two blocks
+    whose files are swapped are refused (EBADMSG, identity) while they carry it, and load
+    each other's bytes, verified, in strict mode too, once it is removed (their only record
+    user.vllm.kv_crc32c); strict refuses a block with no CRC record (ENODATA)."""
+    import errno
+    import os
+
+    import numpy as np
+
+    from kvtier import io as kio
+
+    prose = _readme_prose()
+    assert "of any block" not in prose
+    assert "Only `user.kvtier.id` binds a block to its name (layout directory, rank, key) and size" in prose
+    assert ("two such blocks whose files were swapped each load the other's bytes" in prose
+            and "Strict mode refuses blocks with no CRC record; it does not cover these two" in prose)
+    io = kio.for_backend(backend)
+    bs = 8192
+    data = np.random.default_rng(5).integers(0, 256, 2 * bs, dtype=np.uint8)
+    paths = [str(tmp_path / "m_0123456789ab_r0" / "abc" / "de_g0" / f"{n}.bin") for n in ("a" * 32, "b" * 32)]
+
+    def swap():
+        os.rename(paths[0], paths[0] + ".x")
+        os.rename(paths[1], paths[0])
+        os.rename(paths[0] + ".x", paths[1])
+
+    def strict_load(p):
+        out = np.zeros(bs, np.uint8)
+        io.batch_load_block([p], out, [0], bs, use_o_direct=False, checksum="strict")
+        return out.tobytes()
+
+    io.batch_store_block(paths, data, [0, bs], bs, use_o_direct=False, checksum=True)
+    swap()  # records intact: each file's identity record names the other key
+    with pytest.raises(OSError) as ei:
+        strict_load(paths[0])
+    assert ei.value.errno == errno.EBADMSG and ei.value.condemned == "identity" and not os.path.exists(paths[0])
+    os.unlink(paths[1])
+    io.batch_store_block(paths, data, [0, bs], bs, use_o_direct=False, checksum=True)
+    for p in paths:
+        os.removexattr(p, "user.kvtier.id")
+    swap()  # only user.vllm.kv_crc32c: the bytes verify, under the other name (the uncovered case)
+    assert strict_load(paths[0]) == data[bs:].tobytes() and strict_load(paths[1]) == data[:bs].tobytes()
+    os.removexattr(paths[0], "user.vllm.kv_crc32c")  # no CRC record at all: strict refuses it
+    with pytest.raises(OSError) as ei:
+        strict_load(paths[0])
+    assert ei.value.errno == errno.ENODATA and os.path.exists(paths[0])
+
+
+def test_the_readme_exit_statuses_are_each_commands():
+    """The README's exit statuses are true of every command (it said "1 a check failed" of
+    every command, but ``kvtier doctor`` exits 2 for a failed check: its --help says so), and
+    ``kvtier --help`` says the same."""
+    import subprocess
+    import sys
+
+    prose = _readme_prose()
+    assert "Exit status of every command:" not in prose
+    assert ("Exit status of every command but `kvtier doctor`: 0 done (clean), 1 a check failed or found "
+            "something (each command's `--help` says what), 2 bad arguments; `kvtier doctor`: 0 every check "
+            "passed, 1 a warning, 2 a failed check (kvtier cannot run on that mount) or bad arguments.") in prose
+    doctor = " ".join(subprocess.run([sys.executable, "-m", "kvtier", "doctor", "--help"], capture_output=True,
+                                     text=True, check=True).stdout.split())
+    assert "Exit status: 0 every check passed; 1 a warning; 2 kvtier cannot run there (a failed check," in doctor
+    top = " ".join(subprocess.run([sys.executable, "-m", "kvtier", "--help"], capture_output=True, text=True,
+                                  check=True).stdout.split())
+    assert ("Exit status of every command but doctor: 0 done (clean); 1 a check failed or found something (each "
+            "command's --help says what); 2 bad arguments. doctor: 0 every check passed, 1 a warning, 2 a failed "
+            "check (kvtier cannot run there) or bad arguments.") in top

@@ -230,10 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``kvtier`` argument parser with its subcommands ``info``, ``bench``, ``scrub``, ``doctor`` and ``evict``;
     each sets ``func``, the handler that takes the parsed Namespace and returns an exit status."""
     p = argparse.ArgumentParser(prog="kvtier", description="Checksummed storage tier for LLM KV-cache blocks.",
-                                epilog="Exit status of every command: 0 done (clean); 1 a check failed or found "
-                                       "something (each command's --help says what); 2 bad arguments, among them "
-                                       "a ROOT (or bench --root, doctor --peer) that does not exist or is no "
-                                       "directory: the message on stderr names the path and the errno text.")
+                                epilog="Exit status of every command but doctor: 0 done (clean); 1 a check failed "
+                                       "or found something (each command's --help says what); 2 bad arguments. "
+                                       "doctor: 0 every check passed, 1 a warning, 2 a failed check (kvtier cannot "
+                                       "run there) or bad arguments. Bad arguments include a ROOT (or bench --root, "
+                                       "doctor --peer) that does not exist or is no directory: the message on "
+                                       "stderr names the path and the errno text.")
     p.add_argument("--version", action="version", version=f"kvtier {kvtier.__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -258,7 +260,7 @@ def main(argv=None) -> int:
     """Entry point of the ``kvtier`` command.  ``argv``: list of str arguments without the
     program name (None: ``sys.argv[1:]``).  Returns the subcommand's exit status (int: 0 ok,
     1 check failed, 2 bad arguments, a ROOT that does not exist or is no directory among
-    them: :data:`kvtier.cli._text.EXIT_USAGE`).  argparse raises SystemExit (code 2) for an unknown
+    them: :data:`kvtier.cli._text.EXIT_USAGE`; ``doctor``: 1 a warning, 2 a failed check too).  argparse raises SystemExit (code 2) for an unknown
     command or option and (code 0) for ``--help`` / ``--version``."""
     args = build_parser().parse_args(argv)
     try:

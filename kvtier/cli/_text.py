@@ -10,7 +10,8 @@ from typing import Optional
 
 EXIT_USAGE = 2
 """The exit status of every subcommand for bad arguments, a ROOT that is no directory among
-them (:func:`dir_error`); 0 is done / clean, 1 a check that failed or found something."""
+them (:func:`dir_error`); 0 is done / clean, 1 a check that failed or found something
+(``kvtier doctor``: 1 a warning, 2 a failed check too)."""
 
 
 def dir_error(path: str) -> Optional[str]:
