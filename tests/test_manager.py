@@ -5,6 +5,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -996,3 +997,54 @@ def test_a_kvtier_json_without_a_block_size_names_the_file_and_what_is_wrong(tmp
         mk(buf, tmp_path)
     assert str(ei.value) == (f'{info} {what}: it records the tier\'s block size, {{"block_bytes": N}}; remove it '
                              f"to have it written again")
+
+
+@pytest.mark.parametrize("where", ["root", "rank directory"])
+def test_a_root_replaced_by_a_file_refuses_jobs_with_one_true_error_line(tmp_path, caplog, where):
+    """The tier root (or its rank directory) replaced by a regular file while running: every
+    job fails ENOTDIR, refused before any I/O, naming the file; the log has one error line
+    saying so, no traceback, and the count is one loss (was: an ERROR and a traceback per job,
+    242 lines for 20 jobs, saying 'a symlink swapped: another directory is there now ...
+    recreating it' while a file was there and nothing was recreated). Once the file is gone
+    the tier makes the root again and serves."""
+    root = tmp_path / "cache"
+    buf = rand_buf()
+    with mk(buf, root) as m:
+        assert run(m, TransferJob("s", keys_for(1), [0]), load=False).success
+        if where == "root":
+            shutil.rmtree(root)
+            blocker = str(root)
+        else:
+            blocker = m.file_mapper.rank_path
+            shutil.rmtree(blocker)
+        with open(blocker, "w") as f:
+            f.write("x")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            for j in range(20):
+                r = run(m, TransferJob(j, keys_for(1, salt=j + 1), [1]), load=bool(j % 2))
+                assert (r.success, r.error.errno, r.error.filename, r.error.num_succeeded) == (
+                    False, errno.ENOTDIR, blocker, 0)
+        errors = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+        assert len(errors) == 1 and errors[0].exc_info is None, [rec.getMessage() for rec in caplog.records]
+        msg = errors[0].getMessage()
+        named = "" if where == "root" else f": {blocker!r}"
+        assert msg == (f"tier root {str(root)!r} of the 1:kvtier tier{named} is a regular file now, not a directory "
+                       f"(replaced while running): nothing recreated, jobs refused until a directory can be there "
+                       f"again"), msg
+        assert not any("Traceback" in rec.getMessage() or rec.exc_info for rec in caplog.records)
+        assert len(caplog.records) == 3  # and one rate-limited line of each kind of failed job (load, store)
+        with open(blocker) as f:
+            assert f.read() == "x"  # nothing done to it
+        assert m.metrics.counters.snapshot()["root_lost"] == 1
+        os.unlink(blocker)
+        caplog.clear()
+        with caplog.at_level(logging.ERROR):
+            assert run(m, TransferJob("again", keys_for(1, salt=99), [2]), load=False).success
+        assert [rec.getMessage() for rec in caplog.records] == [
+            f"tier root {str(root)!r} of the 1:kvtier tier can be a directory again: made again with its rank "
+            f"directory and config files"]
+        assert os.path.isfile(os.path.join(m.file_mapper.base_path, "kvtier.json"))
+        assert run(m, TransferJob("back", keys_for(1, salt=99), [3]), load=True).success
+        assert np.array_equal(buf[3], buf[2])
+        assert m.metrics.counters.snapshot()["root_lost"] == 1  # one loss

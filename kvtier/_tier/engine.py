@@ -71,19 +71,22 @@ WARN_INTERVAL = 60.0
 
 
 class RateLimitedWarnings:
-    """At most one WARNING per ``interval`` seconds for each kind of message of a tier; the
-    messages held back meanwhile are counted, and the next one logged says how many (so a
-    full filesystem failing every store job logs one line a minute, not one a job)."""
+    """At most one WARNING (or ``level``) per ``interval`` seconds for each kind of message of
+    a tier; the messages held back meanwhile are counted, and the next one logged says how
+    many (so a full filesystem failing every store job logs one line a minute, not one a
+    job).  ``log``: the logger (default this module's)."""
 
-    def __init__(self, interval: float = WARN_INTERVAL) -> None:
+    def __init__(self, interval: float = WARN_INTERVAL, log: Optional[logging.Logger] = None) -> None:
         self.interval = interval
+        self.log = log or logger
         self._lock = threading.Lock()  # pool threads log concurrently
         self._last: Dict[str, float] = {}
         self._held: Dict[str, int] = {}
 
-    def warn(self, kind: str, msg: str, *args: Any) -> bool:
-        """Log ``msg % args`` at WARNING unless a ``kind`` message was logged less than
-        ``interval`` ago (then counted); True if logged."""
+    def warn(self, kind: str, msg: str, *args: Any, level: int = logging.WARNING, exc_info: bool = False) -> bool:
+        """Log ``msg % args`` at ``level`` (with the exception being handled: ``exc_info``)
+        unless a ``kind`` message was logged less than ``interval`` ago (then counted); True
+        if logged."""
         now = time.monotonic()
         with self._lock:
             last = self._last.get(kind)
@@ -95,7 +98,7 @@ class RateLimitedWarnings:
         if held:
             msg += " (and %d more %s message(s) in the last %.0f s, not logged)"
             args += (held, kind, now - last)
-        logger.warning(msg, *args)
+        self.log.log(level, msg, *args, exc_info=exc_info or None)
         return True
 
     def flush(self) -> None:
@@ -104,7 +107,7 @@ class RateLimitedWarnings:
         with self._lock:
             held, self._held = self._held, {}
         for kind, n in held.items():
-            logger.warning("%d more %s message(s) since the last one logged, not logged", n, kind)
+            self.log.warning("%d more %s message(s) since the last one logged, not logged", n, kind)
 
 
 
@@ -913,8 +916,9 @@ class TierEngine:
             self.before_job()
         except JobRefused as e:
             return e
-        except Exception:
-            logger.exception("the check before a job failed")
+        except Exception:  # once a minute: a broken check would else log a traceback per job
+            self.warnings.warn("failed check before a job", "the check before a job failed", level=logging.ERROR,
+                               exc_info=True)
         return None
 
     def _count(self, job: Job, r: Finished) -> None:

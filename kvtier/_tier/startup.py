@@ -15,6 +15,7 @@ import errno
 import json
 import logging
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -24,6 +25,7 @@ from typing import Any, Callable, Optional, Tuple
 import kvtier.io as _kio
 from kvtier._blockio import policy
 from kvtier._tier.deadline import run_with_deadline
+from kvtier._tier.engine import JobRefused, RateLimitedWarnings
 
 logger = logging.getLogger(__name__)
 
@@ -79,14 +81,15 @@ def prepare_root(root: str, rank_path: str, checksum_blocks: bool) -> None:
         )
 
 
-def root_identity(root: str, rank_path: str) -> Optional[Tuple[int, int, int, int]]:
-    """(st_dev, st_ino) of the root (symlinks followed) and of the rank directory, or
-    None when either is missing."""
+def root_identity(root: str, rank_path: str) -> Optional[Tuple[int, ...]]:
+    """(st_dev, st_ino) of the root (symlinks followed) and of the rank directory, then
+    the file type of each (a file made where a directory was removed may reuse its inode
+    number), or None when either is missing."""
     try:
         a, b = os.stat(root), os.stat(rank_path)
     except OSError:
         return None
-    return a.st_dev, a.st_ino, b.st_dev, b.st_ino
+    return a.st_dev, a.st_ino, b.st_dev, b.st_ino, stat.S_IFMT(a.st_mode), stat.S_IFMT(b.st_mode)
 
 
 @dataclass
@@ -99,7 +102,7 @@ class Started:
     use_o_direct: bool
     o_direct_refused_on: Optional[str]
     last_sweep: Any
-    root_id: Optional[Tuple[int, int, int, int]]
+    root_id: Optional[Tuple[int, ...]]
 
 
 def start(root: str, rank_path: str, config, write_config: Callable[[], None]) -> Started:
@@ -125,25 +128,61 @@ def start(root: str, rank_path: str, config, write_config: Callable[[], None]) -
                              what=f"tier root {root!r}: startup probes (create, write, xattr, O_DIRECT, identity)")
 
 
+_KINDS = ((stat.S_ISREG, "regular file"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+          (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))
+
+
+def not_a_directory(root: str, rank_path: str) -> Optional[Tuple[str, str]]:
+    """``(path, kind)`` of the first of ``root`` and the directories from it down to
+    ``rank_path`` that exists and is not a directory (symlinks followed; ``kind``: "regular
+    file", "FIFO" ...), or None: each is a directory, missing (can be made) or unreadable."""
+    paths = [root]
+    rel = os.path.relpath(rank_path, root)
+    if not rel.startswith(os.pardir):
+        for part in rel.split(os.sep):
+            paths.append(os.path.join(paths[-1], part))
+    for p in paths:
+        try:
+            mode = os.stat(p).st_mode
+        except OSError:
+            return None
+        if not stat.S_ISDIR(mode):
+            return p, next((name for test, name in _KINDS if test(mode)), "file that is not a directory")
+    return None
+
+
 class RootGuard:
     """Before each job (the engine's ``before_job``): the tier root (or its rank directory)
-    deleted, or replaced (a symlink swapped to another directory), is reported (an error
-    log line and the ``root_lost`` counter of ``counters``), then restored: directories
-    recreated and the config files written again (``write_config``), so the blocks stored
-    next land in a root that says what they are.  A store that was writing while the root
-    went away removes its temp (both backends unlink the temp on any failure)."""
+    deleted, or replaced by another directory (a symlink swapped), is reported (an error
+    log line, rate-limited, and the ``root_lost`` counter of ``counters``), then restored:
+    directories recreated and the config files written again (``write_config``), so the
+    blocks stored next land in a root that says what they are.  Replaced by something that
+    is not a directory (a regular file at the root or the rank directory), or not
+    recreatable (EACCES, EROFS ...), nothing is made: the job is refused
+    (:class:`kvtier._tier.engine.JobRefused`, that errno, ENOTDIR for a file; nothing read or
+    written) until a directory can be there again, an error line at most once a minute
+    (:class:`kvtier._tier.engine.RateLimitedWarnings`, no traceback).  A loss counts once
+    in ``root_lost``, however many jobs it refuses.  A store that was writing while the
+    root went away removes its temp (both backends unlink the temp on any failure)."""
 
     def __init__(self, root: str, rank_path: str, root_id, write_config: Callable[[], None], counters,
                  label: str, geometry: "Optional[GeometryGuard]" = None) -> None:
         self.root, self.rank_path, self.root_id = root, rank_path, root_id
         self.write_config, self.counters, self.label = write_config, counters, label
         self.geometry = geometry  # checked after the root (GeometryGuard.check)
+        self.warnings = RateLimitedWarnings(log=logger)
+        self._lost = False  # a loss found and not yet restored (counted once)
         self._lock = threading.Lock()
 
     def check(self) -> None:
         self._check_root()
         if self.geometry is not None:
             self.geometry.check()
+
+    def _found_lost(self) -> None:
+        if not self._lost:
+            self._lost = True
+            self.counters.add("root_lost")
 
     def _check_root(self) -> None:
         now = root_identity(self.root, self.rank_path)
@@ -153,19 +192,47 @@ class RootGuard:
             now = root_identity(self.root, self.rank_path)
             if now is not None and now == self.root_id:
                 return
+            blocked = not_a_directory(self.root, self.rank_path)
+            if blocked is not None:  # nothing can be made there: the jobs fail until it is gone
+                self._found_lost()
+                path, kind = blocked
+                where = "" if path == self.root else f": {path!r}"
+                msg = (f"tier root {self.root!r} of the {self.label} tier{where} is a {kind} now, not a directory "
+                       f"(replaced while running): nothing recreated, jobs refused until a directory can be "
+                       f"there again")
+                self.warnings.warn("tier root not a directory", "%s", msg, level=logging.ERROR)
+                raise JobRefused(errno.ENOTDIR, f"job refused: {msg}", path)
             try:
                 st = os.stat(self.root)
-                replaced = self.root_id is not None and (st.st_dev, st.st_ino) != self.root_id[:2]
             except OSError:
-                replaced = False
-            logger.error("tier root %r of the %s tier was %s while running; recreating it with its "
-                         "config files", self.root, self.label,
-                         "replaced (a symlink swapped: another directory is there now)" if replaced
-                         else "deleted")
-            self.counters.add("root_lost")
-            real = os.path.realpath(self.root)  # a symlinked root whose target went: recreate that
-            prepare_root(real, os.path.join(real, os.path.relpath(self.rank_path, self.root)), False)
-            self.write_config()
+                st = None
+            if self._lost:  # found lost before and not made again then (a file there, EACCES ...)
+                what, done = "can be a directory again", "made again with its rank directory and config files"
+            elif st is None:
+                what, done = "was deleted while running", "made again with its rank directory and config files"
+            elif self.root_id is not None and (st.st_dev, st.st_ino) != self.root_id[:2]:
+                what = ("was replaced while running (another directory is there now: a symlink swapped, or the "
+                        "directory deleted and made again)")
+                done = "its rank directory and config files made in it"
+            else:
+                what = f"lost its rank directory {self.rank_path!r} while running (deleted or replaced)"
+                done = "made again, with the config files"
+            self._found_lost()
+            try:
+                real = os.path.realpath(self.root)  # a symlinked root whose target went: recreate that
+                prepare_root(real, os.path.join(real, os.path.relpath(self.rank_path, self.root)), False)
+                try:
+                    self.write_config()
+                except ValueError:  # another geometry's kvtier.json there now: GeometryGuard refuses
+                    pass
+            except OSError as e:
+                msg = (f"tier root {self.root!r} of the {self.label} tier {what}, and cannot be made again "
+                       f"({e.strerror or e}); jobs refused until it can")
+                self.warnings.warn("tier root lost", "%s", msg, level=logging.ERROR)
+                raise JobRefused(e.errno or errno.EIO, f"job refused: {msg}", self.root) from None
+            self.warnings.warn("tier root lost", "tier root %r of the %s tier %s: %s", self.root, self.label, what,
+                               done, level=logging.ERROR)
+            self._lost = False
             self.root_id = root_identity(self.root, self.rank_path)
 
 
@@ -258,8 +325,6 @@ class GeometryGuard:
         return info_signature(self.info_path)
 
     def check(self) -> None:
-        from kvtier._tier.engine import JobRefused
-
         try:
             sig = self._signature()
         except OSError:
