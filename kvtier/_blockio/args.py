@@ -17,6 +17,7 @@ from collections import abc as _abc
 from kvtier._blockio.buffers import is_torch_tensor, torch_bytes_view
 
 _STR, _INT = {str}, {int}
+_DIR_END, _last_char = frozenset("/."), operator.itemgetter(-1)
 
 
 def check_path(i: int, p, what: str):
@@ -56,12 +57,11 @@ def check_paths(paths, what="paths") -> list:
     if type(paths) is not list and (isinstance(paths, (str, bytes)) or not isinstance(paths, _abc.Sequence)):
         raise TypeError(f"{what} must be a sequence of paths, not {type(paths).__name__}")
     paths = list(paths)
-    # fast path (the engine's str paths): the paths joined, each between NULs, scanned for a
-    # NUL of their own, an empty path or a directory tail; per-path checks only on a hit
-    if set(map(type, paths)) == _STR:
-        j = "\0" + "\0".join(paths) + "\0"
-        if (j.count("\0") == len(paths) + 1 and "\0\0" not in j and "/\0" not in j and ".\0" not in j) or not paths:
-            return paths
+    # fast path (the engine's str paths): one scan for NUL, empties, and a last character that
+    # may end a directory name ('/', '.': dir_tail decides); per-path checks only on a hit
+    if (set(map(type, paths)) == _STR and "\0" not in "".join(paths) and all(paths)
+            and _DIR_END.isdisjoint(map(_last_char, paths))):
+        return paths
     for i, p in enumerate(paths):
         if not check_path(i, p, what):
             raise ValueError(f"{what}[{i}]: empty path")
