@@ -2433,7 +2433,9 @@ def test_a_census_that_cannot_read_part_of_the_root_says_so_and_evict_exits_1(tm
         os.chmod(tmp_path, 0)
         for dry in (["--dry-run"], []):
             r = subprocess.run(cmd + dry + [str(tmp_path)], capture_output=True, text=True, cwd=REPO)
-            assert r.returncode == 2 and r.stdout == "", (dry, r.returncode, r.stderr)
+            assert r.returncode == 2, (dry, r.returncode, r.stderr)
+            assert json.loads(r.stdout) == {"root": str(tmp_path), "error": f"[Errno 13] Permission denied: "
+                                            f"'{tmp_path}'", "exit_status": 2}  # --json: the failure too
             assert r.stderr == f"kvtier evict: [Errno 13] Permission denied: '{tmp_path}'\n", (dry, r.stderr)
     finally:
         os.chmod(tmp_path, 0o755)
