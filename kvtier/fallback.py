@@ -58,6 +58,7 @@ if _c_core_built() and not _imported_by_kvtier():
 # bytes (design.md "On-disk contract"). Used when the C core is missing or
 # KVTIER_IO_BACKEND=python. Signatures match kvtier._C.
 
+import contextlib as _contextlib
 import errno as _errno
 import fcntl as _fcntl
 import mmap as _mmap
@@ -343,6 +344,33 @@ class _Late(Exception):
     """A store's block was renamed, but its job expired during the rename."""
 
 
+class _Expired(Exception):
+    """A load's job was not live at its commit section (or expired during it)."""
+
+
+class _Section:
+    """The commit section of the direct landing around the bytes that enter the caller's
+    row (csrc/block/block.c read_verify: after the open, the records and the fstat, so a
+    stalled one holds no section and the job is reported at its deadline); _Expired when
+    the job is not live at its start, or was expired during it."""
+
+    __slots__ = ("word",)
+
+    def __init__(self, word):
+        self.word = word
+
+    def __enter__(self):
+        if not self.word.step(_js.LIVE, _js.COMMITTING):
+            raise _Expired
+
+    def __exit__(self, typ, exc, tb):
+        if not self.word.step(_js.COMMITTING, _js.LIVE) and typ is None:
+            raise _Expired
+
+
+_NO_SECTION = _contextlib.nullcontext()
+
+
 def _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, word=None):
     try:
         st = _os.lstat(dest)
@@ -518,7 +546,8 @@ def _get_record(fd, name):
         raise
 
 
-def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=False, data_out=None):
+def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=False, data_out=None,
+                 section=_NO_SECTION):
     """Records then data. Returns (mismatch, short, unverified): mismatch "checksum"
     for a CRC mismatch or malformed record, "identity" for a well-formed identity record
     of another block than ``ident``'s (a damaged one is judged by user.vllm.kv_crc32c),
@@ -529,7 +558,9 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=F
     chunk checksummed in a private bounce buffer and then copied, so the block
     is judged on bytes no other thread of the caller can write (as the C core
     does). ``data_out[0]`` is set True once every byte of the block was read
-    into ``mv`` (a mismatch of the data, not of a record)."""
+    into ``mv`` (a mismatch of the data, not of a record). ``section``: the direct
+    landing's commit section, held around each write into ``mv`` (the read into it, or
+    a bounce buffer's copy) and nothing else."""
     want = verdict = idrec = crcrec = None
     unverified = False
     if checksum:
@@ -582,19 +613,21 @@ def _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts, reread=F
                     more, direct = _op("read", _read_full, fd, b[got:], off + got, direct)
                     if got + more < n:
                         return None, True, unverified
-                crc = copy_fn(mv[off : off + n], b, crc)
+                with section:
+                    crc = copy_fn(mv[off : off + n], b, crc)
         finally:
             _bounce_give(bounce)
         if data_out is not None:
             data_out[0] = True
         return _judged(fd, verdict, idrec, crcrec, ident, crc), False, unverified
-    for off in range(0, len(mv), IO_CHUNK):
-        chunk = mv[off : off + IO_CHUNK]
-        got, direct = _op("read", _read_full, fd, chunk, off, direct)
-        if got < len(chunk):
-            return None, True, unverified
-        if want is not None:
-            crc = crc_fn(chunk, crc)
+    with section:
+        for off in range(0, len(mv), IO_CHUNK):
+            chunk = mv[off : off + IO_CHUNK]
+            got, direct = _op("read", _read_full, fd, chunk, off, direct)
+            if got < len(chunk):
+                return None, True, unverified
+            if want is not None:
+                crc = crc_fn(chunk, crc)
     if data_out is not None:
         data_out[0] = True
     return _judged(fd, verdict, idrec, crcrec, ident, crc), False, unverified
@@ -629,7 +662,8 @@ class _Verdict(Exception):
         self.size_kept = size_kept  # a file of another size kept: "intact" (P8) or "unsure" (P9, unconfirmed)
 
 
-def _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retried_out, size_out):
+def _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retried_out, size_out,
+              section=_NO_SECTION):
     """One open of a block (csrc/block/block.c load_try). Returns _LT_OK, or _LT_SHORT /
     _LT_SIZE for a first sighting (``size_out[0]``: the file's size); raises
     _Verdict (judged: condemned or kept) or OSError with ``kvt_op`` (kept)."""
@@ -659,7 +693,7 @@ def _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retr
         for attempt in range(2):
             data_read[0] = False
             mismatch, short, unverified = _read_verify(fd, mv, use_o_direct, checksum, crc_fn, ident, counts,
-                                                       attempt > 0, data_read)
+                                                       attempt > 0, data_read, section)
             if short:  # fstat said the block size: never condemned for it (P6), reopened
                 return _LT_SHORT
             if mismatch is None:
@@ -681,15 +715,16 @@ def _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retr
             _close_quiet(fd)  # read-only: an error here (after a good read too) changes nothing
 
 
-def _load_one(src, mv, use_o_direct, checksum, crc_fn, counts, retried_out):
+def _load_one(src, mv, use_o_direct, checksum, crc_fn, counts, retried_out, section=_NO_SECTION):
     """Load one block under the error policy (docs/design.md "Error policy").
-    Returns None, or raises _Verdict / OSError (with ``kvt_op``)."""
+    Returns None, or raises _Verdict / OSError (with ``kvt_op``) / _Expired (``section``)."""
     ident = _rec.block_identity(src, len(mv)) if checksum else None
     seen, sightings, transient = _LT_OK, 0, 0
     size_out = [0]
     while True:
         try:
-            kind = _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retried_out, size_out)
+            kind = _load_try(src, mv, use_o_direct, checksum, crc_fn, ident, seen, counts, retried_out, size_out,
+                             section)
         except OSError as e:
             if _policy.retry_transient(e.errno, transient, counts):
                 transient += 1
@@ -841,7 +876,8 @@ def batch_load_block(source_paths, buffers, /, use_o_direct=True, checksum=False
     ``block_size``, ``buffers`` is one buffer and block i its slice at
     ``offsets[i]``. ``landing="direct"`` (as the C core's): an O_DIRECT block
     into a page-aligned buffer, and an unchecksummed buffered one, are loaded
-    straight into its buffer, the whole block inside one commit section."""
+    straight into its buffer, the read inside one commit section (the open, the records
+    and the fstat before it, as the C core's)."""
     if landing not in ("bounce", "direct"):
         raise ValueError(f"batch_load_block(): landing must be 'bounce' or 'direct', not {landing!r}")
     _args.check_list(source_paths, "source_paths")
@@ -898,22 +934,11 @@ def _load_batch(source_paths, srcs, views, use_o_direct, checksum, crc_fn, word,
                 raise _expired(source_paths[i], i, retried_total)
             in_place = word is not None and direct and _lands_direct(mv, use_o_direct, checksum)
             dst = mv if word is None or in_place else private[: len(mv)]
-            if in_place and not word.step(_js.LIVE, _js.COMMITTING):  # the block's one commit section
-                raise _expired(source_paths[i], i, retried_total)
             try:
-                try:
-                    _load_one(src, dst, bool(use_o_direct), checksum, crc_fn, mine, retried_out)
-                except BaseException:
-                    if in_place:
-                        in_place = False
-                        word.step(_js.COMMITTING, _js.LIVE)
-                    raise
-                if in_place:
-                    in_place = False
-                    if not word.step(_js.COMMITTING, _js.LIVE, _js.BLOCK):  # counted as the section ends
-                        raise _expired(source_paths[i], i, retried_total + retried_out[0])
-                    retried_total += retried_out[0]
-                    continue
+                _load_one(src, dst, bool(use_o_direct), checksum, crc_fn, mine, retried_out,
+                          _Section(word) if in_place else _NO_SECTION)
+            except _Expired:
+                raise _expired(source_paths[i], i, retried_total + retried_out[0]) from None
             except _Verdict as v:
                 # A block condemned on its data leaves the bytes read (its re-read) in its
                 # buffer, as the C core's copy + CRC does (it writes the buffer before the CRC
@@ -928,8 +953,13 @@ def _load_batch(source_paths, srcs, views, use_o_direct, checksum, crc_fn, word,
                 raise _batch_error(e.errno or _errno.EIO, source_paths[i], i, False,
                                    retried_total + retried_out[0], getattr(e, "kvt_op", None) or "") from None
             retried_total += retried_out[0]
-            # the section's end counts the block (verified before the copy)
-            if word is not None and not _commit_copy(word, mv, dst, _js.BLOCK):
+            if word is None:
+                continue
+            if in_place:  # read into the row in its section, then verified: counted while live (block.c)
+                counted = word.step(_js.LIVE, _js.LIVE, _js.BLOCK)
+            else:  # the section's end counts the block (verified before the copy)
+                counted = _commit_copy(word, mv, dst, _js.BLOCK)
+            if not counted:
                 raise _expired(source_paths[i], i, retried_total)
     finally:
         _merge_counts(counts, mine)

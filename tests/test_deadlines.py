@@ -543,3 +543,41 @@ def test_a_stalled_read_is_named_and_only_the_blocks_before_it_are_kept(backend,
         wait_until(lambda: counters(tier)["stuck_threads"] == 0)
         assert np.array_equal(buf[n + 3:], snap)  # nothing written after the report
         assert tier.get_finished_jobs() == []
+
+
+@pytest.mark.parametrize("op", ["open", "getxattr"])
+def test_direct_landing_with_a_stalled_open_or_getxattr_is_reported_at_its_deadline(backend, ff, area, op):
+    """8 blocks, landing "direct", the open (or the identity record's getxattr) of block 3
+    stalls for STALL s. The commit section holds only the read into the row (as the C
+    core's read_verify), so the stalled call holds none: the job is reported at its
+    deadline, well before the stall ends, keeping blocks 0-2 and naming block 3, and once
+    the stall is released the late I/O writes nothing into the rows."""
+    n, k, stall_s = 8, 3, 10.0
+    buf = np.frombuffer(mmap.mmap(-1, 2 * n * BS), dtype=np.uint8).reshape(2 * n, BS)
+    buf[:n] = filled(13)[:n]
+    data = buf[:n].copy()
+    with tier_on(area, buf, n_read_threads=1, n_write_threads=1, load_landing="direct") as tier:
+        assert tier.use_o_direct and tier.load_landing == "direct"
+        store_all(tier, range(n))
+        ff.stall(op, glob_of(tier, ff, key(k)), ms=int(stall_s * 1000))
+        buf[n:] = 0
+        t0 = time.monotonic()
+        tier.submit_load(TransferJob("L", [key(i) for i in range(n)], list(range(n, 2 * n))))
+        ff.wait_hits(f"stall_{op}", 1)
+        assert tier.drain_jobs(stall_s + SLACK)
+        took = time.monotonic() - t0
+        assert took < T + SLACK, f"reported {took:.2f} s after submit (deadline {T} s, stall {stall_s} s)"
+        (r,) = tier.get_finished_jobs()
+        assert (r.success, r.successful_keys, r.transfer_bytes) == (False, tuple(key(i) for i in range(k)), k * BS)
+        assert isinstance(r.error, TimeoutError) and r.error.errno == errno.ETIMEDOUT
+        assert r.error.filename == tier.file_mapper._file_name(*key(k))
+        assert f"at block {k} of {n}, named here" in str(r.error)
+        assert r.error.num_succeeded == k
+        assert np.array_equal(buf[n:n + k], data[:k]) and (buf[n + k:] == 0).all()
+        snap = buf[n:].copy()
+        ff.clear()  # the stalled call returns: the late load goes on, and writes nothing
+        wait_until(lambda: counters(tier)["stuck_threads"] == 0)
+        assert np.array_equal(buf[n:], snap)
+        assert tier.get_finished_jobs() == []
+        c = counters(tier)
+        assert (c["load_timeouts"], c["load_failures"], c["bytes_read"]) == (1, 1, k * BS)
