@@ -2033,8 +2033,9 @@ def test_kvtier_evict_refuses_while_a_live_evictor_holds_the_lock(tmp_path):
 
 # ---------------------------------------------------------------------- vLLM
 
-@pytest.mark.vllm
-def test_vllm_tier_with_a_bound_emits_removed_events_and_misses(tmp_path):
+def _vllm_harness():
+    """tests/vllm_harness's ``(Harness, key)`` with kvtier registered as a vLLM tier, or the
+    test skips (fails under CI) saying why."""
     from ci import unavailable
 
     try:
@@ -2046,6 +2047,13 @@ def test_vllm_tier_with_a_bound_emits_removed_events_and_misses(tmp_path):
     if "kvtier" not in SecondaryTierFactory._registry:
         unavailable("kvtier's vllm.general_plugins entry point is not installed (pip install -e .)")
     from vllm_harness import Harness, key
+
+    return Harness, key
+
+
+@pytest.mark.vllm
+def test_vllm_tier_with_a_bound_emits_removed_events_and_misses(tmp_path):
+    Harness, key = _vllm_harness()
 
     bs = 8192
     root = str(tmp_path / "kv")
@@ -2092,23 +2100,14 @@ def test_vllm_tier_with_a_bound_emits_removed_events_and_misses(tmp_path):
         h.close()
 
 
+@pytest.mark.vllm
 def test_vllm_tier_refreshes_a_finished_requests_blocks_the_cpu_tier_served(tmp_path):
     """vLLM asks a secondary tier only about the CPU tier's misses: a bounded kvtier tier
     refreshes on disk every block of a finished request (its keys in prefix order, from
     vLLM's request context), so the disk copies of a prefix the CPU tier keeps serving do
     not age as unused and are not evicted first; rate-limited (one touch per window per
     process); a key with no file costs nothing more."""
-    from ci import unavailable
-
-    try:
-        from vllm.plugins import load_general_plugins
-        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
-    except ImportError as e:
-        unavailable(f"vLLM 0.33 is not importable ({e})")
-    load_general_plugins()
-    if "kvtier" not in SecondaryTierFactory._registry:
-        unavailable("kvtier's vllm.general_plugins entry point is not installed (pip install -e .)")
-    from vllm_harness import Harness, key
+    Harness, key = _vllm_harness()
 
     bs = 8192
     root = str(tmp_path / "kv")
