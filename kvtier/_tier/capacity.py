@@ -1248,6 +1248,7 @@ class RootCapacity:
         self._publish_warned = -1e9
         self._census_warned = -1e9
         self._unevictable_warned = -1e9
+        self._kept_over_low = False  # the latest census: files no pass removes hold usage above the low mark
         self._tick_warned = -1e9
         self.tick_failures = 0  # ticks of the capacity thread that raised
         self.publish_failures = 0  # usage.json publications that failed
@@ -1919,7 +1920,8 @@ class RootCapacity:
         bound = self.bound()
         need = max(0, c.bytes - self.marks(bound)[1])
         kept = c.bytes - c.block_bytes  # what no pass removes: temps, config files, other files
-        if kept > self.marks(bound)[1] and time.monotonic() - self._unevictable_warned >= 60.0:
+        self._kept_over_low = kept > self.marks(bound)[1]
+        if self._kept_over_low and time.monotonic() - self._unevictable_warned >= 60.0:
             self._unevictable_warned = time.monotonic()
             logger.warning("kvtier capacity: %d bytes under %s are not block files (temps, config files, other "
                            "files: never evicted), above the low watermark %d of the bound %d: stores are dropped "
@@ -2002,18 +2004,21 @@ class RootCapacity:
                     except Exception:
                         logger.exception("an eviction listener failed")
         if r.usage_after > target and not len(self._cands):
-            self._next_census = self._early_census_at()  # no candidate left: a census soon
+            # no candidate left: a census next, at once, unless what no pass removes holds the
+            # usage above the low mark (every pass runs out then): at most CENSUS_CPU_SHARE
+            self._next_census = self._early_census_at() if self._kept_over_low else 0.0
             self._request = self._request or "capacity"
         if r.errors:
             logger.warning("kvtier capacity: %d blocks could not be evicted from %s (first: %s: %s)",
                            len(r.errors), self.root, r.errors[0][0], r.errors[0][1])
 
     def _early_census_at(self) -> float:
-        """When a census wanted before its interval (the candidates ran out short of the
-        target) may run, by the monotonic clock: :data:`CENSUS_CPU_SHARE` of the time at
-        most, as for a writer's request with no candidate left.  (A root held above the low
-        mark by files that are not blocks runs out of candidates at every pass: censused at
-        every 50 ms tick, its evictor took ~65% of a core.)"""
+        """When a census wanted before its interval may run, by the monotonic clock:
+        :data:`CENSUS_CPU_SHARE` of the time at most.  For a writer's request with no
+        candidate left, and when the candidates ran out short of the target while files no
+        pass removes hold the usage above the low mark (every pass runs out then: censused
+        at every 50 ms tick, its evictor took ~65% of a core); else a census follows at once
+        (a full filesystem recovering needs it)."""
         last = self.last_census
         if last is None:
             return 0.0
