@@ -376,18 +376,21 @@ def fs_room(used: int, st: Any, per_inode: Optional[float]) -> int:
     return used + free
 
 
-def root_room(c: Census) -> Optional[int]:
+def root_room(c: Census, st: Any = None) -> Optional[int]:
     """The room of census ``c``'s root (:func:`fs_room`): its usage plus what the
-    tightest of its filesystems can still take, the root's and each one a rank directory
-    is on (a rank directory moved to a smaller disk and linked back fills that disk while
-    the root's has room); None when the root's statvfs fails.  One statvfs per
-    filesystem."""
+    tightest of its filesystems can still take, the root's (``st``: its statvfs, when the
+    caller has it) and each other one a rank directory is on (a rank directory moved to a
+    smaller disk and linked back fills that disk while the root's has room); None when the
+    root's statvfs fails.  One statvfs per filesystem."""
     per_inode = bytes_per_inode(c)
     try:
-        room = fs_room(c.bytes, os.statvfs(c.root), per_inode)
+        room = fs_room(c.bytes, st if st is not None else os.statvfs(c.root), per_inode)
+        root_dev = os.stat(c.root).st_dev
     except OSError:
         return None
-    for d in c.rank_fs.values():
+    for dev, d in c.rank_fs.items():
+        if dev == root_dev:
+            continue
         try:
             room = min(room, fs_room(c.bytes, os.statvfs(d), per_inode))
         except OSError:
@@ -1908,12 +1911,12 @@ class RootCapacity:
         if not self._still_evictor():
             return  # taken over during the census: the new evictor counts and publishes
         # the room on the filesystems: what the root holds + what is still free, bytes or inodes
-        self._room = root_room(c)
         try:
             st = os.statvfs(self.root)
             inodes_free = st.f_favail if st.f_files else None
         except OSError:
-            inodes_free = None
+            st = inodes_free = None
+        self._room = root_room(c, st) if st is not None else None
         # keep the oldest blocks that hold what must go now plus half a bound (or four of
         # the largest job): what the evictor may remove before the next census (it
         # censuses early when they run out)
