@@ -74,7 +74,7 @@ def test_parse_max_bytes(value, want):
 
 
 @pytest.mark.parametrize("value,exc,text", [
-    ("12X", ValueError, "powers of 1024"), ("", ValueError, "powers of 1024"), ("-5G", ValueError, "cannot parse"),
+    ("12X", ValueError, "K, M, G, T, P = powers of 1024"), ("", ValueError, "powers of 1024"), ("-5G", ValueError, "cannot parse"),
     (0, ValueError, ">= 1"), ("0", ValueError, ">= 1"), (1.5, TypeError, "size string"),
     (True, TypeError, "size string"), ("150%", ValueError, "(0, 100]"), ("0%", ValueError, "(0, 100]"),
     ([1], TypeError, "size string"), ("1.5", ValueError, "no whole number of bytes"),

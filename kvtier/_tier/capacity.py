@@ -209,11 +209,11 @@ def parse_size(value: Any, name: str = "max_bytes") -> int:
         m = _SIZE_RE.match(value)
         if not m:
             raise ValueError(f"{name}: cannot parse {value!r}: give bytes (int), a size like '500G', '1.5T', '64M' "
-                             f"(K, M, G, T = powers of 1024) or a percentage of the filesystem like '90%'")
+                             f"(K, M, G, T, P = powers of 1024) or a percentage of the filesystem like '90%'")
         d = fractions.Fraction(m.group(1))  # the decimal digits exactly, however many
         if not m.group(2) and d.denominator != 1:  # "1.5": bytes, not 1.5 of a unit
             raise ValueError(f"{name}: {value!r} is no whole number of bytes: give an integer, or a unit "
-                             f"('1.5G', K/M/G/T = powers of 1024)")
+                             f"('1.5G', K/M/G/T/P = powers of 1024)")
         n = int(d * _UNITS[m.group(2).upper()])  # exact: no float rounding; a unit's fraction rounds down
     if n < 1:
         raise ValueError(f"{name} must be >= 1 byte, got {value!r}")
