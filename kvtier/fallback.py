@@ -399,27 +399,21 @@ def _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, w
     fd = _open_tmp(tmp, flags)
     try:
         try:
-            # O_DIRECT: with a checksum each chunk goes through a page-aligned bounce buffer
-            # (as csrc/block/engine.c's private slots: the bytes written are the bytes checksummed),
-            # whatever mv's address; without, one write straight from mv, only if it is aligned
-            direct = use_o_direct and _try_direct(fd, mv, bounce=bool(checksum))
-            if use_o_direct and not checksum and _dio_usable(mv, bounce=True) and not _dio_usable(mv):
+            # O_DIRECT only when mv's address is page aligned: every store writes straight from
+            # mv (as csrc/block/engine.c), an unaligned one buffered, and counted
+            direct = use_o_direct and _try_direct(fd, mv)
+            if use_o_direct and _dio_usable(mv, bounce=True) and not _dio_usable(mv):
                 _count_into(counts, "buffered_unaligned")  # the buffer's address keeps O_DIRECT off (as block.c)
             crc = 0
-            if not checksum:  # one write of the whole block (as csrc/block/engine.c)
+            if direct or not checksum:  # one write of the whole block, then one CRC pass over it
                 direct = _op("write", _write_full, fd, mv, 0, direct)
-            bounce = _bounce_take() if checksum and direct else None
-            try:
-                for off in range(0, len(mv) if checksum else 0, IO_CHUNK):  # the CRC of each chunk, then its write
+                if checksum:
+                    crc = crc_fn(mv, 0)
+            else:  # buffered with checksum: each chunk checksummed right after its write
+                for off in range(0, len(mv), IO_CHUNK):
                     chunk = mv[off : off + IO_CHUNK]
-                    if bounce is not None:
-                        bounce[: len(chunk)] = chunk
-                        chunk = bounce[: len(chunk)]
-                    crc = crc_fn(chunk, crc)
                     direct = _op("write", _write_full, fd, chunk, off, direct)
-            finally:
-                if bounce is not None:
-                    _bounce_give(bounce)
+                    crc = crc_fn(chunk, crc)
             if checksum:
                 # vLLM's record, and kvtier's identity record carrying the same CRC (what a
                 # load reads: one xattr)

@@ -59,9 +59,9 @@ per label value seen or defined:
                                                    synced it (file and directory)
 ``kvtier:kv_offload_tiering_replaced``             stores that replaced a symlink, FIFO or file
                                                    of another size at the block path
-``kvtier:kv_offload_tiering_buffered_unaligned``   stores without checksum written buffered
-                                                   although O_DIRECT was on: the primary
-                                                   buffer is not page aligned
+``kvtier:kv_offload_tiering_buffered_unaligned``   stores written buffered although O_DIRECT
+                                                   was on: the primary buffer is not page
+                                                   aligned
 =================================================  ============================================
 
 The labelled families (``FAMILIES``: the timeouts and the four policy families above) have

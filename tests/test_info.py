@@ -110,7 +110,7 @@ def test_info_reports_the_io_engine():
         assert "I/O engine:     plain pread/pwrite (built without liburing" in text
     elif d["io_engine"]["engine"] == "io_uring":
         assert "I/O engine:     io_uring (liburing): bounce-landing O_DIRECT loads in pieces, the next read in flight while one is " \
-               "moved; checksummed O_DIRECT stores: the CRC while the write is in flight; 0 io_uring ops, 0 plain " \
+               "moved; stores: one pwrite straight from the caller's buffer, never the ring; 0 io_uring ops, 0 plain " \
                "O_DIRECT blocks\n" in text
     else:  # the kernel refused a ring here
         assert d["io_engine"]["setup_errno"] > 0
@@ -122,7 +122,7 @@ def test_info_reports_the_io_engine():
         thp = None
     assert d["io_engine"]["thp"] == thp
     pages = "transparent huge pages" if thp in ("always", "madvise") else "4 KiB pages"
-    assert (f"O_DIRECT slots (loads, checksummed stores): 2 x 2 MiB per I/O thread on {pages} "
+    assert (f"O_DIRECT slots (loads): 2 x 2 MiB per I/O thread on {pages} "
             f"(THP {thp or 'not in this kernel'}") in text
     off = json.loads(run_info("--json", env={"KVTIER_IO_URING": "0"}).stdout)["io_engine"]
     assert (off["engine"], off["setting"]) == ("plain", "0")

@@ -108,17 +108,16 @@ def test_io_uring_path_forced(tmp_path):
     if eng["engine"] != "io_uring":
         unavailable(f"the kernel refuses io_uring here ({os.strerror(eng['setup_errno'])})")
     assert eng["setting"] == "1" and eng["setup_errno"] == 0
-    # 3 checksummed stores > 256 KiB of >= 4 writes each (256 KiB first, then doubling,
-    # at most 2 MiB; 256 KiB and unchecksummed stores are one pwrite); 9 engine loads of
-    # more than one piece (3 sizes > 256 KiB; checksum on: 2, off: 1 under a job state)
-    # of >= 4 pieces each (halving down to <= 256 KiB)
-    assert eng["uring_ops"] >= 3 * 4 + 9 * 4 and eng["plain_blocks"] == 0
+    # 9 engine loads of more than one piece (3 sizes > 256 KiB; checksum on: 2, off: 1
+    # under a job state) of >= 4 pieces each (halving down to <= 256 KiB); stores are one
+    # pwrite each, never on the ring
+    assert eng["uring_ops"] >= 9 * 4 and eng["plain_blocks"] == 0
 
 
 def test_plain_path_forced(tmp_path):
     eng = _run(tmp_path, {"KVTIER_IO_URING": "0"})
     assert (eng["engine"], eng["setting"], eng["uring_ops"]) == ("plain", "0", 0)
-    assert eng["plain_blocks"] >= 3 + 9  # every checksummed O_DIRECT store and engine load > 256 KiB
+    assert eng["plain_blocks"] >= 9  # every engine load > 256 KiB
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +153,7 @@ d, f = sys.argv[1], sys.argv[2]  # faults only under f (KVT_FAULT_DIR)
 if not io.probe_o_direct(d):
     print("RESULT " + json.dumps({"no_direct": True}))
     sys.exit(0)
-bs = 3 << 20  # 256 KiB + 256 KiB + 512 KiB + 1 MiB + 1 MiB: the records under the last write
+bs = 3 << 20
 v = np.frombuffer(mmap.mmap(-1, bs), dtype=np.uint8)
 v[:] = np.random.default_rng(7).integers(0, 256, bs, dtype=np.uint8)
 crc = _C.crc32c(v).to_bytes(4, "big")
@@ -171,7 +170,7 @@ try:
     res["first"] = "ok" if stored(p) else "wrong"
 except OSError as e:
     res["first"] = [e.errno, e.operation, os.path.exists(p)]
-q = os.path.join(d, "b.bin")  # outside f: no fault; the thread's ring and slots still serve
+q = os.path.join(d, "b.bin")  # outside f: no fault
 io.batch_store_block([q], v, [0], bs, use_o_direct=True, checksum=True, job_state=bytearray(8))
 res["second"] = stored(q)
 res["temps"] = [n for n in os.listdir(f) + os.listdir(d) if n.endswith(".tmp")]
@@ -187,16 +186,13 @@ def io_fault(tmp_path_factory):
 
 
 @pytest.mark.parametrize("setting", ["1", "0"])
-@pytest.mark.parametrize("fault", ["fsetxattr", "fallocate"])
-def test_store_records_and_fallocate_faults(tmp_path, io_fault, setting, fault):
-    """A checksummed O_DIRECT store of several pieces sets its records while
-    the last piece is written (io_uring) or after the writes (plain): an
-    fsetxattr failing there (ENOSPC) fails the store as a record error
-    (operation "setxattr", errno kept), nothing published, no temp, and the
-    next store on the thread works (the write in flight was reaped). A
-    filesystem refusing fallocate (EOPNOTSUPP) stores the same bytes and
-    records (ftruncate, then the plain path's writes: the ring's write would
-    allocate, which RWF_NOWAIT refuses); only the ring path asks for it."""
+def test_store_records_fault(tmp_path, io_fault, setting):
+    """A checksummed O_DIRECT store of 3 MiB (one pwrite straight from the caller's page-
+    aligned buffer, then the CRC pass, then the records) whose fsetxattr fails (ENOSPC)
+    fails as a record error (operation "setxattr", errno kept), nothing published, no
+    temp, and the next store on the thread works, with the same bytes and records on the
+    ring's engine and the plain one: no store asks the filesystem for fallocate or goes
+    through the ring (one op counted per load piece only)."""
     from test_block_io import preload
     if setting == "1":
         _need_liburing()
@@ -204,10 +200,9 @@ def test_store_records_and_fallocate_faults(tmp_path, io_fault, setting, fault):
     f = d / "faulty"
     f.mkdir(parents=True)
     log = tmp_path / "faults.log"
-    code = errno.ENOSPC if fault == "fsetxattr" else errno.EOPNOTSUPP
     e = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     e.update(KVTIER_IO_BACKEND="c", KVTIER_IO_URING=setting, LD_PRELOAD=preload(io_fault), KVT_FAULT_DIR=str(f),
-             KVT_FAULT_ERRNO=f"{fault}:{code}:-1", KVT_FAULT_LOG=str(log))
+             KVT_FAULT_ERRNO=f"fsetxattr:{errno.ENOSPC}:-1,fallocate:{errno.EOPNOTSUPP}:-1", KVT_FAULT_LOG=str(log))
     r = subprocess.run([sys.executable, "-c", RECORDS_SCRIPT, str(d), str(f)], capture_output=True, text=True,
                        env=e, cwd=str(ROOT), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -218,21 +213,10 @@ def test_store_records_and_fallocate_faults(tmp_path, io_fault, setting, fault):
     if setting == "1" and eng["engine"] != "io_uring":
         unavailable(f"the kernel refuses io_uring here ({os.strerror(eng['setup_errno'])})")
     hits = log.read_text().splitlines() if log.exists() else []
-    if fault == "fsetxattr":
-        assert res["first"] == [errno.ENOSPC, "setxattr", False]
-        assert len(hits) >= 1 and all(h.startswith("fsetxattr\t") for h in hits)
-    else:
-        assert res["first"] == "ok"
-        # the ring path asks once per store under f; the plain path never
-        assert len(hits) == (1 if setting == "1" else 0), hits
+    assert res["first"] == [errno.ENOSPC, "setxattr", False]
+    assert len(hits) >= 1 and all(h.startswith("fsetxattr\t") for h in hits), hits
     assert res["second"] is True and res["temps"] == []
-    if setting == "1":
-        # fallocate refused: the ring's first write into the ftruncated temp would have to
-        # allocate, which RWF_NOWAIT refuses (EAGAIN, issue #24): that store is redone on the
-        # plain path; the second store goes through the ring (5 pieces)
-        assert eng["uring_ops"] >= (2 * 4 if fault == "fsetxattr" else 5 + 1) and eng["plain_blocks"] == 0
-    else:
-        assert eng["uring_ops"] == 0 and eng["plain_blocks"] >= 2
+    assert eng["uring_ops"] == 0 and eng["plain_blocks"] == 0
 
 
 FORK_SCRIPT = r"""

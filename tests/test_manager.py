@@ -100,10 +100,10 @@ def test_round_trip(tier, checksum):
     assert m.file_mapper.read_block_info() == {"block_bytes": BS}
 
 
-def test_unaligned_buffer_without_checksums_warns_and_counts_buffered_stores(tmp_path, io_backend, monkeypatch,
-                                                                             caplog):
-    """A primary buffer 16 bytes past a page, checksums off, O_DIRECT on: the tier warns
-    at startup that its stores are buffered and counts each such block
+@pytest.mark.parametrize("checksum", [False, True])
+def test_unaligned_buffer_warns_and_counts_buffered_stores(tmp_path, io_backend, monkeypatch, caplog, checksum):
+    """A primary buffer 16 bytes past a page, O_DIRECT on, checksums on or off: the tier
+    warns at startup that its stores are buffered and counts each such block
     (kvtier:kv_offload_tiering_buffered_unaligned); a page-aligned buffer neither warns
     nor counts (both backends)."""
     monkeypatch.setattr(kio, "batch_store_block", io_backend.batch_store_block)
@@ -114,13 +114,13 @@ def test_unaligned_buffer_without_checksums_warns_and_counts_buffered_stores(tmp
         buf[:] = rand_buf()
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="kvtier._tier.engine"):
-            m = mk(buf, tmp_path / f"c{skew}", checksum_blocks=False)
+            m = mk(buf, tmp_path / f"c{skew}", checksum_blocks=checksum)
         try:
             if not m.use_o_direct:
                 pytest.skip(f"{tmp_path} does not accept O_DIRECT")
             warned = [r.getMessage() for r in caplog.records if "buffered_unaligned" in r.getMessage()]
-            assert warned == ([f"the primary buffer starts {skew} bytes past a page: stores without checksum write "
-                               "straight from it, so they are buffered, not O_DIRECT (counted as buffered_unaligned); "
+            assert warned == ([f"the primary buffer starts {skew} bytes past a page: stores write straight from it, "
+                               "so they are buffered, not O_DIRECT (counted as buffered_unaligned); "
                                "give a page-aligned buffer (an mmap) to keep O_DIRECT"] if skew else [])
             assert run(m, TransferJob(1, keys_for(NB), list(range(NB))), load=False).success
             assert m.metrics.registry.get_sample_value(M.BUFFERED_UNALIGNED + "_total", {"tier": "1:kvtier"}) == want

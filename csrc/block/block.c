@@ -113,28 +113,17 @@ static int lacks_crc_record(const char *dest)
     return kvt_lgetxattr_r(dest, KVT_XATTR_NAME, rec, sizeof rec) < 0 && errno == ENODATA;
 }
 
-/* The records of a checksummed store (kvt_store_records, engine.h), set
- * on the open temp by the engine once the CRC is known (while the last piece
- * is written, where it can): vLLM's record, and kvtier's identity record
- * carrying the same CRC (what a load reads: one xattr). */
-typedef struct store_records {
-    int fd;
-    const char *dest;
-    size_t len;
-    int err; /* errno of the failed fsetxattr */
-} store_records;
-
-static int store_set_records(void *ctx, uint32_t crc)
+/* The records of a checksummed store, set on the open temp once the CRC is
+ * known: vLLM's record, and kvtier's identity record carrying the same CRC
+ * (what a load reads: one xattr). 0, or an errno value. */
+static int store_set_records(int fd, const char *dest, size_t len, uint32_t crc)
 {
-    store_records *sr = ctx;
     uint8_t idrec[KVT_ID_REC_LEN];
-    kvt_block_identity(sr->dest, sr->len, idrec);
+    kvt_block_identity(dest, len, idrec);
     kvt_put_be32(idrec + KVT_ID_LEN, crc);
-    if (kvt_fsetxattr_r(sr->fd, KVT_XATTR_NAME, idrec + KVT_ID_LEN, KVT_XATTR_LEN) != 0 ||
-        kvt_fsetxattr_r(sr->fd, KVT_ID_XATTR_NAME, idrec, sizeof idrec) != 0) {
-        sr->err = errno ? errno : EIO;
-        return -1;
-    }
+    if (kvt_fsetxattr_r(fd, KVT_XATTR_NAME, idrec + KVT_ID_LEN, KVT_XATTR_LEN) != 0 ||
+        kvt_fsetxattr_r(fd, KVT_ID_XATTR_NAME, idrec, sizeof idrec) != 0)
+        return errno ? errno : EIO;
     return 0;
 }
 
@@ -169,28 +158,24 @@ static int store_try(const char *tmp, const char *dest, const uint8_t *buf, size
     }
 
     /* O_DIRECT at open (no fcntl) when the length is a multiple of the page
-     * (every filesystem's O_DIRECT accepts that) and the memory written is:
-     * with a checksum the engine's private page-aligned slots, whatever the
-     * caller's buffer; without, the caller's buffer itself (one write straight
-     * from it), so only when that is page aligned (else buffered). */
-    int direct = 0;
+     * (every filesystem's O_DIRECT accepts that) and so is the caller's buffer
+     * address: every store writes straight from it (engine.h), so an
+     * unaligned one is written buffered, and counted. */
+    int direct = 0, want_direct = use_o_direct && len > 0 && len % 4096 == 0;
     *op = KVT_OP_OPEN;
-    if (use_o_direct && len > 0 && len % 4096 == 0 && !checksum && ((uintptr_t)buf & 4095u) != 0)
+    if (want_direct && ((uintptr_t)buf & 4095u) != 0) {
         kvt_count(KVT_C_BUFFERED_UNALIGNED); /* counted: the O_DIRECT asked for is not used */
-    int fd = open_tmp(tmp, use_o_direct && len > 0 && len % 4096 == 0 && (checksum || ((uintptr_t)buf & 4095u) == 0),
-                      &direct);
+        want_direct = 0;
+    }
+    int fd = open_tmp(tmp, want_direct, &direct);
     if (fd < 0)
         return errno;
 
     uint32_t crc = 0;
-    store_records sr = {fd, dest, len, 0};
-    const kvt_store_records rec = {store_set_records, &sr};
     *op = KVT_OP_WRITE;
-    int err = kvt_engine_write(fd, buf, len, &direct, kvt_engine_crc_copy(), checksum ? &rec : NULL, &crc);
-    if (err == KVT_WRITE_RECORD) {
-        err = sr.err;
+    int err = kvt_engine_write(fd, buf, len, &direct, checksum, &crc);
+    if (!err && checksum && (err = store_set_records(fd, dest, len, crc)) != 0)
         *op = KVT_OP_SETXATTR;
-    }
     if (!err && durable) { /* data before the name */
         *op = KVT_OP_SYNC;
         if (kvt_fsync_r(fd, 1) != 0)

@@ -145,7 +145,7 @@ static void abandon(kvt_uring *ring)
 }
 
 /* The ring for an O_DIRECT block of `len` bytes: none for one piece (one
- * pread/pwrite needs none); NULL, counted as a plain block, when this thread
+ * pread needs none); NULL, counted as a plain block, when this thread
  * has none. */
 static kvt_uring *ring_for(size_t len)
 {
@@ -157,11 +157,11 @@ static kvt_uring *ring_for(size_t len)
     return ring;
 }
 
-/* One read/write through the ring, submitted now. 0, or EAGAIN after
+/* One read through the ring, submitted now. 0, or EAGAIN after
  * abandoning the ring (the caller redoes the block on the plain path). */
-static int ring_start(kvt_uring *ring, int write, int fd, uint8_t *buf, size_t n, uint64_t off)
+static int ring_start(kvt_uring *ring, int fd, uint8_t *buf, size_t n, uint64_t off)
 {
-    if (kvt_uring_prep(ring, write, fd, buf, n, off, off) != 0 || kvt_uring_submit(ring) != 0) {
+    if (kvt_uring_prep(ring, fd, buf, n, off, off) != 0 || kvt_uring_submit(ring) != 0) {
         abandon(ring);
         return EAGAIN;
     }
@@ -259,7 +259,7 @@ static int read_uring(kvt_uring *ring, int fd, uint8_t *dst, size_t len, uint8_t
     unsigned s = 0;
     *crc = 0;
     /* The last piece (<= KVT_PIECE_MIN) asks for KVT_SLACK more, inside its slot. */
-    if (ring_start(ring, 0, fd, priv, n + (n == len ? KVT_SLACK : 0), 0) != 0)
+    if (ring_start(ring, fd, priv, n + (n == len ? KVT_SLACK : 0), 0) != 0)
         return EAGAIN;
     for (;;) {
         int r;
@@ -268,7 +268,7 @@ static int read_uring(kvt_uring *ring, int fd, uint8_t *dst, size_t len, uint8_t
         if (r < 0 || (size_t)r != n)
             return EAGAIN; /* an error, a short or long read: the plain path judges it */
         size_t next = off + n, m = next < len ? load_piece(len - next) : 0;
-        if (m > 0 && ring_start(ring, 0, fd, priv + (s ^ 1) * (size_t)KVT_SLOT, m + (next + m == len ? KVT_SLACK : 0),
+        if (m > 0 && ring_start(ring, fd, priv + (s ^ 1) * (size_t)KVT_SLOT, m + (next + m == len ? KVT_SLACK : 0),
                                 next) != 0)
             return EAGAIN;
         int e = commit_piece(dst + off, priv + s * (size_t)KVT_SLOT, n, move, js, crc);
@@ -338,126 +338,27 @@ int kvt_engine_read_into(int fd, uint8_t *dst, size_t len, int *direct, int crc_
 /* Stores                                                              */
 /* ------------------------------------------------------------------ */
 
-/* The next O_DIRECT store piece when `done` of `len` bytes are written:
- * KVT_PIECE_MIN first (its copy is the one nothing hides), then as much as
- * is done (doubling), at most a slot. */
-static size_t store_piece(size_t done, size_t len)
+int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int crc_on, uint32_t *crc)
 {
-    size_t n = done < KVT_PIECE_MIN ? KVT_PIECE_MIN : done;
-    n = n < KVT_SLOT ? n : KVT_SLOT;
-    return n < len - done ? n : len - done;
-}
-
-/* n bytes of the caller's block into private memory: the fused copy + CRC
- * (*crc continued), or the active backend's CRC and memcpy. */
-static void stage(uint8_t *dst, const uint8_t *src, size_t n, int fused, uint32_t *crc)
-{
-    if (fused) {
-        *crc = kvt_crc32c_copy(*crc, dst, src, n);
-    } else {
-        *crc = kvt_crc32c(*crc, src, n);
-        memcpy(dst, src, n);
+    /* O_DIRECT (src page aligned: block.c), or without checksum: one write of
+     * the whole block straight from the caller's buffer (vLLM's one call),
+     * then, with checksum, one CRC pass over the same bytes (the verified
+     * floor's sequence: docs/block_io.md "O_DIRECT stores"). On both paths
+     * the CRC is of the caller's bytes, which are the bytes written as long as
+     * the caller leaves its buffer alone while the job is live (its contract:
+     * a store reads the buffer until it returns); a buffer changed meanwhile
+     * makes a block whose record fails at load: a miss, never wrong bytes. */
+    if (*direct || !crc_on) {
+        if (kvt_write_full(fd, src, len, 0, direct) != 0)
+            return errno;
+        *crc = crc_on ? kvt_crc32c(0, src, len) : 0;
+        return 0;
     }
-}
-
-/* The records of a checksummed store, set once the CRC is known (rec->set,
- * block.c): while the last piece is still being written on the ring, after
- * the writes elsewhere. 0, or KVT_WRITE_RECORD when rec->set failed. */
-static int call_records(const kvt_store_records *rec, uint32_t crc)
-{
-    return rec == NULL || rec->set(rec->ctx, crc) == 0 ? 0 : KVT_WRITE_RECORD;
-}
-
-/* O_DIRECT through io_uring, one write in flight: piece k+1 is copied into
- * the other slot (checksummed on the way) while piece k is written, and the
- * records are set while the last piece is written. The temp is first given
- * its blocks (fallocate: unwritten extents of the final size): ext4 and XFS
- * issue a direct write from the submitting thread only when it overwrites
- * blocks the file already has inside its size (else -EAGAIN under
- * IOCB_NOWAIT, and io_uring hands the write to a kernel worker thread that
- * issues it; on 2 busy vCPUs that worker waits for a CPU, 2-3x the store's
- * time; the ring's ops carry RWF_NOWAIT, uring.c, so such a write would come
- * back EAGAIN and the block be written on the plain path). ftruncate where
- * fallocate is refused (a filesystem without it): no extending writes, but
- * the ring's first write needs blocks and comes back EAGAIN: the plain path.
- * 0, KVT_WRITE_RECORD, EIO (the ring broke with a write out: not retried, it
- * may land late in the temp, which the store removes), or EAGAIN (redo on the
- * plain path; what was written lands in the temp and is rewritten, the
- * records set again). */
-static int write_uring(kvt_uring *ring, int fd, const uint8_t *src, size_t len, uint8_t *priv, int fused,
-                       const kvt_store_records *rec, uint32_t *crc)
-{
-    if (fallocate(fd, 0, 0, (off_t)len) != 0)
-        (void)ftruncate(fd, (off_t)len); /* refused too (a FUSE fs without setattr): extending writes */
-    size_t off = 0, n = store_piece(0, len);
-    unsigned s = 0;
-    int rec_err = 0;
-    *crc = 0;
-    stage(priv, src, n, fused, crc);
-    for (;;) {
-        if (ring_start(ring, 1, fd, priv + s * (size_t)KVT_SLOT, n, off) != 0)
-            return EIO;
-        size_t next = off + n, m = next < len ? store_piece(next, len) : 0;
-        if (m > 0)
-            stage(priv + (s ^ 1) * (size_t)KVT_SLOT, src + next, m, fused, crc);
-        else
-            rec_err = call_records(rec, *crc); /* the CRC is complete: hidden behind the last write */
-        int r;
-        if (ring_reap(ring, &r) != 0)
-            return EIO;
-        if (r < 0 || (size_t)r != n)
-            return EAGAIN;
-        if (m == 0)
-            return rec_err;
-        off = next;
-        n = m;
-        s ^= 1;
-    }
-}
-
-int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int fused, const kvt_store_records *rec,
-                     uint32_t *crc)
-{
-    if (*direct && rec != NULL) {
-        /* Through the private slots: the bytes written are the bytes
-         * checksummed, and a slot on a huge page is one segment for the
-         * device (docs/block_io.md "I/O engine"). */
-        uint8_t *priv = thread_priv();
-        if (priv == NULL)
-            return ENOMEM;
-        kvt_uring *ring = ring_for(len);
-        if (ring != NULL) {
-            int e = write_uring(ring, fd, src, len, priv, fused, rec, crc);
-            if (e != EAGAIN)
-                return e;
-            if ((priv = thread_priv()) == NULL)
-                return ENOMEM;
-        }
-        /* plain: copy up to both slots, write them, and again */
-        uint32_t c = 0;
-        for (size_t off = 0; off < len;) {
-            size_t n = len - off < 2 * (size_t)KVT_SLOT ? len - off : 2 * (size_t)KVT_SLOT;
-            stage(priv, src + off, n, fused, &c);
-            if (kvt_write_full(fd, priv, n, off, direct) != 0)
-                return errno;
-            off += n;
-        }
-        *crc = c;
-        return call_records(rec, c);
-    }
-    /* Without checksum (O_DIRECT or buffered): one write of the whole block
-     * straight from the caller's buffer (vLLM's one call; chunks or a ring
-     * would only add syscalls or a worker). */
-    if (rec == NULL)
-        return kvt_write_full(fd, src, len, 0, direct) == 0 ? 0 : errno;
     /* Buffered with checksum: each chunk checksummed right after the kernel
      * copied it into the page cache, from the CPU cache that copy left it in
      * (~67 GB/s here; checksummed first, it is read cold from memory, ~13
      * GB/s, and the copy's cheaper hot read does not make up for it:
-     * docs/block_io.md "Buffered stores"). Like the previous order this is
-     * the CRC of the caller's bytes, which are the bytes written as long as
-     * the caller leaves its buffer alone while the job is live (its
-     * contract: a store reads the buffer until it returns). */
+     * docs/block_io.md "Buffered stores"). */
     uint32_t c = 0;
     for (size_t off = 0; off < len;) {
         size_t n = len - off < KVT_ENGINE_CHUNK ? len - off : KVT_ENGINE_CHUNK;
@@ -467,5 +368,5 @@ int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int fu
         off += n;
     }
     *crc = c;
-    return call_records(rec, c);
+    return 0;
 }

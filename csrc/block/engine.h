@@ -11,14 +11,13 @@
  * commit section of the job state (job_state.h). So a corrupt or late block
  * never leaves more in the caller's buffer than the pieces committed while
  * live, and the CRC is computed on private bytes nobody else can write.
- * Checksummed O_DIRECT stores go the other way through the same slots: piece
- * k+1 is copied in (checksummed on the way) while piece k is written, so the
- * CRC is of the bytes written, and the records are set (a callback into
- * block.c) while the last piece is written; the temp gets its blocks first
- * (fallocate) so the filesystem issues each write from this thread, not an
- * io_uring worker. Buffered loads go KVT_ENGINE_CHUNK at a time through a
- * cache-resident bounce buffer; other stores write from the caller's
- * buffer.
+ * (The direct landing reads straight into a page-aligned row instead.)
+ * Buffered loads go KVT_ENGINE_CHUNK at a time through a cache-resident
+ * bounce buffer. Stores write straight from the caller's buffer, O_DIRECT
+ * only from a page-aligned one (block.c), one pwrite of the whole block and
+ * then one CRC pass over the same bytes, the verified floor's sequence:
+ * copying into the slots (fused copy + CRC, the previous store) cost
+ * 1.05-1.17x the floor's CPU (docs/block_io.md "O_DIRECT stores").
  *
  * Small blocks stay on the plain calls: a 4 KiB load is one pread of the
  * block and the page past it into the bounce buffer, then one move, so with
@@ -35,7 +34,7 @@
 #include "job_state.h"
 
 #define KVT_SLOT (2u << 20)          /* private slot (one huge page): an O_DIRECT piece at most */
-#define KVT_PIECE_MIN (256u << 10)   /* the last load piece / the first store piece, at most */
+#define KVT_PIECE_MIN (256u << 10)   /* the last load piece, at most */
 #define KVT_SLACK 4096u              /* read past the block's end: proves the file ends there */
 #define KVT_ENGINE_CHUNK (256u * 1024u) /* buffered piece: stays in L2 for the copy */
 
@@ -73,30 +72,14 @@ int kvt_engine_read(int fd, uint8_t *dst, size_t len, int *direct, int move, kvt
  * Returns 0, KVT_READ_SHORT, or the errno of a failed read. */
 int kvt_engine_read_into(int fd, uint8_t *dst, size_t len, int *direct, int crc_on, uint32_t *crc);
 
-/* The records of a checksummed store: set(ctx, crc) sets them on the temp
- * (block.c) once the block's CRC32C is known; 0, or -1 (its errno kept by
- * the caller in ctx). Called once per pass over the block (again, with the
- * CRC of that pass, when a ring write is redone on the plain path). */
-typedef struct kvt_store_records {
-    int (*set)(void *ctx, uint32_t crc);
-    void *ctx;
-} kvt_store_records;
-
-#define KVT_WRITE_RECORD (-3) /* kvt_engine_write: rec->set failed */
-
-/* Write src[0, len) at offset 0 of `fd` (O_DIRECT when *direct, cleared if
- * refused); with records `rec` (checksum on; NULL: off) *crc = CRC32C of the
- * bytes written and rec->set(crc). O_DIRECT with checksum: each piece copied
- * into the private slots and checksummed on the way (the fused copy + CRC
- * when `fused`, else the active backend's CRC and memcpy); through io_uring
- * (blocks of more than KVT_PIECE_MIN) the temp gets its blocks first
- * (fallocate), piece k+1 is copied while piece k is written and the records
- * are set while the last piece is written; else copy, pwrite, records.
- * O_DIRECT without checksum: one pwrite from src; buffered: from src, each
- * piece checksummed right after the kernel copied it, then the records.
- * Returns 0, KVT_WRITE_RECORD, or an errno value. */
-int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int fused, const kvt_store_records *rec,
-                     uint32_t *crc);
+/* Write src[0, len) at offset 0 of `fd` (O_DIRECT when *direct: src page
+ * aligned, block.c; cleared if refused); with `crc_on`, *crc = CRC32C of the
+ * caller's bytes written (the active backend). O_DIRECT or checksum off: one
+ * pwrite of the whole block straight from src, then one CRC pass over it;
+ * buffered with checksum: KVT_ENGINE_CHUNK at a time, each chunk checksummed
+ * right after the kernel copied it. No private memory, no copy. Returns 0 or
+ * an errno value. */
+int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int crc_on, uint32_t *crc);
 
 /* 1 when loads and stores move with the fused copy + CRC (KVT_MOVE_FUSED):
  * KVTIER_CRC_COPY (read once) is not 0/false/no/off, the CPU has a fused

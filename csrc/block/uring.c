@@ -135,23 +135,19 @@ void kvt_uring_abandon(kvt_uring *r)
     }
 }
 
-int kvt_uring_prep(kvt_uring *r, int write, int fd, void *buf, size_t len, uint64_t off, uint64_t tag)
+int kvt_uring_prep(kvt_uring *r, int fd, void *buf, size_t len, uint64_t off, uint64_t tag)
 {
     struct io_uring_sqe *sqe = io_uring_get_sqe(&r->ring);
     if (sqe == NULL)
         return -1;
-    if (write)
-        io_uring_prep_write(sqe, fd, buf, (unsigned)len, off);
-    else
-        io_uring_prep_read(sqe, fd, buf, (unsigned)len, off);
+    io_uring_prep_read(sqe, fd, buf, (unsigned)len, off);
     /* RWF_NOWAIT: an EAGAIN comes back in the completion (the caller redoes
      * the block on the plain path, which follows the error policy: P2/P3)
      * instead of being reissued by the kernel. Without it a filesystem that
      * answers EAGAIN (a FUSE daemon's, NFS's) is reissued in a loop that only
      * ends when the filesystem stops: 2.3 million reads in 123 s for one load
-     * (issue #24). ext4 and XFS serve an O_DIRECT read, and a write into
-     * fallocated blocks (write_uring), without blocking: RWF_NOWAIT changes
-     * nothing there. */
+     * (issue #24). ext4 and XFS serve an O_DIRECT read without blocking:
+     * RWF_NOWAIT changes nothing there. */
     sqe->rw_flags = RWF_NOWAIT;
     io_uring_sqe_set_data64(sqe, tag);
     r->queued++;
@@ -196,9 +192,9 @@ kvt_uring *kvt_uring_get(void)
     return NULL;
 }
 
-int kvt_uring_prep(kvt_uring *r, int write, int fd, void *buf, size_t len, uint64_t off, uint64_t tag)
+int kvt_uring_prep(kvt_uring *r, int fd, void *buf, size_t len, uint64_t off, uint64_t tag)
 {
-    (void)r, (void)write, (void)fd, (void)buf, (void)len, (void)off, (void)tag;
+    (void)r, (void)fd, (void)buf, (void)len, (void)off, (void)tag;
     return -1;
 }
 

@@ -31,8 +31,8 @@ COUNT_DOCS = {
     "durable_existing": "durable stores that synced an existing block (file and directory)",
     "replaced": "stores that replaced a symlink, FIFO or file of another size at the block path",
     "existing": "stores skipped: a regular file of the block size was already there (no bytes written)",
-    "buffered_unaligned": "stores without checksum written buffered although O_DIRECT was on: the caller's "
-                          "buffer is not page aligned (a checksummed store writes from aligned slots)",
+    "buffered_unaligned": "stores written buffered although O_DIRECT was on: the caller's buffer is not page "
+                          "aligned (every store writes straight from it)",
 }
 """The per-call policy counters and their meaning, in the C core's order (csrc/policy.h)."""
 COUNT_NAMES = tuple(COUNT_DOCS)

@@ -370,13 +370,13 @@ class TierEngine:
         self._not_durable_lock = threading.Lock()
         self.counters = counters if counters is not None else Counters()
         self.counters.stuck_gauge = lambda: self.stuck_threads
-        if use_o_direct and not checksum and block_size % 4096 == 0 and len(view):
+        if use_o_direct and block_size % 4096 == 0 and len(view):
             import numpy as np
 
             address = np.frombuffer(view, dtype=np.uint8).ctypes.data
             if address % 4096:
-                logger.warning("the primary buffer starts %d bytes past a page: stores without checksum write "
-                               "straight from it, so they are buffered, not O_DIRECT (counted as "
+                logger.warning("the primary buffer starts %d bytes past a page: stores write straight from it, "
+                               "so they are buffered, not O_DIRECT (counted as "
                                "buffered_unaligned); give a page-aligned buffer (an mmap) to keep O_DIRECT",
                                address % 4096)
         lock = threading.Lock()

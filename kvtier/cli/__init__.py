@@ -140,7 +140,7 @@ def _print_info(d: dict) -> None:
     else:
         if eng["engine"] == "io_uring":
             how = ("io_uring (liburing): bounce-landing O_DIRECT loads in pieces, the next read in flight while one is moved; "
-                   "checksummed O_DIRECT stores: the CRC while the write is in flight")
+                   "stores: one pwrite straight from the caller's buffer, never the ring")
         elif not eng["liburing"]:
             how = "plain pread/pwrite (built without liburing: apt-get install liburing-dev and rebuild)"
         elif eng["setting"] == "0":
@@ -151,10 +151,10 @@ def _print_info(d: dict) -> None:
               f"blocks{not_c}")
         thp = eng.get("thp")
         if thp in ("always", "madvise"):
-            print(f"                O_DIRECT slots (loads, checksummed stores): 2 x 2 MiB per I/O thread on transparent "
+            print(f"                O_DIRECT slots (loads): 2 x 2 MiB per I/O thread on transparent "
                   f"huge pages (THP {thp})")
         else:
-            print(f"                O_DIRECT slots (loads, checksummed stores): 2 x 2 MiB per I/O thread on 4 KiB pages (THP "
+            print(f"                O_DIRECT slots (loads): 2 x 2 MiB per I/O thread on 4 KiB pages (THP "
                   f"{thp or 'not in this kernel'}): loads lose the speed of one segment per piece")
     env_landing, bad_landing = os.environ.get("KVTIER_LOAD_LANDING", ""), d.get("load_landing_error")
     head = f"error: {bad_landing} (every tier of this process refuses it); " if bad_landing else ""
