@@ -136,8 +136,8 @@ def _bounce_give(b):
 
 def _dio_usable(mv, bounce=False):
     """Whether the C core would move mv's bytes O_DIRECT (DIO_ALIGN): its length and
-    (unless ``bounce``: the I/O goes through this module's page-aligned bounce buffers,
-    as the C core's through its private slots) its address aligned."""
+    (unless ``bounce``: a load through this module's page-aligned bounce buffers, as the
+    C core's through its private slots; stores never) its address aligned."""
     return len(mv) > 0 and len(mv) % DIO_ALIGN == 0 and (bounce or _buffer_address(mv) % DIO_ALIGN == 0)
 
 
@@ -402,8 +402,8 @@ def _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, w
             # O_DIRECT only when mv's address is page aligned: every store writes straight from
             # mv (as csrc/block/engine.c), an unaligned one buffered, and counted
             direct = use_o_direct and _try_direct(fd, mv)
-            if use_o_direct and _dio_usable(mv, bounce=True) and not _dio_usable(mv):
-                _count_into(counts, "buffered_unaligned")  # the buffer's address keeps O_DIRECT off (as block.c)
+            # the buffer's address keeps O_DIRECT off: counted once by _store_one when stored (as block.c)
+            unaligned = use_o_direct and _dio_usable(mv, bounce=True) and not _dio_usable(mv)
             crc = 0
             if direct or not checksum:  # one write of the whole block, then one CRC pass over it
                 direct = _op("write", _write_full, fd, mv, 0, direct)
@@ -448,6 +448,7 @@ def _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, w
         # leaves the block: a good block, which another durable job may have found,
         # synced and reported stored.
         _op("sync", _fsync_dir, dest)
+    return unaligned  # written buffered because of mv's address (block.c store_try's *unaligned)
 
 
 def _store_one(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, word=None):
@@ -455,7 +456,9 @@ def _store_one(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, w
     attempt = 0
     while True:
         try:
-            return _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, word)
+            if _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, word):
+                _count_into(counts, "buffered_unaligned")  # once per block stored buffered for its address
+            return
         except OSError as e:
             if not _policy.retry_transient(e.errno, attempt, counts):
                 raise

@@ -97,8 +97,8 @@ _CHILD = textwrap.dedent("""
     from kvtier import io
     spec = json.loads(sys.argv[1])
     assert io.backend == spec["backend"]
-    raw = np.zeros(spec["n"] + 4096, np.uint8)  # page aligned, as vLLM's primary: stores stay O_DIRECT
-    start = (-raw.ctypes.data) % 4096
+    raw = np.zeros(spec["n"] + 8192, np.uint8)  # page aligned, as vLLM's primary: stores stay O_DIRECT
+    start = (-raw.ctypes.data) % 4096 + spec["skew"]  # (unless skewed)
     out = raw[start:start + spec["n"]]
     counts = {}
     t0 = time.monotonic()
@@ -117,11 +117,12 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def child(io_backend, shim, d, what, path, faults, data=None, n=BS, log=None, **kw):
+def child(io_backend, shim, d, what, path, faults, data=None, n=BS, log=None, skew=0, **kw):
     """Run one load or store of `path` in a child under the shim with
-    KVT_FAULT_ERRNO=faults (affecting files under d). Returns the result dict."""
+    KVT_FAULT_ERRNO=faults (affecting files under d), its buffer `skew` bytes past a
+    page. Returns the result dict."""
     kw.setdefault("checksum", True)
-    spec = {"backend": io_backend.backend, "what": what, "path": path, "n": n, "kw": kw,
+    spec = {"backend": io_backend.backend, "what": what, "path": path, "n": n, "kw": kw, "skew": skew,
             "data": data.hex() if data is not None else None}
     env = dict(os.environ, LD_PRELOAD=preload(shim), KVT_FAULT_DIR=str(d), KVT_FAULT_ERRNO=faults,
                KVTIER_IO_BACKEND=io_backend.backend)
@@ -541,6 +542,28 @@ def test_every_row_has_a_check():
         assert f"{policy.RETRY_TRANSIENT} times" in outcome and "after 1, 2, 4 ms" in outcome, outcome
     assert f"up to {policy.RETRY_EINTR_MAX} times in a row" in rows["P1"][2]
     assert policy.BACKOFF_US == 1000
+
+
+def test_buffered_unaligned_is_counted_once_per_block_stored(io_backend, io_fault, tmp_path):
+    """A store from a buffer 16 bytes past a page (O_DIRECT asked for, written buffered) is
+    counted buffered_unaligned once when it is stored, whatever retries it took (EAGAIN at
+    the temp's open or its write: P3), and not at all when it fails; the same on both
+    backends."""
+    d = tmp_path / "tier"
+    d.mkdir()
+    data = data_of(31)
+    for i, (faults, ok, want) in enumerate([
+            ("open:11:2", True, {"retry_eagain": 2, "buffered_unaligned": 1}),
+            ("pwrite:11:2", True, {"retry_eagain": 2, "buffered_unaligned": 1}),
+            ("open:28:-1", False, {}),
+            ("pwrite:5:-1", False, {})]):
+        p = block_path(d, f"{i}" * 16)
+        r = child(io_backend, io_fault, d, "store", p, faults, data=data, skew=16, use_o_direct=True)
+        assert r["ok"] is ok and os.path.exists(p) is ok, (faults, r)
+        only(r["counts"], **want)
+        if ok:
+            assert Path(p).read_bytes() == data and get(io_backend, p)["ok"]
+    assert temps(d) == []
 
 
 @pytest.mark.parametrize("row", sorted(CHECKS, key=lambda r: int(r[1:])))

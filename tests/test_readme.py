@@ -44,7 +44,7 @@ def test_quick_start_says_how_long_the_suite_and_all_of_ci_take():
 @pytest.mark.parametrize("checksum", ["as written", "off"])
 def test_python_example_runs(tmp_path, caplog, recwarn, checksum):
     """The example runs as written, and with checksums off too (what a user may try next),
-    without a warning: its buffer is page aligned, so stores without checksum keep O_DIRECT
+    without a warning: its buffer is page aligned, so its stores keep O_DIRECT
     (with np.zeros the tier warned "the primary buffer starts 16 bytes past a page")."""
     code = re.search(r"```python\n(.*?)```", README, re.S).group(1)
     assert '"/mnt/nvme/kv"' in code and "checksum_blocks=True" in code

@@ -129,10 +129,12 @@ static int store_set_records(int fd, const char *dest, size_t len, uint32_t crc)
 
 /* One try at storing one block. Returns 0, or an errno value with *op (the
  * temp is removed; a published block never is), or KVT_STORE_LATE: published,
- * but the job expired during the rename (job_state.h). */
+ * but the job expired during the rename (job_state.h). *unaligned: 1 when its
+ * temp was opened buffered because of the buffer's address (store_one counts
+ * the block once, when stored). */
 #define KVT_STORE_LATE (-1)
 static int store_try(const char *tmp, const char *dest, const uint8_t *buf, size_t len, int use_o_direct,
-                     int checksum, int durable, kvt_job_state *js, int *op)
+                     int checksum, int durable, kvt_job_state *js, int *op, int *unaligned)
 {
     struct stat st;
     *op = KVT_OP_NONE;
@@ -163,13 +165,11 @@ static int store_try(const char *tmp, const char *dest, const uint8_t *buf, size
      * unaligned one is written buffered, and counted. */
     int direct = 0, want_direct = use_o_direct && len > 0 && len % 4096 == 0;
     *op = KVT_OP_OPEN;
-    if (want_direct && ((uintptr_t)buf & 4095u) != 0) {
-        kvt_count(KVT_C_BUFFERED_UNALIGNED); /* counted: the O_DIRECT asked for is not used */
-        want_direct = 0;
-    }
-    int fd = open_tmp(tmp, want_direct, &direct);
+    int odd = want_direct && ((uintptr_t)buf & 4095u) != 0; /* the O_DIRECT asked for is not used */
+    int fd = open_tmp(tmp, want_direct && !odd, &direct);
     if (fd < 0)
         return errno;
+    *unaligned = odd;
 
     uint32_t crc = 0;
     *op = KVT_OP_WRITE;
@@ -215,7 +215,10 @@ static int store_one(const char *tmp, const char *dest, const uint8_t *buf, size
                      int checksum, int durable, kvt_job_state *js, int *op)
 {
     for (int attempt = 0;; attempt++) {
-        int err = store_try(tmp, dest, buf, len, use_o_direct, checksum, durable, js, op);
+        int unaligned = 0;
+        int err = store_try(tmp, dest, buf, len, use_o_direct, checksum, durable, js, op, &unaligned);
+        if (err == 0 && unaligned)
+            kvt_count(KVT_C_BUFFERED_UNALIGNED); /* once per block stored buffered for its address */
         if (err == 0 || !kvt_policy_retry(err, attempt))
             return err;
     }

@@ -81,7 +81,7 @@ int kvt_engine_read_into(int fd, uint8_t *dst, size_t len, int *direct, int crc_
  * an errno value. */
 int kvt_engine_write(int fd, const uint8_t *src, size_t len, int *direct, int crc_on, uint32_t *crc);
 
-/* 1 when loads and stores move with the fused copy + CRC (KVT_MOVE_FUSED):
+/* 1 when loads move with the fused copy + CRC (KVT_MOVE_FUSED):
  * KVTIER_CRC_COPY (read once) is not 0/false/no/off, the CPU has a fused
  * kernel (not "generic"), and the active CRC32C backend is the best CPU one
  * (not forced to another, not DSA). */

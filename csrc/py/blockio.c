@@ -454,9 +454,10 @@ PyDoc_STRVAR(io_engine_status_doc,
 "O_DIRECT blocks use), liburing (bool: built with liburing), setting (str:\n"
 "KVTIER_IO_URING as read: 'unset', '0' or '1'), setup_errno (int: why the\n"
 "kernel refused a ring, e.g. ENOSYS under seccomp or EPERM with\n"
-"kernel.io_uring_disabled; 0 if it did not), uring_ops (int: reads/writes\n"
-"completed through io_uring), plain_blocks (int: O_DIRECT blocks that took\n"
-"plain pread/pwrite because no ring was available). Counters since import.");
+"kernel.io_uring_disabled; 0 if it did not), uring_ops (int: load reads\n"
+"completed through io_uring), plain_blocks (int: O_DIRECT loads that took\n"
+"plain pread because no ring was available). Stores never use the ring (one\n"
+"pwrite each) and count in neither. Counters since import.");
 
 static PyObject *kvt_py_io_engine_status(PyObject *mod, PyObject *unused)
 {
