@@ -400,9 +400,9 @@ def _store_try(tmp, dest, mv, use_o_direct, checksum, crc_fn, durable, counts, w
     try:
         try:
             # O_DIRECT only when mv's address is page aligned: every store writes straight from
-            # mv (as csrc/block/engine.c), an unaligned one buffered, and counted
+            # mv (as csrc/block/engine.c); an unaligned one is buffered, counted once by
+            # _store_one when stored (as block.c)
             direct = use_o_direct and _try_direct(fd, mv)
-            # the buffer's address keeps O_DIRECT off: counted once by _store_one when stored (as block.c)
             unaligned = use_o_direct and _dio_usable(mv, bounce=True) and not _dio_usable(mv)
             crc = 0
             if direct or not checksum:  # one write of the whole block, then one CRC pass over it
