@@ -4,6 +4,7 @@ a reason where mounting is not permitted)."""
 import errno
 import json
 import logging
+import mmap
 import os
 import shutil
 import subprocess
@@ -19,7 +20,7 @@ import kvtier
 import kvtier.io as kio
 from kvtier import metrics as M
 from kvtier.manager import FileSystemTierManager, JobResult, TransferJob, filesystem_type
-from mounts import mount_tmpfs
+from mounts import mount_loop, mount_tmpfs
 
 BS = 16384  # bytes per block in these tests
 NB = 16
@@ -1051,3 +1052,44 @@ def test_a_root_replaced_by_a_file_refuses_jobs_with_one_true_error_line(tmp_pat
         assert run(m, TransferJob("back", keys_for(1, salt=99), [3]), load=True).success
         assert np.array_equal(buf[3], buf[2])
         assert m.metrics.counters.snapshot()["root_lost"] == 1  # one loss
+
+
+@pytest.mark.mount
+@pytest.mark.parametrize("checksum", [True, False])
+def test_a_tier_restarts_on_its_full_disk_and_serves_its_blocks(tmp_path, checksum):
+    """A full filesystem (an ext4 loop image filled to ENOSPC) under a root that holds a
+    tier's blocks: a new tier on it starts (the O_DIRECT probe's write answers ENOSPC:
+    O_DIRECT is kept, the kernel took it for the file) and loads the blocks byte for byte,
+    O_DIRECT; its stores fail with ENOSPC, counted, leaving no temp. (It used to raise the
+    probe's ENOSPC from the constructor, without a path: a full cache never restarted.)"""
+    raw = mmap.mmap(-1, NB * BS)
+    buf = np.frombuffer(raw, np.uint8).reshape(NB, BS)
+    buf[:] = rand_buf()
+    with mount_loop("ext4", size_mb=16) as d:
+        root = os.path.join(d, "kv")
+        with mk(buf, root, checksum_blocks=checksum) as m:
+            assert m.use_o_direct
+            assert run(m, TransferJob("s", keys_for(4), [0, 1, 2, 3]), load=False).success
+        fd = os.open(os.path.join(d, "filler"), os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            with pytest.raises(OSError) as full:
+                while True:
+                    os.write(fd, b"\0" * (1 << 20))
+            assert full.value.errno == errno.ENOSPC
+            while True:  # the last partial megabyte's worth, to the last block
+                try:
+                    os.write(fd, b"\0" * 4096)
+                except OSError as e:
+                    assert e.errno == errno.ENOSPC
+                    break
+        finally:
+            os.close(fd)
+        out = np.frombuffer(mmap.mmap(-1, NB * BS), np.uint8).reshape(NB, BS)
+        with mk(out, root, checksum_blocks=checksum) as m:
+            assert m.use_o_direct
+            r = run(m, TransferJob("l", keys_for(4), [4, 5, 6, 7]), load=True)
+            assert r.success and np.array_equal(out[4:8], buf[0:4])
+            r = run(m, TransferJob("s2", keys_for(2, salt=9), [0, 1]), load=False)
+            assert (r.success, r.error.errno) == (False, errno.ENOSPC)
+        left = [n for _, _, fs in os.walk(root) for n in fs if n.endswith(".tmp") or n.startswith(".kvtier_probe_")]
+        assert left == []

@@ -23,8 +23,10 @@ def _probe_file(directory):
 
 def probe_o_direct(directory) -> bool:
     """Whether files in ``directory`` accept O_DIRECT: a page-aligned 4 KiB
-    write and read back with O_DIRECT succeed on a temp file (removed).
-    Raises OSError if the directory cannot hold a temp file (ENOENT, EACCES)."""
+    write and read back with O_DIRECT succeed on a temp file (removed); on a
+    full filesystem (ENOSPC, EDQUOT at the write) the kernel's acceptance of
+    O_DIRECT for the file decides. Raises OSError naming ``directory`` if it
+    cannot hold a temp file (ENOENT, EACCES) or the I/O fails otherwise (EIO)."""
     import fcntl
 
     name, fd = _probe_file(directory)
@@ -43,7 +45,13 @@ def probe_o_direct(directory) -> bool:
         except OSError as e:
             if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
                 return False
-            raise
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                # a full filesystem (or quota) answered the write: the kernel took O_DIRECT for
+                # this file (F_SETFL refuses it with EINVAL where the filesystem has none), so
+                # yes; the block I/O drops O_DIRECT for a file whose first I/O says EINVAL.
+                # A tier restarted on its full disk serves the blocks it has.
+                return True
+            raise OSError(e.errno, e.strerror, os.fspath(directory)) from e
     finally:
         buf.close()
         os.close(fd)
