@@ -12,15 +12,39 @@ import importlib as _importlib
 
 from kvtier._blockio.env import check_dsa_env as _check_dsa_env
 
+
+
+def _said_by_the_command(e: ValueError) -> None:
+    """A ``KVTIER_*`` setting refused while kvtier imports (the C core's
+    ``KVTIER_CRC32C_BACKEND``, ``KVTIER_DSA*``): the ``kvtier`` command (its console script,
+    ``python -m kvtier``) says it as it says every refused setting, one line and exit 2
+    (kvtier.cli), not as a traceback. A program importing kvtier gets the ValueError."""
+    import os
+    import sys
+
+    argv = list(getattr(sys, "orig_argv", ()))
+    as_module = "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] == ["kvtier"]
+    if as_module or (sys.argv and os.path.basename(sys.argv[0]) == "kvtier"):
+        print(f"kvtier: {e}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 try:
     _C = _importlib.import_module("kvtier._C")
 except ImportError as _exc:  # C core missing: the fallback is explicit, never silent
     _C = None
     _C_IMPORT_ERROR: "ImportError | None" = _exc
+except ValueError as _exc:  # a refused KVTIER_CRC32C_BACKEND / KVTIER_DSA*
+    _said_by_the_command(_exc)
+    raise
 else:
     _C_IMPORT_ERROR = None
 
-_check_dsa_env()  # a KVTIER_DSA* value the C core does not take (it kept its default): ValueError
+try:
+    _check_dsa_env()  # a KVTIER_DSA* value the C core does not take (it kept its default): ValueError
+except ValueError as _exc:
+    _said_by_the_command(_exc)
+    raise
 
 if _C is not None:
     crc32c = _C.crc32c

@@ -324,3 +324,23 @@ def test_info_root_says_when_the_filesystem_has_no_user_xattrs(ramfs_dir, tmp_pa
     rc, d, text = _info_root_here(capsys, str(tmp_path))
     assert rc == 0 and d["user_xattrs"] is True and d["user_xattrs_why"] is None
     assert "  user xattrs:  yes" in text.splitlines()
+
+
+@pytest.mark.parametrize("var, value, says", [
+    ("KVTIER_CRC32C_BACKEND", "foo", "KVTIER_CRC32C_BACKEND=foo: CRC32C backend 'foo' is unknown; available backends: "),
+    ("KVTIER_DSA", "maybe", "KVTIER_DSA='maybe' is not valid; valid values: model, off"),
+])
+def test_a_setting_refused_at_import_is_one_line_and_exit_2(var, value, says):
+    """A KVTIER_* setting refused while kvtier imports (the C core's CRC backend, the DSA
+    switch) is said by the kvtier command as every refused setting (one line, exit 2), by
+    `python -m kvtier` and by the installed console script, not as a traceback; a program
+    importing kvtier still gets the ValueError."""
+    e = dict(os.environ, **{var: value})
+    script = shutil.which("kvtier")
+    cmds = [[sys.executable, "-m", "kvtier", "info"]] + ([[script, "info"]] if script else [])
+    for cmd in cmds:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=e)
+        assert r.returncode == 2 and r.stdout == "", (cmd, r.returncode, r.stdout, r.stderr)
+        assert r.stderr.startswith(f"kvtier: {says}") and r.stderr.count("\n") == 1, (cmd, r.stderr)
+    r = subprocess.run([sys.executable, "-c", "import kvtier"], capture_output=True, text=True, env=e)
+    assert r.returncode == 1 and "Traceback" in r.stderr and f"ValueError: {says}" in r.stderr, r.stderr

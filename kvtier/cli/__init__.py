@@ -198,7 +198,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     :func:`kvtier.cli._text.dir_error`) or cannot be read (EACCES: the OSError's errno and
     path, as ``kvtier scrub`` and ``kvtier evict``); a missing C core or DSA is reported, not
     an error. (A refused ``KVTIER_CRC32C_BACKEND`` or ``KVTIER_DSA*`` fails ``import kvtier``
-    itself, before this command runs.)"""
+    itself, before this command runs: the package says it, one line and exit 2, when it is
+    imported by this command: ``kvtier._said_by_the_command``.)"""
     from kvtier.cli._text import EXIT_USAGE, dir_error
 
     if getattr(args, "root", None) is not None:
