@@ -1060,8 +1060,9 @@ def test_a_tier_restarts_on_its_full_disk_and_serves_its_blocks(tmp_path, checks
     """A full filesystem (an ext4 loop image filled to ENOSPC) under a root that holds a
     tier's blocks: a new tier on it starts (the O_DIRECT probe's write answers ENOSPC:
     O_DIRECT is kept, the kernel took it for the file) and loads the blocks byte for byte,
-    O_DIRECT; its stores fail with ENOSPC, counted, leaving no temp. (It used to raise the
-    probe's ENOSPC from the constructor, without a path: a full cache never restarted.)"""
+    O_DIRECT; its stores fail with ENOSPC, counted, leaving no temp; `kvtier info ROOT`
+    says the filesystem is full. (The constructor used to raise the probe's ENOSPC, without
+    a path: a full cache never restarted; and info said only "writable: yes".)"""
     raw = mmap.mmap(-1, NB * BS)
     buf = np.frombuffer(raw, np.uint8).reshape(NB, BS)
     buf[:] = rand_buf()
@@ -1084,6 +1085,13 @@ def test_a_tier_restarts_on_its_full_disk_and_serves_its_blocks(tmp_path, checks
                     break
         finally:
             os.close(fd)
+        info = subprocess.run([sys.executable, "-m", "kvtier", "info", root], capture_output=True, text=True)
+        assert info.returncode == 0, info.stderr
+        assert ("  writable:     yes, but the filesystem is full (no free block or inode): every store fails with "
+                "ENOSPC until room is made; a tier still starts and loads the blocks it has\n") in info.stdout
+        d = json.loads(subprocess.run([sys.executable, "-m", "kvtier", "info", root, "--json"], capture_output=True,
+                                      text=True, check=True).stdout)["root"]
+        assert (d["writable"], d["filesystem"]["full"], d["filesystem"]["free_bytes"]) == (True, True, 0)
         out = np.frombuffer(mmap.mmap(-1, NB * BS), np.uint8).reshape(NB, BS)
         with mk(out, root, checksum_blocks=checksum) as m:
             assert m.use_o_direct

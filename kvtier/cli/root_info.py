@@ -21,8 +21,9 @@ from kvtier._tier import capacity as _cap
 def root_info(root: str, now: Optional[float] = None) -> Dict[str, Any]:
     """The root section of ``kvtier info ROOT`` as a dict: ``root`` (absolute path),
     ``filesystem`` (mount point, fstype, kind, size, free bytes and inodes, ``read_only``:
-    statvfs ``ST_RDONLY``), ``writable`` (False on a read-only mount or when ``access(W_OK)``
-    refuses this process: no block can be stored there, no tier starts there) and
+    statvfs ``ST_RDONLY``, ``full``: no free block or inode for this process), ``writable``
+    (False on a read-only mount or when ``access(W_OK)`` refuses this process: no block can
+    be stored there, no tier starts there) and
     ``not_writable`` (why, else None), ``user_xattrs`` (True, False: no checksummed tier
     starts here, or None: not known; :func:`user_xattrs`, one getxattr) and
     ``user_xattrs_why``, ``load_landing`` (what ``auto`` picks here, and why; ``error``:
@@ -72,6 +73,7 @@ def root_info(root: str, now: Optional[float] = None) -> Dict[str, Any]:
         beat = None if hb is None else {"by": hb["by"], "seq": hb["seq"],
                                         "age_s": (time.time() if now is None else now) - hb["t"]}
         c.update(writers_live=live, writers_bytes=ledgers, lock_holder=_cap.lock_holder(root), heartbeat=beat)
+    fs["full"] = st.f_bavail == 0 or (st.f_files > 0 and st.f_favail == 0)  # no block or no inode left
     return {"root": root, "filesystem": fs, "writable": not_writable is None, "not_writable": not_writable,
             "user_xattrs": xattrs, "user_xattrs_why": xattrs_why,
             "load_landing": load_landing, "rank_dirs": ranks, "capacity": c}
@@ -111,7 +113,10 @@ def print_root_info(d: Dict[str, Any]) -> None:
     where = f"{fs['fstype']} ({fs['kind']}) at {fs['mount_point']}" if fs["fstype"] else "mount unknown"
     inodes = "" if fs["inodes_free"] is None else f", {fs['inodes_free']:,} inodes free"
     print(f"  filesystem:   {where}: {human_bytes(fs['size_bytes'])}, {human_bytes(fs['free_bytes'])} free{inodes}")
-    if d["writable"]:
+    if d["writable"] and fs.get("full"):
+        print("  writable:     yes, but the filesystem is full (no free block or inode): every store fails with "
+              "ENOSPC until room is made; a tier still starts and loads the blocks it has")
+    elif d["writable"]:
         print("  writable:     yes")
     else:
         print(f"  writable:     NO: {d['not_writable']}: no block can be stored here and no tier starts here "
